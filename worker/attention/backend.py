@@ -1,0 +1,55 @@
+"""The attention-backend interface: what the model runner hands every attention layer in a step.
+
+A step is one flattened (varlen) batch of T scheduled tokens from B requests. Request i owns query rows
+query_start_loc[i]:query_start_loc[i+1]; its context after this step is seq_lens[i] tokens, of which the
+last (query_start_loc[i+1]-query_start_loc[i]) are the new ones (so the first new token sits at position
+seq_lens[i] - query_len_i). Keys/values of the new tokens are first written into the paged cache at
+slot_mapping, then each query attends causally to the cached context of its request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # [B+1] int32 on device, query_start_loc[0] == 0, [-1] == T
+    seq_lens: torch.Tensor  # [B] int32 on device: context length including this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32 on device; unused entries are 0
+    slot_mapping: torch.Tensor  # [T] int64 on device: block_id * block_size + offset; -1 means "do not write"
+    max_query_len: int
+    max_seq_len: int
+    # Host copies (lists) so CPU backends and launch heuristics need no device sync.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(Protocol):
+    """q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D].
+    Returns [T, Hq, D] in q's dtype. Must write k, v into the caches at meta.slot_mapping first."""
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor: ...

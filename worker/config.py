@@ -1,0 +1,127 @@
+"""Frozen configuration of one engine. Runtime facts (blocks found, memory used) never go in here:
+they travel in `EngineStats` and in the messages a worker sends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+LoadFormat = Literal["auto", "hf", "gguf", "dummy"]
+DType = Literal["auto", "float32", "float16", "bfloat16"]
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 style ("llama3") frequency scaling; `kind="none"` disables it."""
+
+    kind: Literal["none", "llama3", "linear"] = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Shape and flavour of a Llama-family decoder; enough to build the module and check weights."""
+
+    arch: Literal["llama", "mistral", "qwen2", "qwen3"]
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2/2.5
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rope
+    sliding_window: int | None = None  # Mistral v0.1
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelArch.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError("sliding_window must be positive or None")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache. On CUDA the size comes from `gpu_memory_utilization` of total device memory
+    minus what weights and a worst-case step take; on CPU from `cpu_kv_bytes`. `num_blocks` overrides both."""
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_bytes: int = 1 << 30
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.cpu_kv_bytes <= 0:
+            raise ValueError("cpu_kv_bytes must be positive")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """One step computes at most `max_num_batched_tokens` tokens of at most `max_num_seqs` requests."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    enable_chunked_prefill: bool = True
+    # A prefill chunk longer than this is cut even when the budget allows more (0: no extra cap).
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is built from. `model` is a HF folder, a .gguf file, a dummy shape name
+    (with load_format="dummy") or "embedded" (the packaged SmolLM2-135M-Instruct)."""
+
+    model: str = "embedded"
+    load_format: LoadFormat = "auto"
+    dtype: DType = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "hf", "gguf", "dummy"):
+            raise ValueError(f"unknown load_format {self.load_format!r}; use auto, hf, gguf or dummy")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1")

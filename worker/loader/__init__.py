@@ -1,0 +1,93 @@
+"""Resolve a model argument (HF folder, .gguf file, dummy shape name, "embedded") to a ModelSource and
+build a loaded LlamaForCausalLM from it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from tokenmill.worker.attention.backend import AttentionBackend
+from tokenmill.worker.config import LoadFormat, ModelArch
+from tokenmill.worker.loader import dummy, gguf_loader, hf
+from tokenmill.worker.models.layers import ModelLoadError
+from tokenmill.worker.models.llama import LlamaForCausalLM
+
+__all__ = ["ModelLoadError", "ModelSource", "build_model", "resolve_model"]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model. `path` is the HF folder or .gguf file (None for dummy). `gguf_metadata` holds the
+    GGUF key/values as plain Python values (tokenizer.*, general.*, <arch>.*), None for other kinds.
+    `native_dtype` is the checkpoint's own float dtype where it has one (HF config "dtype"/"torch_dtype")."""
+
+    kind: Literal["hf", "gguf", "dummy"]
+    path: Path | None
+    arch: ModelArch
+    name: str
+    gguf_metadata: dict[str, Any] | None = None
+    native_dtype: torch.dtype | None = None
+
+    def iter_weights(self, device: torch.device, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor on device in dtype), one at a time."""
+        if self.kind == "dummy":
+            return dummy.iter_dummy_weights(self.arch, device, dtype)
+        assert self.path is not None
+        if self.kind == "gguf":
+            return gguf_loader.iter_gguf_weights(self.path, self.arch, device, dtype)
+        return hf.iter_hf_weights(self.path, device, dtype)
+
+
+def resolve_model(model: str, load_format: LoadFormat = "auto") -> ModelSource:
+    """Find what `model` names and read its architecture; raises ModelLoadError saying what is wrong."""
+    if load_format == "dummy":
+        return _resolve_dummy(model)
+    if model == "embedded" and load_format in ("auto", "gguf"):
+        from tokenmill.worker.registry_fetch import embedded_model_path
+
+        return _resolve_gguf(embedded_model_path(quiet=True), name="embedded")
+    path = Path(model).expanduser()
+    if not path.exists():
+        hint = " (a dummy shape name needs load_format='dummy')" if model in dummy.DUMMY_SHAPES else ""
+        raise ModelLoadError(f"model path {path}: file not found{hint}")
+    if path.is_file():
+        if path.suffix != ".gguf" and load_format != "gguf":
+            raise ModelLoadError(f"model file {path}: expected a .gguf file or a folder with config.json")
+        if load_format == "hf":
+            raise ModelLoadError(f"load_format='hf' needs a folder with config.json, got the file {path}")
+        return _resolve_gguf(path, name=path.stem)
+    if load_format == "gguf":
+        raise ModelLoadError(f"load_format='gguf' needs a .gguf file, got the folder {path}")
+    if not (path / "config.json").is_file():
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        hint = f" (it holds {', '.join(ggufs)}: pass the .gguf file itself)" if ggufs else ""
+        raise ModelLoadError(f"no config.json in {path}{hint}")
+    return ModelSource(kind="hf", path=path, arch=hf.read_hf_arch(path), name=path.name,
+                       native_dtype=hf.native_dtype(path))
+
+
+def _resolve_dummy(model: str) -> ModelSource:
+    arch = dummy.dummy_arch(model)
+    if arch is None:
+        raise ModelLoadError(f"unknown dummy model shape {model!r}; known: {', '.join(dummy.DUMMY_SHAPES)}")
+    return ModelSource(kind="dummy", path=None, arch=arch, name=model)
+
+
+def _resolve_gguf(path: Path, name: str) -> ModelSource:
+    reader = gguf_loader.open_gguf(path)
+    meta = gguf_loader.gguf_metadata(reader)
+    arch = gguf_loader.read_gguf_arch(reader, meta, path)
+    return ModelSource(kind="gguf", path=path, arch=arch, name=name, gguf_metadata=meta)
+
+
+def build_model(
+    source: ModelSource, backend: AttentionBackend, device: torch.device, dtype: torch.dtype
+) -> LlamaForCausalLM:
+    """Construct the model on `device` in `dtype`, fill its weights from `source`, set eval mode."""
+    with torch.no_grad():
+        model = LlamaForCausalLM(source.arch, backend, dtype=dtype, device=device)
+        model.load_weights(source.iter_weights(torch.device(device), dtype))
+    return model.eval()

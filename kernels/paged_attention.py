@@ -1,0 +1,511 @@
+"""Paged attention over block tables for a flattened varlen batch (decode, prefill chunks, mixed).
+
+Layout (see worker/attention/backend.py):
+    q            [T, Hq, D]                       the step's queries, rows of request i are
+                                                  query_start_loc[i]:query_start_loc[i+1]
+    k_cache,
+    v_cache      [num_blocks, block_size, Hkv, D] paged cache; key at position p of request i lives in
+                                                  block block_tables[i, p // block_size], slot p % block_size
+    block_tables [B, max_blocks] int32
+    seq_lens     [B] int32                        context length incl. this step's tokens
+    query_start_loc [B+1] int32
+
+Query j of request i sits at position seq_len_i - query_len_i + j and attends causally to keys at
+positions <= its own (and, with a sliding window W, > its own - W).
+
+Kernel structure (one kernel + an optional reduce kernel):
+  * A program owns one *tile*: BLOCK_Q consecutive query tokens of one request times the GROUP query heads
+    that share one kv head, flattened to BLOCK_M = BLOCK_Q * GROUP_PAD rows (row r = token r // GROUP_PAD,
+    head r % GROUP_PAD). K/V blocks are therefore loaded once per kv-head group and both products are
+    tl.dot's of [BLOCK_M, D] x [D, BLOCK_N] and [BLOCK_M, BLOCK_N] x [BLOCK_N, D] with fp32 accumulation
+    and an online (exp2-based) softmax.
+  * Tiles are numbered without a host sync: request i's tiles start at query_start_loc[i] // BLOCK_Q + i,
+    so the grid has T // BLOCK_Q + B tile slots (a few are empty) and a program finds its request by a
+    binary search over query_start_loc. When every request fits one tile (decode: max_query_len <=
+    BLOCK_Q) program i simply takes request i.
+  * Flash-decoding split: grid axis 2 cuts each tile's key range into NUM_SPLITS segments (aligned to
+    BLOCK_N). With NUM_SPLITS > 1 every program writes its unnormalised partial (acc, running max m,
+    running sum l) to fp32 workspaces and `_reduce_splits_kernel` combines them. The host picks
+    NUM_SPLITS from the number of programs vs. the number of SMs (`choose_num_splits`), using only host
+    ints (max_query_len, max_seq_len), so no device sync is needed.
+  * Each key segment is walked in two loops: keys every row of the tile may see (no masks at all) and the
+    rest (the causal diagonal / tail / sliding window), where loads and scores are masked.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+# Finite "minus infinity" for the running max: a fully masked row keeps m == _NEG_BIG and l == 0 and
+# never produces exp2(-inf - -inf) = NaN.
+_NEG_BIG = -1.0e30
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class PagedAttentionConfig:
+    """Launch shape of the attention kernel. `block_m` counts rows = query tokens x heads of one kv group
+    (it is raised to the padded group size when smaller); block_n counts keys per inner iteration."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"PagedAttentionConfig.{name} must be a power of two >= 16, got {v}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError("num_stages must be >= 1")
+
+
+# Defaults (tunable with benchmarks/gpu_kernels.py). Decode tiles are small (one token x its group);
+# prefill tiles are FlashAttention-sized.
+DECODE_CONFIG = PagedAttentionConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+PREFILL_CONFIG = PagedAttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+
+# Split heuristic knobs: aim for this many programs per SM, never give a split fewer keys than
+# _MIN_KEYS_PER_SPLIT, never more than _MAX_SPLITS splits.
+_PROGRAMS_PER_SM = 3
+_MIN_KEYS_PER_SPLIT = 256
+_MAX_SPLITS = 64
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 4  # interpreter: small, so splitting kicks in on small test shapes too
+
+
+def choose_num_splits(base_programs: int, max_kv_span: int, num_sms: int, block_n: int) -> int:
+    """How many key segments to split each tile into so that `base_programs * splits` fills the GPU.
+
+    base_programs: programs without splitting (tile slots x kv heads); max_kv_span: the longest key range
+    one tile walks (max_seq_len, or sliding_window + max_query_len). Returns >= 1."""
+    target = _PROGRAMS_PER_SM * num_sms
+    if base_programs >= target or max_kv_span <= max(_MIN_KEYS_PER_SPLIT, block_n):
+        return 1
+    splits = -(-target // base_programs)
+    splits = min(splits, max_kv_span // max(_MIN_KEYS_PER_SPLIT, block_n), _MAX_SPLITS)
+    return max(1, splits)
+
+
+@triton.jit
+def _attn_segment(
+    acc,  # [BLOCK_M, HEAD_DIM] fp32 running (unnormalised) output
+    m_i,  # [BLOCK_M] fp32 running max of scores (log2 domain)
+    l_i,  # [BLOCK_M] fp32 running sum of exp2(score - m_i)
+    q,  # [BLOCK_M, HEAD_DIM] queries in cache dtype
+    qpos,  # [BLOCK_M] int32 position of each row's query token
+    k_base,  # k_cache pointer already offset to this kv head
+    v_base,  # v_cache pointer already offset to this kv head
+    bt_row,  # block_tables row of this request
+    lo,  # first key position (multiple of BLOCK_N relative to the segment start)
+    hi,  # end of keys (exclusive); loads beyond hi are masked only when MASKED
+    qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window (used only when USE_WINDOW)
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        if MASKED:
+            kmask = offs_n < hi
+            blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=kmask, other=0)
+        else:
+            blk = tl.load(bt_row + offs_n // BLOCK_SIZE)
+        slot = offs_n % BLOCK_SIZE
+        k_off = blk.to(tl.int64) * stride_kb + slot * stride_ks  # [BLOCK_N]
+        v_off = blk.to(tl.int64) * stride_vb + slot * stride_vs
+        k_ptrs = k_base + k_off[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+        v_ptrs = v_base + v_off[:, None] + offs_d[None, :]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=kmask[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            visible = (offs_n[None, :] <= qpos[:, None]) & kmask[None, :]
+            if USE_WINDOW:
+                visible = visible & (offs_n[None, :] > qpos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        # V must be masked too: p == 0 times a NaN in an unused slot would still be NaN.
+        if MASKED:
+            v = tl.load(v_ptrs, mask=kmask[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr,  # [T, Hq, D]
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr,
+    bt_ptr,  # [B, max_blocks] int32
+    seq_lens_ptr,  # [B] int32
+    qsl_ptr,  # [B+1] int32
+    out_ptr,  # [T, Hq, D] (NUM_SPLITS == 1)
+    part_acc_ptr,  # [T, Hq, NUM_SPLITS, D] fp32 (NUM_SPLITS > 1)
+    part_m_ptr,  # [T, Hq, NUM_SPLITS] fp32
+    part_l_ptr,  # [T, Hq, NUM_SPLITS] fp32
+    num_seqs,
+    num_q_heads,
+    qk_scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,  # query heads per kv head
+    GROUP_PAD: tl.constexpr,  # next power of two of GROUP
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # cache block size
+    BLOCK_M: tl.constexpr,  # rows per tile = BLOCK_Q * GROUP_PAD
+    BLOCK_Q: tl.constexpr,  # query tokens per tile
+    BLOCK_N: tl.constexpr,  # keys per inner iteration
+    NUM_SPLITS: tl.constexpr,
+    ONE_TILE_PER_SEQ: tl.constexpr,  # every request has <= BLOCK_Q query tokens: program i -> request i
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # ---- which request / which query tile of it -------------------------------------------------
+    if ONE_TILE_PER_SEQ:
+        b = pid
+        tile_j = 0
+    else:
+        # largest b with query_start_loc[b] // BLOCK_Q + b <= pid  (tile slot start of request b)
+        lo = pid * 0
+        hi = pid * 0 + num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            start = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+            ok = start <= pid
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        b = lo
+        tile_j = pid - (tl.load(qsl_ptr + b) // BLOCK_Q + b)
+    q_start = tl.load(qsl_ptr + b)
+    q_end = tl.load(qsl_ptr + b + 1)
+    tok_start = q_start + tile_j * BLOCK_Q
+    if tok_start >= q_end:
+        return  # empty tile slot (or a request with no query tokens)
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx = seq_len - (q_end - q_start)  # position of the request's first query token
+    n_tok = tl.minimum(q_end - tok_start, BLOCK_Q)
+    first_pos = ctx + (tok_start - q_start)
+    last_pos = first_pos + n_tok - 1
+
+    # ---- key range of this tile, and of this split ---------------------------------------------
+    kv_hi = last_pos + 1
+    if USE_WINDOW:
+        kv_lo = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
+    else:
+        kv_lo = first_pos * 0
+    if NUM_SPLITS == 1:
+        seg_lo = kv_lo
+        seg_hi = kv_hi
+    else:
+        seg = tl.cdiv(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        seg_lo = kv_lo + split * seg
+        seg_hi = tl.minimum(kv_hi, seg_lo + seg)
+    # [seg_lo, full_hi): keys every row of the tile sees (key <= first_pos; no window) -> unmasked loop
+    if USE_WINDOW:
+        full_hi = seg_lo
+    else:
+        full_end = tl.minimum(seg_hi, first_pos + 1)
+        full_hi = seg_lo + (tl.maximum(full_end - seg_lo, 0) // BLOCK_N) * BLOCK_N
+
+    # ---- rows: (token, head) pairs of this tile ------------------------------------------------
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tok = tok_start + offs_m // GROUP_PAD  # [BLOCK_M]
+    hg = offs_m % GROUP_PAD
+    head = kvh * GROUP + hg  # [BLOCK_M] query head
+    row_valid = (tok < q_end) & (hg < GROUP)
+    qpos = ctx + (tok - q_start)  # [BLOCK_M]
+    q_ptrs = q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+
+    k_base = k_cache_ptr + kvh.to(tl.int64) * stride_kh
+    v_base = v_cache_ptr + kvh.to(tl.int64) * stride_vh
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attn_segment(
+        acc, m_i, l_i, q, qpos, k_base, v_base, bt_row, seg_lo, full_hi, qk_scale, window,
+        stride_kb, stride_ks, stride_vb, stride_vs,
+        HEAD_DIM, BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, DOT_PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i = _attn_segment(
+        acc, m_i, l_i, q, qpos, k_base, v_base, bt_row, full_hi, seg_hi, qk_scale, window,
+        stride_kb, stride_ks, stride_vb, stride_vs,
+        HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, DOT_PRECISION,
+    )  # fmt: skip
+
+    if NUM_SPLITS == 1:
+        # every valid row saw at least its own key, so l_i >= 1 there; guard only the padded rows
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        o_ptrs = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    else:
+        # partial results: row (tok, head, split); empty segments store m = -1e30, l = 0, acc = 0
+        prow = (tok.to(tl.int64) * num_q_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
+        tl.store(part_acc_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
+        tl.store(part_m_ptr + prow, m_i, mask=row_valid)
+        tl.store(part_l_ptr + prow, l_i, mask=row_valid)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    part_acc_ptr,  # [T, Hq, NUM_SPLITS, D] fp32
+    part_m_ptr,  # [T, Hq, NUM_SPLITS] fp32
+    part_l_ptr,  # [T, Hq, NUM_SPLITS] fp32
+    out_ptr,  # [T, Hq, D]
+    num_q_heads,
+    stride_ot,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    smask = offs_s < NUM_SPLITS
+    row = (t.to(tl.int64) * num_q_heads + h) * NUM_SPLITS + offs_s  # [SPLITS_PAD]
+    m = tl.load(part_m_ptr + row, mask=smask, other=float("-inf"))
+    l = tl.load(part_l_ptr + row, mask=smask, other=0.0)
+    m_max = tl.max(m, 0)  # finite: every query sees its own key in some split
+    w = tl.exp2(m - m_max)  # [SPLITS_PAD]; 0 for padding and empty splits
+    denom = tl.sum(w * l, 0)
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=smask[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / denom  # [HEAD_DIM]
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+def _check_int_tensor(name: str, t: torch.Tensor, ndim: int, device: torch.device) -> None:
+    if t.dtype != torch.int32:
+        raise ValueError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, q is on {device}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: PagedAttentionConfig | None = None,
+) -> torch.Tensor:
+    """Causal paged attention of q [T, Hq, D] against the cache; returns [T, Hq, D] in q's dtype.
+
+    max_query_len / max_seq_len are host upper bounds of the batch's query lengths / seq_lens (launch
+    decisions only; they must not be smaller than the true values). `num_splits` / `config` override the
+    heuristics (tests, tuning). q and out may be strided views (last dim contiguous)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache/v_cache must both be [num_blocks, block_size, Hkv, D], got {tuple(k_cache.shape)}"
+            f" and {tuple(v_cache.shape)}"
+        )
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"q dtype {q.dtype} not supported (float16, bfloat16, float32)")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"cache dtypes {k_cache.dtype}/{v_cache.dtype} must match q dtype {q.dtype}")
+    if cache_head_dim != head_dim:
+        raise ValueError(f"head dim of q ({head_dim}) and cache ({cache_head_dim}) differ")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head dim must be a power of two >= 16, got {head_dim}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    device = q.device
+    if k_cache.device != device or v_cache.device != device:
+        raise ValueError(f"caches on {k_cache.device}/{v_cache.device}, q on {device}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+    _check_int_tensor("block_tables", block_tables, 2, device)
+    _check_int_tensor("seq_lens", seq_lens, 1, device)
+    _check_int_tensor("query_start_loc", query_start_loc, 1, device)
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"batch mismatch: seq_lens [{num_seqs}], query_start_loc [{query_start_loc.shape[0]}] "
+            f"(want B+1), block_tables {tuple(block_tables.shape)}"
+        )
+    if seq_lens.stride(0) != 1 or query_start_loc.stride(0) != 1:
+        raise ValueError("seq_lens and query_start_loc must be contiguous")
+    if max_query_len < 1 or max_seq_len < 1:
+        raise ValueError(f"max_query_len={max_query_len} and max_seq_len={max_seq_len} must be >= 1")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    else:
+        if out.shape != q.shape or out.dtype != q.dtype or out.device != device:
+            raise ValueError(
+                f"out must be {tuple(q.shape)} {q.dtype} on {device}, got "
+                f"{tuple(out.shape)} {out.dtype} on {out.device}"
+            )
+        if out.stride(-1) != 1:
+            raise ValueError(f"out must be contiguous in its last dim, got strides {out.stride()}")
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    group = num_q_heads // num_kv_heads
+    group_pad = _next_pow2(group)
+    if config is None:
+        decode_rows = max(DECODE_CONFIG.block_m, group_pad)
+        config = DECODE_CONFIG if max_query_len * group_pad <= decode_rows else PREFILL_CONFIG
+    block_m = max(config.block_m, group_pad)
+    block_q = block_m // group_pad
+    one_tile = max_query_len <= block_q
+    num_tile_slots = num_seqs if one_tile else num_tokens // block_q + num_seqs
+
+    if num_splits is None:
+        kv_span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + max_query_len)
+        num_splits = choose_num_splits(num_tile_slots * num_kv_heads, kv_span, _num_sms(device), config.block_n)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+
+    if num_splits > 1:
+        part_acc = torch.empty((num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device)
+        part_m = torch.empty((num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=device)
+        part_l = torch.empty_like(part_m)
+    else:  # unused by the kernel; any fp32 tensor keeps the signature uniform
+        part_acc = part_m = part_l = torch.empty((1,), dtype=torch.float32, device=device)
+
+    grid = (num_tile_slots, num_kv_heads, num_splits)
+    _paged_attn_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_m, part_l,
+        num_seqs, num_q_heads, float(scale) * _LOG2E, int(sliding_window or 0),
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
+        ONE_TILE_PER_SEQ=one_tile, USE_WINDOW=sliding_window is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        _reduce_splits_kernel[(num_tokens, num_q_heads)](
+            part_acc, part_m, part_l, out, num_q_heads, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), HEAD_DIM=head_dim,
+            num_warps=4 if head_dim * _next_pow2(num_splits) >= 4096 else 2,
+        )  # fmt: skip
+    return out
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain-torch reference (fp32 math, one request at a time; syncs with the host). Same semantics and
+    signature as `paged_attention`; max_query_len / max_seq_len are accepted and ignored."""
+    del max_query_len, max_seq_len
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    result = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q0, q1 = qsl[i], qsl[i + 1]
+        q_len = q1 - q0
+        if q_len == 0:
+            continue
+        n_blocks = math.ceil(seq_len / block_size)
+        blocks = block_tables[i, :n_blocks].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()  # [S, Hkv, D]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        k = k.repeat_interleave(group, dim=1)  # [S, Hq, D]
+        v = v.repeat_interleave(group, dim=1)
+        qi = q[q0:q1].float()  # [L, Hq, D]
+        scores = torch.einsum("lhd,shd->hls", qi, k) * scale  # [Hq, L, S]
+        qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]  # [L, 1]
+        kpos = torch.arange(seq_len, device=q.device)[None, :]  # [1, S]
+        visible = kpos <= qpos
+        if sliding_window is not None:
+            visible &= kpos > qpos - sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        result[q0:q1] = torch.einsum("hls,shd->lhd", probs, v).to(q.dtype)
+    return result

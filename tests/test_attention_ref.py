@@ -1,0 +1,139 @@
+"""TorchRefBackend against torch's own scaled_dot_product_attention on dense per-request tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.worker.attention.backend import AttentionMetadata
+from tokenmill.worker.attention.torch_ref import TorchRefBackend
+
+HQ, HKV, D = 4, 2, 8
+
+
+def build_meta(prefix_lens: list[int], query_lens: list[int], block_size: int) -> AttentionMetadata:
+    """Requests get consecutive blocks from block 1 on (block 0 stays unused); slots of the new tokens."""
+    seq_lens = [p + q for p, q in zip(prefix_lens, query_lens)]
+    max_blocks = max(math.ceil(s / block_size) for s in seq_lens)
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    slots: list[int] = []
+    next_block = 1
+    for i, (p, s) in enumerate(zip(prefix_lens, seq_lens)):
+        n = math.ceil(s / block_size)
+        tables[i, :n] = torch.arange(next_block, next_block + n)
+        next_block += n
+        slots += [int(tables[i, pos // block_size]) * block_size + pos % block_size for pos in range(p, s)]
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=seq_lens,
+    )
+
+
+def empty_caches(num_blocks: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (num_blocks, block_size, HKV, D)
+    return torch.zeros(shape), torch.zeros(shape)
+
+
+def fill_prefix(cache: torch.Tensor, table: torch.Tensor, values: torch.Tensor) -> None:
+    """values: [P, HKV, D] for positions 0..P-1 of one request."""
+    bs = cache.shape[1]
+    for pos in range(values.shape[0]):
+        cache[int(table[pos // bs]), pos % bs] = values[pos]
+
+
+def sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
+                   scale: float) -> torch.Tensor:
+    """q: [L, HQ, D] (the last L positions); k, v: [S, HKV, D] (all positions) -> [L, HQ, D]."""
+    L, S = q.shape[0], k.shape[0]
+    q_pos = torch.arange(S - L, S)[:, None]
+    k_pos = torch.arange(S)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_ragged_batch_with_cached_prefix(window: int | None, block_size: int) -> None:
+    torch.manual_seed(0)
+    prefix_lens, query_lens = [0, 7, 13, 9], [6, 1, 5, 1]
+    meta = build_meta(prefix_lens, query_lens, block_size)
+    k_cache, v_cache = empty_caches(int(meta.block_tables.max()) + 1, block_size)
+    full_k = [torch.randn(p + q, HKV, D) for p, q in zip(prefix_lens, query_lens)]
+    full_v = [torch.randn(p + q, HKV, D) for p, q in zip(prefix_lens, query_lens)]
+    for i, p in enumerate(prefix_lens):
+        fill_prefix(k_cache, meta.block_tables[i], full_k[i][:p])
+        fill_prefix(v_cache, meta.block_tables[i], full_v[i][:p])
+    q = torch.randn(sum(query_lens), HQ, D)
+    new_k = torch.cat([k[p:] for k, p in zip(full_k, prefix_lens)])
+    new_v = torch.cat([v[p:] for v, p in zip(full_v, prefix_lens)])
+
+    out = TorchRefBackend().forward(q, new_k, new_v, k_cache, v_cache, meta, 0.3, window)
+
+    start = 0
+    for i, ql in enumerate(query_lens):
+        expected = sdpa_reference(q[start:start + ql], full_k[i], full_v[i], window, 0.3)
+        torch.testing.assert_close(out[start:start + ql], expected, atol=1e-5, rtol=1e-5)
+        start += ql
+    for i, (p, ql) in enumerate(zip(prefix_lens, query_lens)):  # new k/v landed in the cache
+        bs, table = block_size, meta.block_tables[i]
+        pos = p + ql - 1
+        torch.testing.assert_close(k_cache[int(table[pos // bs]), pos % bs], full_k[i][pos])
+
+
+def test_sliding_window_changes_result() -> None:
+    torch.manual_seed(1)
+    meta = build_meta([0], [12], 4)
+    q, k, v = torch.randn(12, HQ, D), torch.randn(12, HKV, D), torch.randn(12, HKV, D)
+    full = TorchRefBackend().forward(q, k, v, *empty_caches(5, 4), meta, 0.35, None)
+    windowed = TorchRefBackend().forward(q, k, v, *empty_caches(5, 4), meta, 0.35, 4)
+    torch.testing.assert_close(full[:4], windowed[:4])  # inside the window nothing is cut
+    assert not torch.allclose(full[4:], windowed[4:])
+
+
+def test_slot_minus_one_is_not_written() -> None:
+    """A token whose k/v are already cached (slot -1) must leave the cache alone and read the cached values."""
+    torch.manual_seed(2)
+    meta = build_meta([0], [6], 4)
+    k_cache, v_cache = empty_caches(3, 4)
+    k, v = torch.randn(6, HKV, D), torch.randn(6, HKV, D)
+    table = meta.block_tables[0]
+    fill_prefix(k_cache, table, k[:3])  # positions 0..2 cached already
+    fill_prefix(v_cache, table, v[:3])
+    meta.slot_mapping[:3] = -1
+    garbage_k, garbage_v = k.clone(), v.clone()
+    garbage_k[:3] = 100.0
+    garbage_v[:3] = -100.0
+    q = torch.randn(6, HQ, D)
+
+    out = TorchRefBackend().forward(q, garbage_k, garbage_v, k_cache, v_cache, meta, 0.35, None)
+
+    torch.testing.assert_close(out, sdpa_reference(q, k, v, None, 0.35), atol=1e-5, rtol=1e-5)
+    assert k_cache.abs().max() < 50 and v_cache.abs().max() < 50
+    assert k_cache[0].abs().sum() == 0  # block 0 is not in the table and must stay untouched
+
+
+def test_output_keeps_query_dtype() -> None:
+    meta = build_meta([0], [3], 4)
+    q = torch.randn(3, HQ, D, dtype=torch.bfloat16)
+    k = torch.randn(3, HKV, D, dtype=torch.bfloat16)
+    caches = (torch.zeros(2, 4, HKV, D, dtype=torch.bfloat16), torch.zeros(2, 4, HKV, D, dtype=torch.bfloat16))
+    out = TorchRefBackend().forward(q, k, k, *caches, meta, 0.35, None)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    expected = sdpa_reference(q.float(), k.float(), k.float(), None, 0.35)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)

@@ -1,0 +1,724 @@
+"""Tests of the Triton kernels (kernels/*) and the Triton attention backend against plain-torch references.
+
+Without CUDA the kernels run under the Triton interpreter (fp16 / fp32 only: the interpreter's bf16 tl.dot
+is wrong); GPU tests (@pytest.mark.gpu) use bf16 and realistic shapes. Every kernel output is poisoned with
+NaN before the launch and unused cache slots hold NaN, so unwritten elements and stray reads fail.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenmill.kernels.activation import silu_and_mul, silu_and_mul_ref
+from tokenmill.kernels.kv_cache import write_kv_cache, write_kv_cache_ref
+from tokenmill.kernels.paged_attention import (
+    PagedAttentionConfig,
+    choose_num_splits,
+    paged_attention,
+    paged_attention_ref,
+)
+from tokenmill.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
+from tokenmill.kernels.rotary import (
+    cos_sin_cache_from_inv_freq,
+    rotary_and_cache,
+    rotary_and_cache_ref,
+    rotary_embedding,
+    rotary_embedding_ref,
+)
+from tokenmill.worker.attention.backend import AttentionMetadata
+from tokenmill.worker.attention.triton_backend import TritonBackend
+
+HAS_CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if HAS_CUDA else "cpu")
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+# Small tiles so that the interpreter walks several query tiles and key iterations on tiny shapes.
+SMALL = PagedAttentionConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+SMALL32 = PagedAttentionConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# batch construction
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Batch:
+    q: torch.Tensor  # [T, Hq, D]
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]; slots outside any context hold NaN
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [B, max_blocks] int32, unused entries 0
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B+1] int32
+    query_lens: list[int]
+    seq_lens_list: list[int]
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_list)
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.query_start_loc)
+
+
+def make_batch(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    *,
+    device: torch.device = DEV,
+    seed: int = 0,
+    spare_blocks: int = 3,
+) -> Batch:
+    """Random queries and a cache whose blocks are scattered (random permutation); every slot that is not
+    part of some request's context (spare blocks, the tail of last blocks) is NaN."""
+    assert all(1 <= ql <= sl for ql, sl in zip(query_lens, seq_lens))
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    n_blocks = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(n_blocks) + spare_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.zeros((len(seq_lens), max(n_blocks) + 1), dtype=torch.int32)
+    used = 0
+    for i, (s, nb) in enumerate(zip(seq_lens, n_blocks)):
+        blocks = perm[used : used + nb]
+        used += nb
+        block_tables[i, :nb] = blocks.to(torch.int32)
+        flat = torch.arange(s)
+        kv = torch.randn((2, s, num_kv_heads, head_dim), generator=gen).to(dtype)
+        k_cache[blocks[flat // block_size], flat % block_size] = kv[0]
+        v_cache[blocks[flat // block_size], flat % block_size] = kv[1]
+    q = torch.randn((sum(query_lens), num_q_heads, head_dim), generator=gen).to(dtype)
+    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(query_lens), 0)
+    return Batch(
+        q=q.to(device),
+        k_cache=k_cache.to(device),
+        v_cache=v_cache.to(device),
+        block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=qsl.to(device),
+        query_lens=list(query_lens),
+        seq_lens_list=list(seq_lens),
+    )
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+def run_attention(
+    batch: Batch,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    config: PagedAttentionConfig | None = None,
+) -> torch.Tensor:
+    out = torch.full_like(batch.q, float("nan"))  # poison
+    res = paged_attention(
+        *batch.args(),
+        scale,
+        max_query_len=batch.max_query_len,
+        max_seq_len=batch.max_seq_len,
+        sliding_window=sliding_window,
+        out=out,
+        num_splits=num_splits,
+        config=config,
+    )
+    assert res is out
+    return out
+
+
+def check_attention(
+    batch: Batch,
+    *,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    config: PagedAttentionConfig | None = None,
+    atol: float | None = None,
+) -> None:
+    scale = batch.q.shape[-1] ** -0.5
+    out = run_attention(batch, scale, sliding_window=sliding_window, num_splits=num_splits, config=config)
+    ref = paged_attention_ref(*batch.args(), scale, sliding_window=sliding_window)
+    assert not out.isnan().any(), "kernel left unwritten (NaN) outputs or read poisoned slots"
+    if atol is None:
+        atol = 1e-4 if batch.q.dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# paged attention: interpreter (or GPU) tests on tiny shapes
+# ---------------------------------------------------------------------------------------------------
+
+DECODE_LENS = [15, 16, 17, 33]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_decode_block_boundaries_gqa4(dtype: torch.dtype, num_splits: int | None) -> None:
+    batch = make_batch([1, 1, 1, 1], DECODE_LENS, 8, 2, 64, 16, dtype)
+    check_attention(batch, num_splits=num_splits)
+
+
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(4, 4, 64, 16), (4, 1, 64, 8), (6, 2, 64, 32), (2, 2, 128, 16)],
+    ids=["mha", "mqa-bs8", "gqa3-bs32", "d128"],
+)
+def test_decode_head_layouts(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+    batch = make_batch([1, 1, 1], [16, 17, 33], num_q_heads, num_kv_heads, head_dim, block_size, torch.float16)
+    check_attention(batch, num_splits=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_prefill_chunks_with_prefix(dtype: torch.dtype, num_splits: int) -> None:
+    # ragged mix: chunk with prefix, decode, whole prompt, chunk longer than a tile, chunk at a block edge
+    batch = make_batch([5, 1, 17, 9, 16], [20, 16, 17, 40, 32], 8, 2, 32, 16, dtype)
+    check_attention(batch, num_splits=num_splits, config=SMALL)
+
+
+def test_prefill_default_config_and_heuristics() -> None:
+    batch = make_batch([7, 1, 20], [30, 16, 20], 4, 2, 32, 8, torch.float16)
+    check_attention(batch)  # default (prefill) config, heuristic splits
+
+
+@pytest.mark.parametrize("window", [1, 5, 16])
+def test_sliding_window(window: int) -> None:
+    batch = make_batch([1, 6, 12, 1], [17, 40, 12, 50], 4, 2, 32, 8, torch.float32)
+    check_attention(batch, sliding_window=window, num_splits=2, config=SMALL)
+
+
+def test_sliding_window_decode_split() -> None:
+    batch = make_batch([1, 1], [100, 37], 4, 1, 32, 16, torch.float16)
+    check_attention(batch, sliding_window=40, num_splits=3, config=SMALL)
+
+
+@pytest.mark.parametrize("num_splits", [4, 7])
+def test_split_k_decode_many_partitions(num_splits: int) -> None:
+    # more splits than key blocks of the short request: empty segments must not disturb the reduction
+    batch = make_batch([1, 1, 1], [200, 3, 65], 8, 2, 64, 16, torch.float16)
+    check_attention(batch, num_splits=num_splits, config=SMALL)
+
+
+def test_decode_with_multi_token_tile() -> None:
+    # max_query_len <= BLOCK_Q: one tile per request (speculative-decoding-like 2..4-token queries)
+    batch = make_batch([2, 4, 1], [9, 20, 33], 4, 1, 32, 8, torch.float32)
+    check_attention(batch, config=SMALL)  # BLOCK_Q = 16 // 4 = 4 >= max_query_len
+
+
+def test_query_len_equals_context_tiles() -> None:
+    # whole prompts (no prefix) of lengths around tile edges, MQA
+    batch = make_batch([16, 15, 33], [16, 15, 33], 4, 1, 32, 16, torch.float32)
+    check_attention(batch, config=SMALL32)
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    layout=st.sampled_from([(4, 4), (4, 2), (8, 2), (6, 2), (4, 1)]),
+    head_dim=st.sampled_from([16, 32]),
+    block_size=st.sampled_from([8, 16, 32]),
+    window=st.one_of(st.none(), st.integers(1, 40)),
+    num_splits=st.one_of(st.none(), st.integers(1, 5)),
+    config=st.sampled_from([None, SMALL, SMALL32]),
+)
+def test_attention_random_batches(
+    data: st.DataObject,
+    layout: tuple[int, int],
+    head_dim: int,
+    block_size: int,
+    window: int | None,
+    num_splits: int | None,
+    config: PagedAttentionConfig | None,
+) -> None:
+    num_seqs = data.draw(st.integers(1, 4))
+    seq_lens = data.draw(st.lists(st.integers(1, 70), min_size=num_seqs, max_size=num_seqs))
+    query_lens = [data.draw(st.integers(1, min(s, 24))) for s in seq_lens]
+    batch = make_batch(query_lens, seq_lens, layout[0], layout[1], head_dim, block_size, torch.float32,
+                       seed=data.draw(st.integers(0, 1000)))  # fmt: skip
+    check_attention(batch, sliding_window=window, num_splits=num_splits, config=config)
+
+
+def test_attention_is_sensitive_to_cache_contents() -> None:
+    # guards the test harness: changing one visible key changes the output of the querying row
+    batch = make_batch([1], [20], 4, 2, 32, 16, torch.float32)
+    scale = 32**-0.5
+    before = run_attention(batch, scale).clone()
+    blk = int(batch.block_tables[0, 0])
+    batch.k_cache[blk, 3] += 5.0
+    after = run_attention(batch, scale)
+    assert (before - after).abs().max() > 1e-3
+
+
+def test_attention_empty_batch() -> None:
+    batch = make_batch([1], [4], 4, 2, 32, 16, torch.float32)
+    q = batch.q[:0]
+    out = paged_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                          batch.query_start_loc[:1] * 0, 1.0, max_query_len=1, max_seq_len=1)  # fmt: skip
+    assert out.shape == (0, 4, 32)
+
+
+def test_attention_strided_q() -> None:
+    # q as a view of a fused qkv projection: token stride != Hq * D
+    batch = make_batch([3, 1], [10, 17], 4, 2, 32, 8, torch.float32)
+    qkv = torch.randn(batch.q.shape[0], (4 + 2 * 2) * 32, device=DEV)
+    qkv[:, : 4 * 32] = batch.q.reshape(batch.q.shape[0], -1)
+    batch.q = qkv[:, : 4 * 32].view(-1, 4, 32)
+    assert not batch.q.is_contiguous()
+    check_attention(batch, config=SMALL)
+
+
+def test_choose_num_splits() -> None:
+    assert choose_num_splits(8, 32768, 132, 64) > 16  # batch 1 at 32k with 8 kv heads fills the GPU
+    assert choose_num_splits(64 * 8, 4096, 132, 64) == 1  # enough programs already
+    assert choose_num_splits(8, 100, 132, 64) == 1  # too short to split
+    s = choose_num_splits(8, 1024, 132, 64)
+    assert 1 <= s <= 1024 // 256
+
+
+def _good_args() -> tuple[Batch, dict[str, int]]:
+    return make_batch([1, 2], [5, 9], 4, 2, 32, 8, torch.float32), {"max_query_len": 2, "max_seq_len": 9}
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        "q_dtype",
+        "q_2d",
+        "cache_dtype",
+        "bt_int64",
+        "seq_lens_int64",
+        "qsl_short",
+        "head_dim_mismatch",
+        "heads_not_multiple",
+        "q_last_dim_strided",
+        "out_wrong_shape",
+        "window_zero",
+        "max_query_len_zero",
+    ],
+)
+def test_attention_launcher_rejects_bad_input(mutate: str) -> None:
+    batch, kw = _good_args()
+    q, kc, vc, bt, sl, qsl = batch.args()
+    extra: dict[str, object] = {}
+    if mutate == "q_dtype":
+        q = q.half()
+    elif mutate == "q_2d":
+        q = q.reshape(q.shape[0], -1)
+    elif mutate == "cache_dtype":
+        kc, vc = kc.half(), vc.half()
+    elif mutate == "bt_int64":
+        bt = bt.long()
+    elif mutate == "seq_lens_int64":
+        sl = sl.long()
+    elif mutate == "qsl_short":
+        qsl = qsl[:-1]
+    elif mutate == "head_dim_mismatch":
+        q = q[..., :16]
+    elif mutate == "heads_not_multiple":
+        q = torch.cat([q, q[:, :1]], dim=1)
+    elif mutate == "q_last_dim_strided":
+        q = torch.randn(q.shape[0], q.shape[1], q.shape[2] * 2, device=DEV)[..., ::2]
+    elif mutate == "out_wrong_shape":
+        extra["out"] = torch.empty(q.shape[0], q.shape[1], 16, device=DEV)
+    elif mutate == "window_zero":
+        extra["sliding_window"] = 0
+    elif mutate == "max_query_len_zero":
+        kw["max_query_len"] = 0
+    with pytest.raises(ValueError):
+        paged_attention(q, kc, vc, bt, sl, qsl, 1.0, **kw, **extra)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------------
+# KV-cache write, rotary
+# ---------------------------------------------------------------------------------------------------
+
+
+def _kv_inputs(
+    num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device = DEV
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k, v as strided views of one fused buffer [T, (Hq + 2 Hkv) * D] with Hq = 2 Hkv."""
+    width = 4 * num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, width, device=device).to(dtype)
+    kv = qkv[:, 2 * num_kv_heads * head_dim :]
+    k = kv[:, : num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = kv[:, num_kv_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    return qkv, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize(("num_kv_heads", "head_dim", "block_size"), [(2, 64, 16), (3, 32, 8), (1, 128, 32)])
+def test_write_kv_cache(dtype: torch.dtype, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+    num_tokens, num_blocks = 11, 5
+    _, k, v = _kv_inputs(num_tokens, num_kv_heads, head_dim, dtype)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[[2, 7]] = -1
+    slot_mapping = slots.to(DEV)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    kc, vc = torch.full(shape, float("nan"), dtype=dtype, device=DEV), torch.full(shape, 7.0, dtype=dtype, device=DEV)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    write_kv_cache(k, v, kc, vc, slot_mapping)
+    write_kv_cache_ref(k, v, kc_ref, vc_ref, slot_mapping)
+    torch.testing.assert_close(kc, kc_ref, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(vc, vc_ref, equal_nan=True, rtol=0, atol=0)
+    assert int((~kc.isnan()).all(-1).all(-1).sum()) == num_tokens - 2  # skipped slots untouched
+
+
+def test_write_kv_cache_rejects_bad_input() -> None:
+    _, k, v = _kv_inputs(4, 2, 32, torch.float32)
+    kc = torch.zeros(3, 16, 2, 32, device=DEV)
+    good = torch.arange(4, device=DEV)
+    with pytest.raises(ValueError):
+        write_kv_cache(k, v, kc.half(), kc.half(), good)
+    with pytest.raises(ValueError):
+        write_kv_cache(k, v, kc, kc, good[:3])
+    with pytest.raises(ValueError):
+        write_kv_cache(k, v, kc, kc, good.float())
+    with pytest.raises(ValueError):
+        write_kv_cache(k, v, kc[:, :, :1], kc[:, :, :1], good)
+
+
+def _hf_rotate(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """HF Llama apply_rotary_pos_emb (fp32 here): x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)."""
+    half = x.shape[-1] // 2
+    cos = cos_sin[positions, :half].repeat(1, 2)[:, None, :]
+    sin = cos_sin[positions, half:].repeat(1, 2)[:, None, :]
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _rope_inputs(
+    num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    width = (num_q_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(num_tokens, width, device=DEV).to(dtype)
+    q = qkv[:, : num_q_heads * head_dim].view(num_tokens, num_q_heads, head_dim)
+    k = qkv[:, num_q_heads * head_dim : (num_q_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, (num_q_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=DEV) / head_dim))
+    cos_sin = cos_sin_cache_from_inv_freq(inv_freq, 512)
+    positions = torch.randint(0, 512, (num_tokens,), device=DEV)
+    return q, k, v, cos_sin, positions
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads", "head_dim"), [(4, 2, 64), (3, 1, 32), (2, 2, 128)])
+def test_rotary_embedding(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    q, k, _, cos_sin, positions = _rope_inputs(9, num_q_heads, num_kv_heads, head_dim, dtype)
+    q_ref, k_ref = rotary_embedding_ref(q, k, cos_sin, positions)
+    q_hf = _hf_rotate(q.float(), cos_sin, positions)
+    torch.testing.assert_close(q_ref.float(), q_hf, atol=2e-3 if dtype != torch.float32 else 1e-5, rtol=1e-2)
+    q_out, k_out = rotary_embedding(q, k, cos_sin, positions)  # in place
+    assert q_out is q and k_out is k
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 1e-3}
+    torch.testing.assert_close(q, q_ref, **tol)
+    torch.testing.assert_close(k, k_ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rotary_and_cache(dtype: torch.dtype) -> None:
+    num_tokens, num_blocks, block_size = 10, 4, 8
+    q, k, v, cos_sin, positions = _rope_inputs(num_tokens, 4, 2, 64, dtype)
+    slot_mapping = torch.randperm(num_blocks * block_size)[:num_tokens].to(DEV)
+    slot_mapping[3] = -1
+    shape = (num_blocks, block_size, 2, 64)
+    kc = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+    vc = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q_ref, k_ref = rotary_and_cache_ref(q, k, v, cos_sin, positions, kc_ref, vc_ref, slot_mapping)
+    rotary_and_cache(q, k, v, cos_sin, positions, kc, vc, slot_mapping)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 1e-3}
+    torch.testing.assert_close(q, q_ref, **tol)
+    torch.testing.assert_close(k, k_ref, **tol)
+    torch.testing.assert_close(kc, kc_ref, equal_nan=True, **tol)
+    torch.testing.assert_close(vc, vc_ref, equal_nan=True, rtol=0, atol=0)
+    assert int((~kc.isnan()).all(-1).all(-1).sum()) == num_tokens - 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# RMSNorm, SwiGLU
+# ---------------------------------------------------------------------------------------------------
+
+
+def _hf_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward, verbatim semantics."""
+    input_dtype = x.dtype
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    return weight * hidden.to(input_dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("hidden", [64, 100, 20000])  # 20000 > single-pass limit: two-pass loop
+def test_rmsnorm(dtype: torch.dtype, hidden: int) -> None:
+    x = torch.randn(5, hidden, device=DEV).to(dtype) * 3
+    w = (1 + 0.1 * torch.randn(hidden, device=DEV)).to(dtype)
+    out = rmsnorm(x, w, 1e-6)
+    ref = rmsnorm_ref(x, w, 1e-6)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2e-3}
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(ref, _hf_rmsnorm(x, w, 1e-6), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("hidden", [96, 20000])
+def test_add_rmsnorm(dtype: torch.dtype, hidden: int) -> None:
+    x = torch.randn(4, hidden, device=DEV).to(dtype)
+    r = torch.randn(4, hidden, device=DEV).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, device=DEV)).to(dtype)
+    out, new_r = add_rmsnorm(x, r, w, 1e-5)
+    out_ref, r_ref = add_rmsnorm_ref(x, r, w, 1e-5)
+    torch.testing.assert_close(new_r, (x + r), rtol=0, atol=0)  # HF: residual + hidden in model dtype
+    torch.testing.assert_close(new_r, r_ref, rtol=0, atol=0)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2e-3}
+    torch.testing.assert_close(out, out_ref, **tol)
+
+
+def test_rmsnorm_3d_strided() -> None:
+    # per-head q-norm (Qwen3): [T, H, D] view of a fused qkv buffer
+    qkv = torch.randn(6, 10 * 32, device=DEV)
+    q = qkv[:, : 4 * 32].view(6, 4, 32)
+    w = torch.randn(32, device=DEV)
+    torch.testing.assert_close(rmsnorm(q, w, 1e-6), rmsnorm_ref(q, w, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+def test_rmsnorm_rejects_bad_input() -> None:
+    x = torch.randn(4, 64, device=DEV)
+    with pytest.raises(ValueError):
+        rmsnorm(x, torch.ones(32, device=DEV), 1e-6)
+    with pytest.raises(ValueError):
+        rmsnorm(x.t(), torch.ones(4, device=DEV), 1e-6)
+    with pytest.raises(ValueError):
+        add_rmsnorm(x, x.half(), torch.ones(64, device=DEV), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("inter", [64, 1500])
+def test_silu_and_mul(dtype: torch.dtype, inter: int) -> None:
+    x = (torch.randn(7, 2 * inter, device=DEV) * 4).to(dtype)
+    out = torch.full((7, inter), float("nan"), dtype=dtype, device=DEV)
+    silu_and_mul(x, out=out)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2e-3}
+    torch.testing.assert_close(out, silu_and_mul_ref(x), **tol)
+    gate, up = x.float().chunk(2, dim=-1)
+    torch.testing.assert_close(out.float(), gate * torch.sigmoid(gate) * up, **tol)
+    with pytest.raises(ValueError):
+        silu_and_mul(x[:, :-1])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton backend vs torch reference backend
+# ---------------------------------------------------------------------------------------------------
+
+
+def _backend_case(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device = DEV,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A step: the context before it is already cached; the step's k/v come separately (slot_mapping points
+    at their positions). One extra token has slot -1 (a padded token must not be written)."""
+    batch = make_batch(query_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
+                       device=device)  # fmt: skip
+    num_tokens = sum(query_lens)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    k = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen).to(dtype).to(device)
+    v = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen).to(dtype).to(device)
+    slots = []
+    bt = batch.block_tables.cpu()
+    for i, (ql, sl) in enumerate(zip(query_lens, seq_lens)):
+        for pos in range(sl - ql, sl):
+            slots.append(int(bt[i, pos // block_size]) * block_size + pos % block_size)
+    # new tokens' slots are poisoned before the step, so a missing write shows up as NaN
+    for s in slots:
+        batch.k_cache.view(-1, num_kv_heads, head_dim)[s] = float("nan")
+        batch.v_cache.view(-1, num_kv_heads, head_dim)[s] = float("nan")
+    meta = AttentionMetadata(
+        query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens,
+        block_tables=batch.block_tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+    )
+    return batch.q, k, v, batch.k_cache, batch.v_cache, meta
+
+
+def _compare_backends(
+    case: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata],
+    window: int | None,
+    tol: float,
+) -> None:
+    torch_ref = pytest.importorskip("tokenmill.worker.attention.torch_ref")
+    q, k, v, kc, vc, meta = case
+    kc2, vc2 = kc.clone(), vc.clone()
+    scale = q.shape[-1] ** -0.5
+    out = TritonBackend().forward(q, k, v, kc, vc, meta, scale, window)
+    ref = torch_ref.TorchRefBackend().forward(q, k, v, kc2, vc2, meta, scale, window)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert not out.isnan().any()
+    torch.testing.assert_close(kc, kc2, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(vc, vc2, equal_nan=True, rtol=0, atol=0)
+    assert rel_err(out, ref) < tol
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_triton_backend_matches_torch_ref(window: int | None) -> None:
+    case = _backend_case([3, 1, 12], [10, 17, 12], 4, 2, 32, 8, torch.float16)
+    _compare_backends(case, window, 2e-3)
+
+
+def test_triton_backend_does_not_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    # .item() / .tolist() on a device tensor would be a host sync; the backend must not call them
+    q, k, v, kc, vc, meta = _backend_case([1, 1], [9, 17], 4, 2, 32, 8, torch.float32)
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("host sync in TritonBackend.forward")
+
+    monkeypatch.setattr(torch.Tensor, "item", forbidden)
+    monkeypatch.setattr(torch.Tensor, "tolist", forbidden)
+    out = TritonBackend().forward(q, k, v, kc, vc, meta, 32**-0.5, None)
+    monkeypatch.undo()
+    ref = paged_attention_ref(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, 32**-0.5)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU tests (bf16, realistic shapes)
+# ---------------------------------------------------------------------------------------------------
+
+GPU_TOL = 1e-2
+
+
+def _gpu_check(batch: Batch, window: int | None = None, num_splits: int | None = None) -> None:
+    scale = batch.q.shape[-1] ** -0.5
+    out = run_attention(batch, scale, sliding_window=window, num_splits=num_splits)
+    torch.cuda.synchronize()
+    assert not out.isnan().any(), "unwritten (NaN) outputs"
+    ref = paged_attention_ref(*batch.args(), scale, sliding_window=window)
+    err = rel_err(out, ref)
+    assert err < GPU_TOL, f"relative error {err:.3e}"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads", "head_dim"), [(32, 8, 128), (32, 8, 64), (16, 16, 128)])
+def test_gpu_decode_batch64(num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    seq_lens = torch.randint(1024, 8193, (64,), generator=gen).tolist()
+    seq_lens[:4] = [1024, 8192, 1025, 4095]
+    batch = make_batch([1] * 64, seq_lens, num_q_heads, num_kv_heads, head_dim, 16, torch.bfloat16)
+    _gpu_check(batch)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("num_splits", [None, 1, 16])
+def test_gpu_decode_long_context_split(num_splits: int | None) -> None:
+    batch = make_batch([1, 1], [32768, 20001], 32, 8, 128, 16, torch.bfloat16)
+    _gpu_check(batch, num_splits=num_splits)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_gpu_prefill_chunk_with_prefix(head_dim: int) -> None:
+    # a 512-token chunk after a 2k prefix, batched with decodes and a fresh prompt
+    batch = make_batch([512, 1, 1, 300], [2560, 3000, 17, 300], 32, 8, head_dim, 16, torch.bfloat16)
+    _gpu_check(batch)
+
+
+@gpu
+@needs_cuda
+def test_gpu_prefill_long_single_sequence() -> None:
+    batch = make_batch([4096], [4096], 32, 8, 128, 16, torch.bfloat16)
+    _gpu_check(batch)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_gpu_sliding_window_and_block_sizes(block_size: int) -> None:
+    batch = make_batch([1, 700, 1], [5000, 1500, 100], 32, 8, 128, block_size, torch.bfloat16)
+    _gpu_check(batch, window=1024)
+
+
+@gpu
+@needs_cuda
+def test_gpu_fp16_and_fp32() -> None:
+    for dtype in (torch.float16, torch.float32):
+        batch = make_batch([1, 200, 1], [3000, 1200, 513], 32, 8, 128, 16, dtype)
+        _gpu_check(batch)
+
+
+@gpu
+@needs_cuda
+def test_gpu_small_kernels_bf16() -> None:
+    dtype = torch.bfloat16
+    x = torch.randn(333, 4096, device=DEV, dtype=dtype)
+    r = torch.randn(333, 4096, device=DEV, dtype=dtype)
+    w = (1 + 0.1 * torch.randn(4096, device=DEV)).to(dtype)
+    torch.testing.assert_close(rmsnorm(x, w, 1e-5), rmsnorm_ref(x, w, 1e-5), atol=2e-2, rtol=1e-2)
+    out, new_r = add_rmsnorm(x, r, w, 1e-5)
+    out_ref, r_ref = add_rmsnorm_ref(x, r, w, 1e-5)
+    torch.testing.assert_close(new_r, r_ref, rtol=0, atol=0)
+    torch.testing.assert_close(out, out_ref, atol=2e-2, rtol=1e-2)
+    g = torch.randn(333, 2 * 14336, device=DEV, dtype=dtype)
+    torch.testing.assert_close(silu_and_mul(g), silu_and_mul_ref(g), atol=2e-2, rtol=1e-2)
+    q, k, v, cos_sin, positions = _rope_inputs(77, 32, 8, 128, dtype)
+    kc = torch.full((20, 16, 8, 128), float("nan"), dtype=dtype, device=DEV)
+    vc = kc.clone()
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    slots = torch.randperm(320, device=DEV)[:77]
+    q_ref, k_ref = rotary_and_cache_ref(q, k, v, cos_sin, positions, kc_ref, vc_ref, slots)
+    rotary_and_cache(q, k, v, cos_sin, positions, kc, vc, slots)
+    torch.testing.assert_close(q, q_ref, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(kc, kc_ref, atol=2e-2, rtol=1e-2, equal_nan=True)
+    torch.testing.assert_close(vc, vc_ref, atol=0, rtol=0, equal_nan=True)
+    kc2, vc2 = kc.clone().fill_(float("nan")), vc.clone().fill_(float("nan"))
+    write_kv_cache(k, v, kc2, vc2, slots)
+    kc3, vc3 = kc2.clone().fill_(float("nan")), vc2.clone().fill_(float("nan"))
+    write_kv_cache_ref(k, v, kc3, vc3, slots)
+    torch.testing.assert_close(kc2, kc3, atol=0, rtol=0, equal_nan=True)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("window", [None, 256])
+def test_gpu_triton_backend_matches_torch_ref(window: int | None) -> None:
+    case = _backend_case([1] * 30 + [512, 100], [1500] * 30 + [2560, 100], 32, 8, 128, 16, torch.bfloat16)
+    _compare_backends(case, window, GPU_TOL)

@@ -1,0 +1,200 @@
+"""Wire protocol: round trips of every message, strict rejection of malformed input, limits."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenmill.client import protocol as p
+from tokenmill.client.errors import ProtocolError
+
+SAMPLES: list[p.Message] = [
+    p.Submit("job-1", "tiny-llama", p.RequestInput(prompt="hello"), {"max_tokens": 4, "temperature": 0.0},
+             timeout=3.5, priority=2, owner="me", from_seq=0),
+    p.Submit("job-2", "", p.RequestInput(messages=[{"role": "user", "content": "hi"}]), {"stop": ["\n"]}),
+    p.Submit("job-3", "m", p.RequestInput(prompt_token_ids=[1, 2, 3]), {}, cancel_on_disconnect=False),
+    p.Cancel("job-1", "me"),
+    p.Subscribe("job-1", "me", 7),
+    p.Ping(), p.Bye(), p.StatsRequest(),
+    p.Ack("job-1", duplicate=True),
+    p.Stream([p.StreamChunk("job-1", 0, [5, 6], "ab", None),
+              p.StreamChunk("job-2", 3, [7], "c", [[[7, -0.5], [8, -1.0]]])]),
+    p.Done("job-1", "length", None, (3, 4, 0), 4),
+    p.Done("job-1", "stop", "\n", (3, 4, 0), 4),
+    p.Fail("job-1", "overloaded", "queue full", 0.5),
+    p.Pong(),
+    p.StatsReply({"counters": {"dispatches": 3}, "workers": [{"name": "w"}]}),
+    p.Ready("w-1", ["tiny-llama", "llama"], 128, 1000, 16, 2048, 0.2),
+    p.WorkerHeartbeat(1, 2, 3, 4),
+    p.Tokens([p.TokenChunk("job-1", 1, 4, [9, 10], "xy", None)]),
+    p.Finished([p.FinishedJob("job-1", 1, "stop", 2, (3, 6, 0))]),
+    p.JobError("job-1", 0, "invalid", "max_tokens must be >= 1"),
+    p.WorkerDisconnect(),
+    p.WorkerSubmit("job-1", 2, p.RequestInput(prompt="hello"), {"max_tokens": 8}, [5, 6], 0),
+    p.WorkerCancel("job-1", 2),
+    p.BrokerHeartbeat(),
+    p.BrokerDisconnect("reregister"),
+]
+
+
+def test_every_command_has_a_sample() -> None:
+    assert {m.CMD for m in SAMPLES} == set(p.Cmd)
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg: p.Message) -> None:
+    frames = p.encode(msg)
+    assert frames[0] == p.HEADER and len(frames) == 3
+    assert p.decode(frames) == msg
+
+
+def test_direction_sets_partition_commands() -> None:
+    sets = [p.CLIENT_TO_BROKER, p.BROKER_TO_CLIENT, p.WORKER_TO_BROKER, p.BROKER_TO_WORKER]
+    assert sum(len(s) for s in sets) == len(p.Cmd)
+    assert frozenset().union(*sets) == frozenset(p.Cmd)
+
+
+def test_command_not_allowed_in_direction() -> None:
+    with pytest.raises(ProtocolError, match="not allowed"):
+        p.decode(p.encode(p.Ready("w", ["m"], 1, 1, 16, 64, 0.2)), p.CLIENT_TO_BROKER)
+
+
+def _nest(depth: int) -> Any:
+    v: Any = {}
+    for _ in range(depth):
+        v = {"k": v}
+    return v
+
+
+def _frames(cmd: p.Cmd, body: Any) -> list[bytes]:
+    return [p.HEADER, bytes((cmd,)), msgpack.packb(body)]
+
+
+BAD: list[tuple[str, list[bytes]]] = [
+    ("two frames", [p.HEADER, b"\x01"]),
+    ("bad header", [b"XX1", b"\x04", msgpack.packb({})]),
+    ("long command", [p.HEADER, b"\x04\x04", msgpack.packb({})]),
+    ("unknown command", [p.HEADER, b"\x7f", msgpack.packb({})]),
+    ("bad msgpack", [p.HEADER, b"\x04", b"\xc1"]),
+    ("trailing bytes", [p.HEADER, b"\x04", msgpack.packb({}) + b"\x00"]),
+    ("truncated", [p.HEADER, b"\x01", msgpack.packb({"job_id": "x" * 40})[:-3]]),
+    ("ext type", [p.HEADER, b"\x04", msgpack.packb(msgpack.ExtType(1, b"x"))]),
+    ("bin", [p.HEADER, b"\x01", msgpack.packb({"job_id": b"x"}, use_bin_type=True)]),
+    ("int map key", [p.HEADER, b"\x04", msgpack.packb({1: 2})]),
+    ("ping with keys", _frames(p.Cmd.PING, {"x": 1})),
+    ("submit no input", _frames(p.Cmd.SUBMIT, {"job_id": "a", "model": "", "params": {}})),
+    ("submit two inputs", _frames(p.Cmd.SUBMIT, {"job_id": "a", "model": "", "params": {}, "prompt": "x",
+                                                 "prompt_token_ids": [1]})),
+    ("submit bool timeout", _frames(p.Cmd.SUBMIT, {"job_id": "a", "model": "", "params": {}, "prompt": "x",
+                                                   "timeout": True})),
+    ("submit nan timeout", _frames(p.Cmd.SUBMIT, {"job_id": "a", "model": "", "params": {}, "prompt": "x",
+                                                  "timeout": float("nan")})),
+    ("submit empty id", _frames(p.Cmd.SUBMIT, {"job_id": "", "model": "", "params": {}, "prompt": "x"})),
+    ("submit long id", _frames(p.Cmd.SUBMIT, {"job_id": "a" * 500, "model": "", "params": {}, "prompt": "x"})),
+    ("submit unknown key", _frames(p.Cmd.SUBMIT, {"job_id": "a", "model": "", "params": {}, "prompt": "x",
+                                                  "evil": 1})),
+    ("params deep", _frames(p.Cmd.SUBMIT, {"job_id": "a", "model": "", "prompt": "x",
+                                           "params": {"extra": _nest(20)}})),
+    ("params list of maps", _frames(p.Cmd.SUBMIT, {"job_id": "a", "model": "", "prompt": "x",
+                                                   "params": {"stop": [{}]}})),
+    ("messages bad role", _frames(p.Cmd.SUBMIT, {"job_id": "a", "model": "", "params": {},
+                                                 "messages": [{"role": 1, "content": "x"}]})),
+    ("negative token", _frames(p.Cmd.W_TOKENS, [["a", 0, 0, [-1], "", None]])),
+    ("huge token", _frames(p.Cmd.W_TOKENS, [["a", 0, 0, [1 << 40], "", None]])),
+    ("bool token", _frames(p.Cmd.W_TOKENS, [["a", 0, 0, [True], "", None]])),
+    ("short chunk", _frames(p.Cmd.W_TOKENS, [["a", 0, 0, [1], ""]])),
+    ("logprob count", _frames(p.Cmd.W_TOKENS, [["a", 0, 0, [1], "", []]])),
+    ("bad finish", _frames(p.Cmd.W_FINISHED, [["a", 0, "exploded", None, [1, 1, 0]]])),
+    ("zero capacity", _frames(p.Cmd.W_READY, {"name": "w", "models": ["m"], "capacity": 0, "kv_blocks": 1,
+                                              "block_size": 16, "max_model_len": 8, "heartbeat_interval": 1})),
+    ("stats deep", _frames(p.Cmd.STATS_REPLY, _nest(40))),
+    ("fail unknown code", _frames(p.Cmd.FAIL, {"job_id": "a", "code": "oops"})),
+]
+
+
+@pytest.mark.parametrize(("name", "frames"), BAD, ids=[b[0] for b in BAD])
+def test_malformed_is_rejected(name: str, frames: list[bytes]) -> None:
+    with pytest.raises(ProtocolError):
+        p.decode(frames)
+
+
+def test_size_limit() -> None:
+    big = p.encode(p.Submit("a", "", p.RequestInput(prompt="x" * 2000), {}))
+    with pytest.raises(ProtocolError, match="exceeds"):
+        p.decode(big, max_bytes=1000)
+    assert isinstance(p.decode(big), p.Submit)
+
+
+def test_huge_declared_lengths_are_refused_cheaply() -> None:
+    # An array header claiming 2**32-1 items followed by nothing: refused by the limit, not allocated.
+    for body in (b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff"):
+        with pytest.raises(ProtocolError):
+            p.decode([p.HEADER, b"\x01", body])
+
+
+def test_deep_nesting_in_body() -> None:
+    with pytest.raises(ProtocolError):
+        p.decode([p.HEADER, b"\x01", b"\x91" * 100_000 + b"\xc0"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(cmd=st.sampled_from(list(p.Cmd)), body=st.binary(max_size=200))
+def test_fuzz_random_bytes_only_raise_protocol_error(cmd: p.Cmd, body: bytes) -> None:
+    try:
+        p.decode([p.HEADER, bytes((cmd,)), body])
+    except ProtocolError:
+        pass
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70).filter(lambda x: -(2**63) <= x < 2**64)
+    | st.floats() | st.text(max_size=10),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(cmd=st.sampled_from(list(p.Cmd)), obj=_json)
+def test_fuzz_wrong_types_only_raise_protocol_error(cmd: p.Cmd, obj: Any) -> None:
+    try:
+        p.decode([p.HEADER, bytes((cmd,)), msgpack.packb(obj)])
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(msg=st.sampled_from(SAMPLES), data=st.data())
+def test_fuzz_mutated_valid_messages(msg: p.Message, data: st.DataObject) -> None:
+    """Flip bytes of valid encodings: decode either succeeds with a message of the same command or
+    raises ProtocolError, never anything else."""
+    frames = p.encode(msg)
+    body = bytearray(frames[2])
+    for _ in range(data.draw(st.integers(1, 4))):
+        if body:
+            i = data.draw(st.integers(0, len(body) - 1))
+            body[i] = data.draw(st.integers(0, 255))
+    try:
+        out = p.decode([frames[0], frames[1], bytes(body)])
+    except ProtocolError:
+        return
+    assert out.CMD == msg.CMD
+
+
+def test_client_and_broker_import_no_torch() -> None:
+    code = (
+        "import sys\n"
+        "import tokenmill.client, tokenmill.client.protocol, tokenmill.client.async_client\n"
+        "import tokenmill.client.remote_cli\n"
+        "import tokenmill.broker, tokenmill.broker.broker\n"
+        "import tokenmill.cli.serve\n"
+        "bad = [m for m in ('torch', 'numpy') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

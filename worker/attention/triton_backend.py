@@ -1,0 +1,44 @@
+"""Attention backend on the Triton kernels: write the step's k/v into the paged cache, then paged attention.
+
+No host sync: launch decisions use the host ints meta.max_query_len / meta.max_seq_len only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.kernels.kv_cache import write_kv_cache
+from tokenmill.kernels.paged_attention import paged_attention
+from tokenmill.worker.attention.backend import AttentionMetadata
+
+
+class TritonBackend:
+    """AttentionBackend: q [T, Hq, D]; k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]."""
+
+    name = "triton"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """Returns [T, Hq, D] in q's dtype (a new contiguous tensor)."""
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            scale,
+            max_query_len=max(1, meta.max_query_len),
+            max_seq_len=max(1, meta.max_seq_len),
+            sliding_window=sliding_window,
+        )

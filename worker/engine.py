@@ -1,0 +1,289 @@
+"""The engine: requests in, token deltas out. schedule -> forward -> sample -> detokenize, one step at
+a time. Not thread-safe: one thread drives it (the worker process's engine loop, or the caller)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tokenmill.worker.block_manager import BlockManager
+from tokenmill.worker.config import EngineConfig
+from tokenmill.worker.detokenizer import IncrementalDetokenizer
+from tokenmill.worker.loader import ModelSource, resolve_model
+from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.outputs import CompletionOutput, EngineStats, RequestOutput, Usage
+from tokenmill.worker.request import Request
+from tokenmill.worker.sampling_params import InvalidRequestError, SamplingParams
+from tokenmill.worker.scheduler import Scheduler
+from tokenmill.worker.tokenizer import Tokenizer
+
+log = logging.getLogger("tokenmill.engine")
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(eq=False)
+class _Live:
+    """Engine-side state of a request beside its scheduling state."""
+
+    req: Request
+    detok: IncrementalDetokenizer
+    held: str = ""  # decoded text not yet emitted: it may be the start of a stop string
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+
+
+def load_tokenizer(source: ModelSource) -> Tokenizer:
+    if source.kind == "hf":
+        assert source.path is not None
+        if (source.path / "tokenizer.json").is_file():
+            return Tokenizer.from_hf_folder(source.path)
+        log.warning("%s has no tokenizer.json: using a byte-level tokenizer (token-id prompts work)", source.path)
+    if source.kind == "gguf":
+        assert source.gguf_metadata is not None
+        return Tokenizer.from_gguf_metadata(source.gguf_metadata)
+    return Tokenizer.byte_fallback(source.arch.vocab_size)
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache with prefix caching and chunked prefill.
+
+    `add_request` + `step` is the serving interface; `generate` (offline batch) and `stream` (one
+    request) are built on it."""
+
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+        config = replace(config or EngineConfig(), **overrides)
+        self.config = config
+        source = resolve_model(config.model, config.load_format)
+        self.model_name = source.name
+        self.tokenizer = load_tokenizer(source)
+        arch = source.arch
+        self.max_model_len = min(config.max_model_len or arch.max_position_embeddings,
+                                 arch.max_position_embeddings)
+        self.runner = ModelRunner(config, source, self.max_model_len)
+        self.eos_token_ids = tuple(sorted(set(arch.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
+        self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size,
+                                   config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, self.eos_token_ids)
+        self._live: dict[str, _Live] = {}
+        self._pending: list[RequestOutput] = []  # outputs produced outside a step (aborts)
+        self._arrivals = itertools.count()
+        self._seeds = random.Random(config.seed)
+        self._ids = itertools.count()
+        log.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d",
+                 self.model_name, self.runner.device, self.runner.dtype, self.runner.num_blocks,
+                 config.cache.block_size, self.max_model_len)
+
+    # -- requests -----------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        params: SamplingParams | dict[str, Any] | None = None,
+        priority: int = 0,
+        resume_token_ids: Sequence[int] = (),
+    ) -> None:
+        """Queue a request. Exactly one of prompt / prompt_token_ids / messages. `resume_token_ids` are
+        output tokens an earlier attempt already delivered: they count toward max_tokens and the sampling
+        positions continue after them. Raises InvalidRequestError; nothing else is affected."""
+        if request_id in self._live:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        params = params or SamplingParams()
+        ids = self._prompt_ids(prompt, prompt_token_ids, messages)
+        resume = list(resume_token_ids)
+        self._validate(ids, resume, params)
+        req = Request(request_id, ids, params,
+                      seed=params.seed if params.seed is not None else self._seeds.getrandbits(62),
+                      arrival_seq=next(self._arrivals), priority=int(priority), token_ids=ids + resume)
+        detok = IncrementalDetokenizer(self.tokenizer, ids + resume, params.skip_special_tokens)
+        self._live[request_id] = _Live(req, detok)
+        self.scheduler.add(req)
+
+    def _prompt_ids(self, prompt: str | None, token_ids: Sequence[int] | None,
+                    messages: list[dict[str, Any]] | None) -> list[int]:
+        if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
+            raise InvalidRequestError("give exactly one of prompt, prompt_token_ids or messages")
+        if messages is not None:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise InvalidRequestError("prompt must be a string")
+            return self.tokenizer.encode(prompt)
+        assert token_ids is not None
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+            raise InvalidRequestError("prompt_token_ids must be integers")
+        return list(token_ids)
+
+    def _validate(self, ids: list[int], resume: list[int], params: SamplingParams) -> None:
+        vocab = self.runner.arch.vocab_size
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        bad = [t for t in ids + resume if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        unknown = [t for t in params.stop_token_ids if t >= vocab]
+        if unknown:
+            raise InvalidRequestError(f"stop token id {unknown[0]} is not in the vocabulary (size {vocab})")
+        n = len(ids) + len(resume)
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens but the model's context is {self.max_model_len} tokens "
+                "(at least one must be left to generate)")
+        if len(resume) >= params.max_tokens:
+            raise InvalidRequestError(f"{len(resume)} tokens already delivered, max_tokens is {params.max_tokens}")
+        worst = min(len(ids) + params.max_tokens, self.max_model_len)
+        if self.blocks.blocks_for(worst) > self.blocks.num_blocks:
+            raise InvalidRequestError(
+                f"the request needs up to {worst} tokens of KV cache but the cache holds "
+                f"{self.blocks.num_blocks * self.blocks.block_size}; lower max_tokens or the prompt")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks at once; its final output (finish_reason "abort")
+        comes with the next `step()`. Returns False for an unknown or finished id."""
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return False
+        self.scheduler.finish(live.req, "abort")
+        self._pending.append(self._final(live, [], "", live.req.num_output_tokens))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._live) or bool(self._pending)
+
+    # -- the step -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        for req in batch.failed:
+            live = self._live.pop(req.request_id)
+            outputs.append(self._final(live, [], "", req.num_output_tokens, error=str(req.stop_reason)))
+        if not batch.requests:
+            return outputs
+        result = self.runner.execute(batch, self.eos_token_ids)
+        for req, lp in zip(batch.requests, result.logprobs):
+            if lp is not None and req.request_id in self._live:
+                self._live[req.request_id].logprobs.append(lp)
+        first_index = {r.request_id: r.num_output_tokens for r in batch.requests}
+        for req in self.scheduler.update(batch, result.sampled):
+            out = self._emit(self._live[req.request_id], first_index[req.request_id])
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _emit(self, live: _Live, first_index: int) -> RequestOutput | None:
+        req = live.req
+        new_ids = req.token_ids[req.num_prompt_tokens + first_index :]
+        text = live.held + live.detok.push(new_ids)
+        live.held = ""
+        stop = self._find_stop(text, req.params.stop) if req.params.stop else None
+        if stop is not None and not req.is_finished:
+            cut, stop_str = stop
+            self.scheduler.finish(req, "stop", stop_str)
+            text = text[:cut]
+        elif req.params.stop and not req.is_finished:
+            keep = _stop_prefix_len(text, req.params.stop)
+            text, live.held = text[: len(text) - keep], text[len(text) - keep :]
+        if req.is_finished:
+            self._live.pop(req.request_id)
+            if stop is None:
+                text += live.detok.flush()
+            return self._final(live, new_ids, text, first_index)
+        logprobs, live.logprobs = live.logprobs or None, []
+        return RequestOutput(req.request_id, new_ids, text, first_index, logprobs=logprobs)
+
+    @staticmethod
+    def _find_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+        hits = [(text.find(s), s) for s in stops if s in text]
+        return min(hits) if hits else None
+
+    def _final(self, live: _Live, new_ids: list[int], text: str, first_index: int,
+               error: str | None = None) -> RequestOutput:
+        req = live.req
+        usage = Usage(req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens)
+        reason = "error" if error else req.finish_reason
+        return RequestOutput(req.request_id, new_ids, text, first_index, finished=True,
+                             finish_reason=reason,  # type: ignore[arg-type]
+                             stop_reason=None if error else req.stop_reason, error=error,
+                             logprobs=live.logprobs or None, usage=usage)
+
+    # -- convenience ----------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[CompletionOutput]:
+        """Run a batch of prompts (text or token ids) to completion; results in input order."""
+        plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("give one SamplingParams or one per prompt")
+        results: dict[str, CompletionOutput] = {}
+        order: list[str] = []
+        for prompt, p in zip(prompts, plist):
+            rid = f"gen-{next(self._ids)}"
+            if isinstance(prompt, str):
+                self.add_request(rid, prompt, params=p)
+            else:
+                self.add_request(rid, prompt_token_ids=prompt, params=p)
+            order.append(rid)
+            results[rid] = CompletionOutput(rid, self._live[rid].req.prompt_token_ids)
+        while any(rid in self._live for rid in order):
+            for out in self.step():
+                if out.request_id in results:
+                    _accumulate(results[out.request_id], out)
+        return [results[rid] for rid in order]
+
+    def stream(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
+               messages: list[dict[str, Any]] | None = None) -> Iterator[RequestOutput]:
+        """Yield one request's deltas as they are produced; the last one has finished=True."""
+        rid = f"stream-{next(self._ids)}"
+        if messages is not None:
+            self.add_request(rid, messages=messages, params=params)
+        elif isinstance(prompt, str):
+            self.add_request(rid, prompt, params=params)
+        else:
+            self.add_request(rid, prompt_token_ids=prompt, params=params)
+        try:
+            while True:
+                for out in self.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.abort_request(rid)
+
+    def stats(self) -> EngineStats:
+        b = self.blocks
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=b.num_free, num_cached_blocks=b.num_cached, num_total_blocks=b.num_blocks,
+            block_size=b.block_size, prefix_cache_queries=b.prefix_queries, prefix_cache_hits=b.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+
+def _accumulate(acc: CompletionOutput, out: RequestOutput) -> None:
+    acc.token_ids.extend(out.new_token_ids)
+    acc.text += out.text_delta
+    if out.logprobs:
+        acc.logprobs = (acc.logprobs or []) + out.logprobs
+    if out.finished:
+        acc.finish_reason, acc.stop_reason = out.finish_reason, out.stop_reason
+        acc.error, acc.usage = out.error, out.usage
+
+
+def _stop_prefix_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best

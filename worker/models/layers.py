@@ -1,0 +1,195 @@
+"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, linear layers behind a
+quantization hook, and the SwiGLU activation.
+
+Every module here creates its parameters with an explicit dtype and on the current default device, so a
+model built inside `with torch.device(dev):` owns its weights on `dev` from the start (no second copy).
+Parameters never require grad: this is an inference-only engine.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol, cast
+
+import torch
+import torch.nn.functional as F
+from tokenmill.worker.config import RopeScaling
+from torch import nn
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be resolved, read or matched to its architecture; the message says why."""
+
+
+def frozen_param(data: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(data, requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 and cast back to x's dtype.
+    x: [..., hidden]; weight: [hidden]."""
+
+    def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = frozen_param(torch.ones(hidden_size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (x32 * inv_rms * self.weight.float()).to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """Per-pair inverse frequencies [head_dim // 2] float32, with Llama 3.1 or linear scaling applied."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind == "llama3":
+        return llama3_scaled_inv_freq(inv_freq, scaling)
+    return inv_freq
+
+
+def llama3_scaled_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1 scaling: wavelengths longer than original_max/low_freq_factor are divided by `factor`,
+    shorter than original_max/high_freq_factor are kept, the band between is interpolated smoothly."""
+    low_freq_wavelen = s.original_max_position / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    band = s.high_freq_factor - s.low_freq_factor
+    smooth = (s.original_max_position / wavelen - s.low_freq_factor) / band
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = wavelen < 0
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Neox/HF convention: the pairs are (x[i], x[i + D/2]), not adjacent elements."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding with a precomputed cos/sin cache.
+
+    cos_cache, sin_cache: [max_position, head_dim] float32 (each half repeated, HF layout).
+    Positions must lie in [0, max_position)."""
+
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position = max_position
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)  # on the default device, like all tensors here
+        positions = torch.arange(max_position, dtype=torch.float32)
+        angles = torch.outer(positions, inv_freq)  # [max_position, head_dim // 2]
+        emb = torch.cat((angles, angles), dim=-1)  # [max_position, head_dim]
+        self.register_buffer("cos_cache", emb.cos(), persistent=False)
+        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int64; q: [T, Hq, D]; k: [T, Hkv, D]. Returns rotated (q, k), same dtypes."""
+        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin_cache[positions].unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
+
+
+class LinearMethod(Protocol):
+    """How a linear layer stores its weights and multiplies by them (the quantization hook).
+
+    `create_weights` registers parameters on `layer` (for the unquantized method: weight [out, in] and
+    optionally bias [out]); `apply` maps x [..., in] to [..., out]."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | None,
+    ) -> None: ...
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class UnquantizedLinearMethod:
+    """Dense weight [out, in] in the model dtype; y = x @ W^T + b."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | None,
+    ) -> None:
+        layer.register_parameter(
+            "weight", frozen_param(torch.empty(output_size, input_size, dtype=dtype, device=device))
+        )
+        bias_param = frozen_param(torch.zeros(output_size, dtype=dtype, device=device)) if bias else None
+        layer.register_parameter("bias", bias_param)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        weight = cast(torch.Tensor, layer.weight)  # [out, in]
+        bias = cast(torch.Tensor | None, layer.bias)  # [out] or None
+        return F.linear(x, weight, bias)
+
+
+class Linear(nn.Module):
+    """x [..., input_size] -> [..., output_size]; storage and matmul are delegated to `method`.
+    Fused layers (qkv_proj, gate_up_proj) are one Linear whose output rows are the concatenated parts."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        method: LinearMethod | None = None,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.method: LinearMethod = method if method is not None else UnquantizedLinearMethod()
+        self.method.create_weights(self, input_size, output_size, bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_size}, method={type(self.method).__name__}"
+
+
+class SiluAndMul(nn.Module):
+    """x [..., 2 * I] = [gate | up] -> silu(gate) * up, [..., I]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class VocabEmbedding(nn.Module):
+    """Token ids [T] int64 -> rows of weight [vocab, hidden]. The weight is left uninitialised: it is
+    always overwritten by the loader."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = frozen_param(torch.empty(vocab_size, hidden_size, dtype=dtype))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)

@@ -1,0 +1,258 @@
+"""Llama-family decoder (Llama 2/3/3.1, SmolLM2, Mistral, Qwen2/2.5, Qwen3) over a paged KV cache.
+
+The module tree mirrors Hugging Face transformers (model.embed_tokens, model.layers.N.self_attn, ...,
+model.norm, lm_head) except that q/k/v and gate/up projections are fused into `qkv_proj` ([q|k|v] rows)
+and `gate_up_proj` ([gate|up] rows); `load_weights` takes HF names and fills the fused slices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from tokenmill.worker.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.worker.config import ModelArch
+from tokenmill.worker.models.layers import (
+    Linear,
+    LinearMethod,
+    ModelLoadError,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    VocabEmbedding,
+)
+from torch import nn
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
+
+# HF names that may appear in checkpoints but carry nothing we need.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        arch: ModelArch,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+        linear_method: LinearMethod | None,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_size = arch.q_size
+        self.kv_size = arch.kv_size
+        self.scale = arch.head_dim**-0.5
+        self.sliding_window = arch.sliding_window
+        self.backend = backend
+        self.rotary = rotary  # shared by all layers; holds no parameters
+        self.qkv_proj = Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.qkv_bias,
+                               linear_method, dtype=dtype)
+        self.o_proj = Linear(arch.q_size, arch.hidden_size, False, linear_method, dtype=dtype)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype=dtype)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """positions: [T]; x: [T, hidden] -> [T, hidden]."""
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ModelArch, linear_method: LinearMethod | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, False, linear_method,
+                                   dtype=dtype)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, False, linear_method, dtype=dtype)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        arch: ModelArch,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+        linear_method: LinearMethod | None,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype)
+        self.self_attn = LlamaAttention(arch, backend, rotary, linear_method, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype)
+        self.mlp = LlamaMLP(arch, linear_method, dtype)
+
+    def forward(
+        self, positions: torch.Tensor, h: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """h: [T, hidden] residual stream in, residual stream out."""
+        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        arch: ModelArch,
+        backend: AttentionBackend,
+        linear_method: LinearMethod | None,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
+                                          arch.rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, backend, self.rotary_emb, linear_method, dtype)
+            for _ in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T], kv_caches, meta) -> final-normed hidden [T, hidden];
+    compute_logits(hidden [N, hidden]) -> [N, vocab] float32."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        backend: AttentionBackend,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        linear_method: LinearMethod | None = None,
+    ) -> None:
+        super().__init__()
+        self.arch = arch
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.last_aux_hidden: torch.Tensor | None = None
+        with torch.device(self.device):
+            self.model = LlamaModel(arch, backend, linear_method, dtype)
+            # Tied models read logits straight off embed_tokens.weight; lm_head is then None.
+            self.lm_head: Linear | None = None
+            if not arch.tie_word_embeddings:
+                self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False, dtype=dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        capture_hidden: bool = False,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] int64; kv_caches[i] belongs to layer i. Returns [T, hidden].
+        With capture_hidden, last_aux_hidden holds the last layer's output before the final norm."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.model.layers)} layers")
+        h = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            h = layer(positions, h, kv_cache, meta)
+        self.last_aux_hidden = h if capture_hidden else None
+        return self.model.norm(h)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """[vocab, hidden]; embed_tokens.weight itself when the embeddings are tied."""
+        if self.lm_head is None:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits [N, vocab] float32."""
+        return F.linear(hidden, self.lm_head_weight()).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (possibly fused) parameters, casting dtype and device.
+        Raises ModelLoadError on an unexpected name, a shape mismatch, or a tensor never provided."""
+        expected = expected_hf_weights(self.arch)
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            if name not in expected:
+                raise ModelLoadError(f"unexpected weight {name!r} for a {self.arch.arch} model "
+                                     f"with {self.arch.num_layers} layers")
+            if tuple(tensor.shape) != expected[name]:
+                raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {expected[name]}")
+            param_name, rows = fused_target(name, self.arch)
+            target = params[param_name].data
+            if rows is not None:
+                target = target[rows[0]:rows[1]]
+            target.copy_(tensor)
+            seen.add(name)
+        missing = [n for n in expected if n not in seen]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} weight(s): {shown}")
+
+
+def _fused_shards(arch: ModelArch) -> dict[str, tuple[str, int, int]]:
+    """HF projection name -> (fused module name, first row, end row) in the fused weight."""
+    q, kv, inter = arch.q_size, arch.kv_size, arch.intermediate_size
+    return {
+        "q_proj": ("qkv_proj", 0, q),
+        "k_proj": ("qkv_proj", q, q + kv),
+        "v_proj": ("qkv_proj", q + kv, q + 2 * kv),
+        "gate_proj": ("gate_up_proj", 0, inter),
+        "up_proj": ("gate_up_proj", inter, 2 * inter),
+    }
+
+
+def fused_target(hf_name: str, arch: ModelArch) -> tuple[str, tuple[int, int] | None]:
+    """Our parameter name for an HF weight name, and the row range it fills (None: the whole tensor)."""
+    parts = hf_name.split(".")
+    shard = _fused_shards(arch).get(parts[-2]) if len(parts) >= 2 else None
+    if shard is None:
+        return hf_name, None
+    fused, start, end = shard
+    return ".".join([*parts[:-2], fused, parts[-1]]), (start, end)
+
+
+def expected_hf_weights(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """Every HF-named tensor a checkpoint of `arch` must provide, with its shape (HF layout [out, in])."""
+    h, q, kv, inter, d = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size, arch.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, h)}
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (q, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        if arch.qkv_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (q,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv,)
+        if arch.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
+        shapes[p + "mlp.up_proj.weight"] = (inter, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+    shapes["model.norm.weight"] = (h,)
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, h)
+    return shapes

@@ -1,0 +1,64 @@
+"""What an engine step hands back: one delta per request that produced tokens or finished."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int  # includes tokens delivered by an earlier attempt when resumed
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A step's new output of one request.
+
+    `first_index` is the output position (0-based, counting tokens an earlier attempt delivered when the
+    request was resumed) of new_token_ids[0]; consecutive deltas of one request are gap-free.
+    `text_delta` never ends inside a UTF-8 character and never contains a stop string."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    first_index: int
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended the request
+    error: str | None = None
+    # Per new token: {token_id: logprob} with the sampled token first, then the top-n.
+    logprobs: list[dict[int, float]] | None = None
+    usage: Usage | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """The whole result of one request of an offline `generate()` batch."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_cached_blocks: int  # unreferenced blocks kept for prefix reuse (evictable)
+    num_total_blocks: int
+    block_size: int
+    prefix_cache_queries: int  # full prompt blocks looked up
+    prefix_cache_hits: int  # of those, found cached
+    num_preemptions: int

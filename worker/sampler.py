@@ -1,0 +1,321 @@
+"""Batched, seeded token sampling.
+
+Every sampled token is a function of (seed, position, logits row) alone: batch neighbours, batch order,
+batch size and the process or device a request runs on never change it. Random rows use the
+exponential race ("Gumbel-max"): token = argmax_i p_i / E_i with E_i ~ Exp(1), where E_i comes from a
+counter-based hash of (seed, position, i) computed with int64 tensor ops on the logits' device. No
+torch.Generator and no host synchronisation happen inside `Sampler.__call__`.
+
+Pipeline of `Sampler.__call__` (all rows, vectorised over N):
+  1. penalties: repetition (HF: on prompt+output tokens, positive logits divided, negative multiplied),
+     then frequency/presence (OpenAI: on output tokens, subtracted);
+  2. min_tokens: ban EOS / stop ids (-inf) for requests that are still shorter than min_tokens;
+  3. greedy rows take argmax of these logits;
+  4. random rows: divide by temperature, top-k, top-p (on the renormalised top-k distribution),
+     min-p, then the exponential race.
+Logprobs (when asked for) are log_softmax of the raw logits given to the sampler (vLLM's default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from tokenmill.worker.sampling_params import SamplingParams
+from torch import Tensor
+
+# Temperatures below this are treated as greedy (dividing by them would overflow float32).
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+_NEG_INF = float("-inf")
+_U64 = 1 << 64
+_MASK64 = _U64 - 1
+
+
+def _i64(c: int) -> int:
+    """The int64 (two's complement) value with the same 64 bits as the unsigned constant `c`."""
+    c &= _MASK64
+    return c - _U64 if c >= 1 << 63 else c
+
+
+# splitmix64 constants (Steele, Lea & Flood; finalizer "Mix13" by Stafford).
+_GAMMA = _i64(0x9E3779B97F4A7C15)
+_MIX_M1 = _i64(0xBF58476D1CE4E5B9)
+_MIX_M2 = _i64(0x94D049BB133111EB)
+# Distinct odd increment for the position counter, so (seed, pos) and (seed', pos') streams decorrelate.
+_POS_GAMMA = _i64(0xD1B54A32D192ED03)
+_UNIFORM_BITS = 23  # u = (m + 0.5) * 2**-23 is exact in float32 and lies strictly inside (0, 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Counter-based random numbers
+# ---------------------------------------------------------------------------------------------------
+
+
+def _shr(x: Tensor, s: int) -> Tensor:
+    """Logical right shift of int64 `x` read as uint64 (torch's >> is arithmetic: clear the sign fill)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64(z: Tensor) -> Tensor:
+    """splitmix64 finalizer on int64 tensors.
+
+    Invariant relied on: torch's int64 add/mul wrap modulo 2**64 (two's complement) on CPU and CUDA,
+    so these ops equal the uint64 reference bit for bit (checked against pure Python in the tests)."""
+    z = (z ^ _shr(z, 30)) * _MIX_M1
+    z = (z ^ _shr(z, 27)) * _MIX_M2
+    return z ^ _shr(z, 31)
+
+
+def random_bits(seeds: Tensor, positions: Tensor, vocab_size: int) -> Tensor:
+    """64 hashed bits per (row, vocab index): [N] i64, [N] i64 -> [N, V] i64.
+
+    Element (r, i) depends only on (seeds[r], positions[r], i)."""
+    key = _mix64(_mix64(seeds + _GAMMA) + (positions + 1) * _POS_GAMMA)  # [N] one stream key per row
+    idx = torch.arange(1, vocab_size + 1, device=seeds.device, dtype=torch.int64)  # [V]
+    return _mix64(key[:, None] + idx[None, :] * _GAMMA)  # [N, V]: splitmix64 stream of the key
+
+
+def gumbel_noise(seeds: Tensor, positions: Tensor, vocab_size: int) -> Tensor:
+    """-log(E), E ~ Exp(1), per (row, vocab index): [N, V] float32, all finite.
+
+    argmax(x + gumbel) == argmax(softmax(x) / E): the exponential race in log space."""
+    m = _shr(random_bits(seeds, positions, vocab_size), 64 - _UNIFORM_BITS)  # [N, V] in [0, 2**23)
+    u = (m.to(torch.float32) + 0.5) * (2.0**-_UNIFORM_BITS)  # [N, V] in [2**-24, 1 - 2**-24]
+    return -torch.log(-torch.log(u))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-step metadata
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SamplingMetadata:
+    """Sampling inputs of the N requests that sample a token this step (row r = request r).
+
+    All tensors live on the logits' device. Padded id tensors use `vocab_size` as the pad id.
+    The host-side flags let `Sampler` skip unused work without reading device memory."""
+
+    temperature: Tensor  # [N] f32; rows with is_greedy hold 1.0 (never divided by ~0)
+    is_greedy: Tensor  # [N] bool: temperature < GREEDY_TEMPERATURE_EPS
+    top_k: Tensor  # [N] i64 in [1, V]; V = off
+    top_p: Tensor  # [N] f32 in (0, 1]; 1 = off
+    min_p: Tensor  # [N] f32 in [0, 1]; 0 = off
+    repetition_penalty: Tensor  # [N] f32 > 0; 1 = off
+    presence_penalty: Tensor  # [N] f32
+    frequency_penalty: Tensor  # [N] f32
+    seeds: Tensor  # [N] i64 (the 64 seed bits, two's complement)
+    positions: Tensor  # [N] i64: index of the token being sampled within the request's output
+    prompt_ids: Tensor  # [N, Lp] i64, pad = V; Lp = 0 when no row has a repetition penalty
+    output_ids: Tensor  # [N, Lo] i64, pad = V; Lo = 0 when no row has any penalty
+    banned_ids: Tensor  # [N, Lb] i64, pad = V: ids a row must not sample now (min_tokens)
+    vocab_size: int
+    max_num_logprobs: int | None  # max requested top-n over rows; None: no row wants logprobs
+    max_top_k: int  # max of top_k over rows (host copy, sizes torch.topk)
+    all_greedy: bool
+    all_random: bool
+    no_penalties: bool
+    no_repetition_penalty: bool
+    no_top_k: bool
+    no_top_p: bool
+    no_min_p: bool
+    no_banned: bool
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.temperature.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+        seeds: Sequence[int],
+        eos_token_ids: Sequence[int],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingMetadata:
+        """Gather the per-request inputs; `seeds` are resolved by the engine, positions = len(output)."""
+        n = len(params)
+        if not (len(prompt_ids) == len(output_ids) == len(seeds) == n):
+            raise ValueError("params, prompt_ids, output_ids and seeds must have one entry per row")
+        greedy = [p.temperature < GREEDY_TEMPERATURE_EPS for p in params]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        no_rep = all(p.repetition_penalty == 1.0 for p in params)
+        no_pen = no_rep and all(p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 for p in params)
+        banned = [_banned_ids(p, len(o), eos_token_ids, vocab_size) for p, o in zip(params, output_ids)]
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+
+        def f32(vals: Sequence[float]) -> Tensor:
+            return torch.tensor(vals, dtype=torch.float32, device=device)
+
+        def i64(vals: Sequence[int]) -> Tensor:
+            return torch.tensor(vals, dtype=torch.int64, device=device)
+
+        return cls(
+            temperature=f32([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            top_k=i64(top_k),
+            top_p=f32([p.top_p for p in params]),
+            min_p=f32([p.min_p for p in params]),
+            repetition_penalty=f32([p.repetition_penalty for p in params]),
+            presence_penalty=f32([p.presence_penalty for p in params]),
+            frequency_penalty=f32([p.frequency_penalty for p in params]),
+            seeds=i64([_i64(s) for s in seeds]),
+            positions=i64([len(o) for o in output_ids]),
+            prompt_ids=_pad_ids([] if no_rep else prompt_ids, n, vocab_size, device),
+            output_ids=_pad_ids([] if no_pen else output_ids, n, vocab_size, device),
+            banned_ids=_pad_ids(banned, n, vocab_size, device),
+            vocab_size=vocab_size,
+            max_num_logprobs=max(logprobs) if logprobs else None,
+            max_top_k=max(top_k, default=vocab_size),
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            no_penalties=no_pen,
+            no_repetition_penalty=no_rep,
+            no_top_k=all(k == vocab_size for k, g in zip(top_k, greedy) if not g),
+            no_top_p=all(p.top_p >= 1.0 for p, g in zip(params, greedy) if not g),
+            no_min_p=all(p.min_p <= 0.0 for p, g in zip(params, greedy) if not g),
+            no_banned=not any(banned),
+        )
+
+
+def _banned_ids(p: SamplingParams, num_output: int, eos: Sequence[int], vocab_size: int) -> list[int]:
+    """Ids a request may not sample yet: its stop ids (and EOS unless ignore_eos) before min_tokens."""
+    if num_output >= p.min_tokens:
+        return []
+    ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
+    return sorted(i for i in ids if 0 <= i < vocab_size)  # out-of-vocab ids can never be sampled anyway
+
+
+def _pad_ids(rows: Sequence[Sequence[int]], n: int, vocab_size: int, device: torch.device) -> Tensor:
+    """[n, L] i64 of the rows right-padded with vocab_size; [n, 0] when `rows` is empty or all empty."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((n, width), vocab_size, dtype=torch.int64)
+    for r, ids in enumerate(rows):
+        if ids:
+            out[r, : len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
+    return out.to(device)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sampler
+# ---------------------------------------------------------------------------------------------------
+
+
+class SamplerOutput(NamedTuple):
+    sampled_token_ids: Tensor  # [N] i64, always in [0, V)
+    # [N, k+1]: column 0 the sampled token, then the top-k by logprob (k = max_num_logprobs); else None.
+    logprobs_token_ids: Tensor | None
+    logprobs: Tensor | None  # [N, k+1] f32, log_softmax of the raw logits at logprobs_token_ids
+
+
+class Sampler:
+    """Stateless; call with [N, V] logits and the step's metadata. Never modifies `logits`."""
+
+    def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        raw = logits.float()  # [N, V]
+        x = raw if meta.no_penalties else apply_penalties(raw, meta)
+        if not meta.no_banned:
+            x = x.masked_fill(_id_mask(meta.banned_ids, x.shape[1]), _NEG_INF)
+        sampled = self._sample(x, meta)
+        if meta.max_num_logprobs is None:
+            return SamplerOutput(sampled, None, None)
+        ids, lps = gather_logprobs(raw, sampled, meta.max_num_logprobs)
+        return SamplerOutput(sampled, ids, lps)
+
+    @staticmethod
+    def _sample(x: Tensor, meta: SamplingMetadata) -> Tensor:
+        """[N, V] penalised logits -> [N] i64 token ids."""
+        greedy = None if meta.all_random else x.argmax(dim=-1)
+        if meta.all_greedy:
+            assert greedy is not None
+            return greedy
+        random = sample_random(x, meta)
+        return random if greedy is None else torch.where(meta.is_greedy, greedy, random)
+
+
+def _id_mask(ids: Tensor, vocab_size: int) -> Tensor:
+    """[N, L] i64 ids (pad = V) -> [N, V] bool, True where the id occurs in the row."""
+    mask = torch.zeros((ids.shape[0], vocab_size + 1), dtype=torch.bool, device=ids.device)
+    return mask.scatter_(1, ids, True)[:, :vocab_size]
+
+
+def _id_counts(ids: Tensor, vocab_size: int) -> Tensor:
+    """[N, L] i64 ids (pad = V) -> [N, V] f32 occurrence counts."""
+    counts = torch.zeros((ids.shape[0], vocab_size + 1), dtype=torch.float32, device=ids.device)
+    counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=torch.float32, device=ids.device))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(x: Tensor, meta: SamplingMetadata) -> Tensor:
+    """Repetition (HF), then frequency and presence (OpenAI) penalties: [N, V] -> new [N, V]."""
+    v = x.shape[1]
+    counts = _id_counts(meta.output_ids, v)  # [N, V]
+    if not meta.no_repetition_penalty:
+        seen = _id_mask(meta.prompt_ids, v) | (counts > 0)  # [N, V]
+        rp = meta.repetition_penalty[:, None]  # [N, 1]
+        x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
+    x = x - meta.frequency_penalty[:, None] * counts
+    return x - meta.presence_penalty[:, None] * (counts > 0).to(x.dtype)
+
+
+def sample_random(x: Tensor, meta: SamplingMetadata) -> Tensor:
+    """Temperature, top-k, top-p, min-p, then the exponential race: [N, V] -> [N] i64."""
+    x = x / meta.temperature[:, None]
+    x = apply_top_k_top_p(x, meta)
+    if not meta.no_min_p:
+        x = apply_min_p(x, meta.min_p)
+    noise = gumbel_noise(meta.seeds, meta.positions, x.shape[1])  # [N, V] finite
+    # Excluded tokens stay -inf; the row max is never excluded, so the argmax is a kept token.
+    return (x + noise).argmax(dim=-1)
+
+
+def apply_top_k_top_p(x: Tensor, meta: SamplingMetadata) -> Tensor:
+    """Mask (to -inf) tokens outside top-k, then outside top-p of the renormalised remainder.
+
+    Both filters are logit thresholds: a token is kept iff its logit >= the threshold of its row (ties
+    with the last kept token are kept too). The row's top token is always kept."""
+    if meta.no_top_p:
+        if meta.no_top_k:
+            return x
+        vals = torch.topk(x, meta.max_top_k, dim=-1).values  # [N, K] descending
+        kth = vals.gather(1, (meta.top_k.clamp(1, meta.max_top_k) - 1)[:, None])  # [N, 1]
+        return x.masked_fill(x < kth, _NEG_INF)
+    v = x.shape[1]
+    sorted_x = torch.sort(x, dim=-1, descending=True).values  # [N, V]
+    rank = torch.arange(v, device=x.device)[None, :]  # [1, V]
+    k = meta.top_k[:, None]  # [N, 1] in [1, V]
+    sorted_x = sorted_x.masked_fill(rank >= k, _NEG_INF)
+    probs = sorted_x.softmax(dim=-1)  # [N, V] renormalised over the top-k
+    cum = probs.cumsum(dim=-1)  # [N, V] float cumsum of non-negatives: monotone
+    mass_before = torch.nn.functional.pad(cum[:, :-1], (1, 0))  # [N, V] mass of strictly higher ranks
+    # Keep the smallest prefix whose mass reaches top_p: ranks whose preceding mass is < top_p.
+    # cumsum is monotone, so this is a prefix; it always holds rank 0 (mass 0 < top_p).
+    keep = (mass_before < meta.top_p[:, None]) | (meta.top_p[:, None] >= 1.0)
+    count = torch.minimum(keep.sum(dim=-1, keepdim=True), k).clamp(min=1)  # [N, 1]
+    threshold = sorted_x.gather(1, count - 1)  # [N, 1] logit of the last kept rank
+    return x.masked_fill(x < threshold, _NEG_INF)
+
+
+def apply_min_p(x: Tensor, min_p: Tensor) -> Tensor:
+    """Mask tokens whose probability is < min_p * (max probability): [N, V], [N] -> [N, V]."""
+    row_max = x.amax(dim=-1, keepdim=True)  # [N, 1]; p_i / p_max = exp(x_i - max)
+    return x.masked_fill(torch.exp(x - row_max) < min_p[:, None], _NEG_INF)
+
+
+def gather_logprobs(raw: Tensor, sampled: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """[N, V] raw logits, [N] sampled ids -> ids [N, k+1] i64 and logprobs [N, k+1] f32.
+
+    Column 0 is the sampled token, columns 1..k the top-k tokens by logprob, descending."""
+    lp = torch.log_softmax(raw, dim=-1)  # [N, V]
+    ids = sampled[:, None]  # [N, 1]
+    if k > 0:
+        top = torch.topk(lp, min(k, lp.shape[1]), dim=-1)
+        ids = torch.cat([ids, top.indices], dim=1)
+    return ids, lp.gather(1, ids)
+

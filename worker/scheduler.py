@@ -1,0 +1,180 @@
+"""One scheduling rule, no prefill/decode phases: every running request's computed tokens catch up to
+its total tokens (prompt + output). A step spends a token budget on running requests first (decodes
+and unfinished prefill chunks, in queue order), then admits waiting requests, chunking long prompts.
+Torch-free."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from tokenmill.worker.block_manager import BlockManager, extend_block_hashes
+from tokenmill.worker.config import SchedulerConfig
+from tokenmill.worker.request import Request, RequestStatus
+
+
+class ScheduledBatch(NamedTuple):
+    """`requests[i]` computes `num_new_tokens[i]` tokens starting at its `num_computed_tokens`."""
+
+    requests: list[Request]
+    num_new_tokens: list[int]
+    preempted: list[Request]
+    failed: list[Request]  # could never fit in the cache; finished with an error
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self, i: int) -> bool:
+        """Whether request i reaches its total in this step and so samples a token."""
+        r = self.requests[i]
+        return r.num_computed_tokens + self.num_new_tokens[i] == r.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_model_len: int,
+                 eos_token_ids: Iterable[int] = ()) -> None:
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.blocks = blocks
+        self.max_model_len = max_model_len
+        self.by_priority = config.policy == "priority"
+        self.waiting: list[Request] = []  # sorted by sort_key
+        self.running: list[Request] = []  # sorted by sort_key
+        self.num_preemptions = 0
+
+    # -- queue management -----------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        extend_block_hashes(req, self.blocks.block_size)
+        req.status = RequestStatus.WAITING
+        self._insert(self.waiting, req)
+
+    def finish(self, req: Request, reason: str, stop_reason: str | int | None = None) -> None:
+        """Finish `req` wherever it is and release its blocks at once."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        self.blocks.free(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _insert(self, queue: list[Request], req: Request) -> None:
+        keys = [r.sort_key(self.by_priority) for r in queue]
+        queue.insert(bisect.bisect(keys, req.sort_key(self.by_priority)), req)
+
+    def _preempt(self, victim: Request) -> None:
+        """Preemption by recompute: drop the victim's blocks, requeue it to start over."""
+        self.running.remove(victim)
+        self.blocks.free(victim)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self._insert(self.waiting, victim)
+
+    # -- the step -------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        batch = ScheduledBatch([], [], [], [])
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = self._chunk(req, budget)
+            if self._allocate_or_preempt(req, n, batch):
+                batch.requests.append(req)
+                batch.num_new_tokens.append(n)
+                budget -= n
+        if not batch.preempted:
+            budget = self._admit_waiting(budget, batch)
+        return batch
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if self.config.long_prefill_token_threshold:
+            n = min(n, self.config.long_prefill_token_threshold)
+        assert n > 0, "a running request always has tokens to compute"
+        return n
+
+    def _allocate_or_preempt(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
+        """Allocate for `req`, preempting the latest-arrived (lowest-priority) running requests
+        until it fits; those are after `req` in queue order, so never already in this batch."""
+        while not self.blocks.allocate(req, req.num_computed_tokens + n):
+            victim = self.running[-1]
+            if victim is req:
+                if len(self.running) == 1 and not batch.requests:
+                    # Alone and still too big: it can never fit.
+                    self.finish(req, "error", "request does not fit in the KV cache")
+                    batch.failed.append(req)
+                else:
+                    self._preempt(req)
+                    batch.preempted.append(req)
+                return False
+            self._preempt(victim)
+            batch.preempted.append(victim)
+        return True
+
+    def _admit_waiting(self, budget: int, batch: ScheduledBatch) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            cached = self.blocks.find_cached_prefix(req)
+            num_computed = len(cached) * self.blocks.block_size
+            n = min(req.num_tokens - num_computed, budget)
+            if self.config.long_prefill_token_threshold:
+                n = min(n, self.config.long_prefill_token_threshold)
+            if not self.config.enable_chunked_prefill and n < req.num_tokens - num_computed:
+                break
+            if not self.blocks.allocate(req, num_computed + n, cached):
+                if not self.running and not batch.requests and self.blocks.num_in_use == 0:
+                    self.waiting.pop(0)
+                    req.status = RequestStatus.RUNNING  # so finish() does not look in `waiting`
+                    self.running.append(req)
+                    self.finish(req, "error", "request does not fit in the KV cache")
+                    batch.failed.append(req)
+                    continue
+                break
+            self.waiting.pop(0)
+            if req.num_preemptions == 0 and req.num_computed_tokens == 0:
+                req.num_cached_tokens = num_computed
+            req.num_computed_tokens = num_computed
+            req.status = RequestStatus.RUNNING
+            self._insert(self.running, req)
+            batch.requests.append(req)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return budget
+
+    # -- after the forward ----------------------------------------------------------------------
+    def update(self, batch: ScheduledBatch, sampled: Iterable[int | None]) -> list[Request]:
+        """Advance computed counts, append sampled tokens (None for requests that did not sample)
+        and finish requests on EOS / stop ids / length. Returns the requests that got a token."""
+        got_token: list[Request] = []
+        for req, n, token in zip(batch.requests, batch.num_new_tokens, sampled):
+            if req.is_finished:  # aborted while its step ran
+                continue
+            req.num_computed_tokens += n
+            self.blocks.cache_computed_blocks(req)
+            if token is not None:
+                req.token_ids.append(token)
+                extend_block_hashes(req, self.blocks.block_size)
+                got_token.append(req)
+                self._check_stop(req, token)
+        return got_token
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        p = req.params
+        n_out = req.num_output_tokens
+        if n_out >= p.min_tokens:
+            if token in p.stop_token_ids:
+                return self.finish(req, "stop", token)
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return self.finish(req, "stop", None)
+        if n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            self.finish(req, "length")
+        return None

@@ -46,7 +46,7 @@ def load_hf() -> Any:
     src = embedded_model_path()
     tmp = Path(tempfile.mkdtemp())
     shutil.copy(src, tmp / src.name)
-    return transformers.AutoModelForCausalLM.from_pretrained(tmp, gguf_file=src.name, torch_dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(tmp, gguf_file=src.name, dtype=torch.float32).eval()
 
 
 @torch.no_grad()

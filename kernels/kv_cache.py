@@ -91,7 +91,13 @@ def check_kv_cache_args(
     for name, t in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
         if t.device != k.device:
             raise ValueError(f"{name} is on {t.device}, k is on {k.device}")
-    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
+    for name, t in (
+        ("k", k),
+        ("v", v),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("slot_mapping", slot_mapping),
+    ):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
 
@@ -103,7 +109,8 @@ def write_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """k_cache/v_cache[slot // block_size, slot % block_size] = k/v[t] for each t with slot_mapping[t] >= 0."""
+    """k_cache/v_cache[slot // block_size, slot % block_size] = k/v[t] for every t with slot_mapping[t] >= 0
+    (slot -1: not written)."""
     check_kv_cache_args(k, v, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:

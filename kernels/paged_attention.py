@@ -23,10 +23,10 @@ Kernel structure (one kernel + an optional reduce kernel):
     so the grid has T // BLOCK_Q + B tile slots (a few are empty) and a program finds its request by a
     binary search over query_start_loc. When every request fits one tile (decode: max_query_len <=
     BLOCK_Q) program i simply takes request i.
-  * Flash-decoding split: grid axis 2 cuts each tile's key range into NUM_SPLITS segments (aligned to
-    BLOCK_N). With NUM_SPLITS > 1 every program writes its unnormalised partial (acc, running max m,
+  * Flash-decoding split: grid axis 2 cuts each tile's key range into num_splits segments (aligned to
+    BLOCK_N). With num_splits > 1 every program writes its unnormalised partial (acc, running max m,
     running sum l) to fp32 workspaces and `_reduce_splits_kernel` combines them. The host picks
-    NUM_SPLITS from the number of programs vs. the number of SMs (`choose_num_splits`), using only host
+    num_splits from the number of programs vs. the number of SMs (`choose_num_splits`), using only host
     ints (max_query_len, max_seq_len), so no device sync is needed.
   * Each key segment is walked in two loops: keys every row of the tile may see (no masks at all) and the
     rest (the causal diagonal / tail / sliding window), where loads and scores are masked.
@@ -177,11 +177,12 @@ def _paged_attn_kernel(
     bt_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
     qsl_ptr,  # [B+1] int32
-    out_ptr,  # [T, Hq, D] (NUM_SPLITS == 1)
-    part_acc_ptr,  # [T, Hq, NUM_SPLITS, D] fp32 (NUM_SPLITS > 1)
-    part_m_ptr,  # [T, Hq, NUM_SPLITS] fp32
-    part_l_ptr,  # [T, Hq, NUM_SPLITS] fp32
+    out_ptr,  # [T, Hq, D] (not SPLIT)
+    part_acc_ptr,  # [T, Hq, num_splits, D] fp32 (SPLIT)
+    part_m_ptr,  # [T, Hq, num_splits] fp32
+    part_l_ptr,  # [T, Hq, num_splits] fp32
     num_seqs,
+    num_splits,  # runtime, so that a changing split count does not recompile
     num_q_heads,
     qk_scale,
     window,
@@ -203,13 +204,17 @@ def _paged_attn_kernel(
     BLOCK_M: tl.constexpr,  # rows per tile = BLOCK_Q * GROUP_PAD
     BLOCK_Q: tl.constexpr,  # query tokens per tile
     BLOCK_N: tl.constexpr,  # keys per inner iteration
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1: write partials for _reduce_splits_kernel
     ONE_TILE_PER_SEQ: tl.constexpr,  # every request has <= BLOCK_Q query tokens: program i -> request i
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     kvh = tl.program_id(1)
+    if ONE_TILE_PER_SEQ:
+        pid = tl.program_id(0)
+    else:
+        # heaviest (latest, longest-context) tiles first: shortens the causal tail of the last wave
+        pid = tl.num_programs(0) - 1 - tl.program_id(0)
     split = tl.program_id(2)
 
     # ---- which request / which query tile of it -------------------------------------------------
@@ -245,11 +250,11 @@ def _paged_attn_kernel(
         kv_lo = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
     else:
         kv_lo = first_pos * 0
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         seg_lo = kv_lo
         seg_hi = kv_hi
     else:
-        seg = tl.cdiv(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        seg = tl.cdiv(tl.cdiv(kv_hi - kv_lo, num_splits), BLOCK_N) * BLOCK_N
         seg_lo = kv_lo + split * seg
         seg_hi = tl.minimum(kv_hi, seg_lo + seg)
     # [seg_lo, full_hi): keys every row of the tile sees (key <= first_pos; no window) -> unmasked loop
@@ -288,7 +293,7 @@ def _paged_attn_kernel(
         HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, DOT_PRECISION,
     )  # fmt: skip
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         # every valid row saw at least its own key, so l_i >= 1 there; guard only the padded rows
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]
@@ -296,7 +301,7 @@ def _paged_attn_kernel(
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
     else:
         # partial results: row (tok, head, split); empty segments store m = -1e30, l = 0, acc = 0
-        prow = (tok.to(tl.int64) * num_q_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
+        prow = (tok.to(tl.int64) * num_q_heads + head) * num_splits + split  # [BLOCK_M]
         tl.store(part_acc_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
         tl.store(part_m_ptr + prow, m_i, mask=row_valid)
         tl.store(part_l_ptr + prow, l_i, mask=row_valid)
@@ -304,28 +309,28 @@ def _paged_attn_kernel(
 
 @triton.jit
 def _reduce_splits_kernel(
-    part_acc_ptr,  # [T, Hq, NUM_SPLITS, D] fp32
-    part_m_ptr,  # [T, Hq, NUM_SPLITS] fp32
-    part_l_ptr,  # [T, Hq, NUM_SPLITS] fp32
+    part_acc_ptr,  # [T, Hq, num_splits, D] fp32
+    part_m_ptr,  # [T, Hq, num_splits] fp32
+    part_l_ptr,  # [T, Hq, num_splits] fp32
     out_ptr,  # [T, Hq, D]
     num_q_heads,
+    num_splits,
     stride_ot,
     stride_oh,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # power of two >= num_splits (bucketed: few compiled variants)
     HEAD_DIM: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    smask = offs_s < NUM_SPLITS
-    row = (t.to(tl.int64) * num_q_heads + h) * NUM_SPLITS + offs_s  # [SPLITS_PAD]
+    smask = offs_s < num_splits
+    row = (t.to(tl.int64) * num_q_heads + h) * num_splits + offs_s  # [SPLITS_PAD]
     m = tl.load(part_m_ptr + row, mask=smask, other=float("-inf"))
-    l = tl.load(part_l_ptr + row, mask=smask, other=0.0)
+    l_s = tl.load(part_l_ptr + row, mask=smask, other=0.0)
     m_max = tl.max(m, 0)  # finite: every query sees its own key in some split
     w = tl.exp2(m - m_max)  # [SPLITS_PAD]; 0 for padding and empty splits
-    denom = tl.sum(w * l, 0)
+    denom = tl.sum(w * l_s, 0)
     acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=smask[:, None], other=0.0)
     o = tl.sum(acc * w[:, None], 0) / denom  # [HEAD_DIM]
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
@@ -430,12 +435,16 @@ def paged_attention(
 
     if num_splits is None:
         kv_span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + max_query_len)
-        num_splits = choose_num_splits(num_tile_slots * num_kv_heads, kv_span, _num_sms(device), config.block_n)
+        num_splits = choose_num_splits(
+            num_tile_slots * num_kv_heads, kv_span, _num_sms(device), config.block_n
+        )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
     if num_splits > 1:
-        part_acc = torch.empty((num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device)
+        part_acc = torch.empty(
+            (num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device
+        )
         part_m = torch.empty((num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=device)
         part_l = torch.empty_like(part_m)
     else:  # unused by the kernel; any fp32 tensor keeps the signature uniform
@@ -444,22 +453,22 @@ def paged_attention(
     grid = (num_tile_slots, num_kv_heads, num_splits)
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_m, part_l,
-        num_seqs, num_q_heads, float(scale) * _LOG2E, int(sliding_window or 0),
+        num_seqs, num_splits, num_q_heads, float(scale) * _LOG2E, int(sliding_window or 0),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=num_splits > 1,
         ONE_TILE_PER_SEQ=one_tile, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if num_splits > 1:
+        splits_pad = max(8, _next_pow2(num_splits))
         _reduce_splits_kernel[(num_tokens, num_q_heads)](
-            part_acc, part_m, part_l, out, num_q_heads, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), HEAD_DIM=head_dim,
-            num_warps=4 if head_dim * _next_pow2(num_splits) >= 4096 else 2,
+            part_acc, part_m, part_l, out, num_q_heads, num_splits, out.stride(0), out.stride(1),
+            SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, num_warps=4 if head_dim * splits_pad >= 4096 else 2,
         )  # fmt: skip
     return out
 

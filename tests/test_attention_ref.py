@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from tokenmill.worker.attention.backend import AttentionMetadata
 from tokenmill.worker.attention.torch_ref import TorchRefBackend
 
@@ -107,7 +106,7 @@ def test_sliding_window_changes_result() -> None:
 
 
 def test_slot_minus_one_is_not_written() -> None:
-    """A token whose k/v are already cached (slot -1) must leave the cache alone and read the cached values."""
+    """A token whose k/v are cached already (slot -1) leaves the cache alone and reads the cached values."""
     torch.manual_seed(2)
     meta = build_meta([0], [6], 4)
     k_cache, v_cache = empty_caches(3, 4)
@@ -132,7 +131,7 @@ def test_output_keeps_query_dtype() -> None:
     meta = build_meta([0], [3], 4)
     q = torch.randn(3, HQ, D, dtype=torch.bfloat16)
     k = torch.randn(3, HKV, D, dtype=torch.bfloat16)
-    caches = (torch.zeros(2, 4, HKV, D, dtype=torch.bfloat16), torch.zeros(2, 4, HKV, D, dtype=torch.bfloat16))
+    caches = tuple(torch.zeros(2, 4, HKV, D, dtype=torch.bfloat16) for _ in range(2))
     out = TorchRefBackend().forward(q, k, k, *caches, meta, 0.35, None)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     expected = sdpa_reference(q.float(), k.float(), k.float(), None, 0.35)

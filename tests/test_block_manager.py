@@ -15,7 +15,6 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
 from tokenmill.worker.block_manager import ROOT_HASH, BlockManager, extend_block_hashes, hash_block
 from tokenmill.worker.request import Request
 from tokenmill.worker.sampling_params import SamplingParams
@@ -271,7 +270,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         num_evicted = max(0, len(fresh) - before.free)
         evicted, self.lru = self.lru[:num_evicted], self.lru[num_evicted:]
         assert fresh[len(fresh) - num_evicted :] == evicted, "eviction is not least-recently-freed first"
-        assert not set(fresh[: len(fresh) - num_evicted]) & set(before.lru), "evicted while free blocks remained"
+        assert not set(fresh[: len(fresh) - num_evicted]) & set(before.lru), "evicted with free blocks left"
         for b in fresh:
             assert self._hash_of(b) is None, f"a reused block {b} kept its hash"
             assert self.bm._blocks[b].ref_count == 1
@@ -300,7 +299,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     # -- rules ----------------------------------------------------------------------------------------
     @precondition(lambda self: len(self.live) < 8)
-    @rule(base=st.integers(0, len(BASES) - 1), prefix=st.integers(0, 80),
+    @rule(base=st.integers(0, len(BASES) - 1), prefix=st.integers(0, 48),
           suffix=st.lists(st.integers(0, 4), max_size=24))
     def add_request(self, base: int, prefix: int, suffix: list[int]) -> None:
         tokens = BASES[base][:prefix] + suffix or [0]
@@ -319,7 +318,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def lookup_and_allocate(self, i: int, extra: int) -> None:
         self._lookup_and_allocate(self._pick(i, [r for r in self.live if not r.block_ids]), extra)
 
-    @precondition(lambda self: any(r.num_computed_tokens < min(r.num_tokens, len(r.block_ids) * r_bs(self))
+    @precondition(lambda self: any(r.num_computed_tokens < min(r.num_tokens, len(r.block_ids) * self.bs)
                                    for r in self.live))
     @rule(i=st.integers(0, 99), n=st.integers(1, 40))
     def compute(self, i: int, n: int) -> None:
@@ -327,7 +326,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self._compute(self._pick(i, ok), n)
 
     @precondition(lambda self: len(self.live) < 8)
-    @rule(base=st.integers(0, len(BASES) - 1), prefix=st.integers(0, 80),
+    @rule(base=st.integers(0, len(BASES) - 1), prefix=st.integers(0, 48),
           suffix=st.lists(st.integers(0, 4), max_size=8), keep=st.booleans())
     def serve_request(self, base: int, prefix: int, suffix: list[int], keep: bool) -> None:
         """A whole request's life in one rule (lookup, allocate, compute all, maybe free), so that
@@ -349,7 +348,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert len(hits) * self.bs <= req.num_tokens - 1, "a prefix hit covered the last token"
         for j, b in enumerate(hits):
             assert self._hash_of(b) == req.block_hashes[j], "hit block's hash is not the request's chain"
-            assert self.kv[b] == req.token_ids[j * self.bs : (j + 1) * self.bs], "hit block holds other tokens"
+            assert self.kv[b] == req.token_ids[j * self.bs : (j + 1) * self.bs], "hit block holds other KV"
         if self.bm.enable_prefix_caching and len(hits) < max_blocks:
             assert req.block_hashes[len(hits)] not in self.bm._by_hash, "the hit is not the longest prefix"
         target = min(req.num_tokens, len(hits) * self.bs + extra)
@@ -439,12 +438,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.check_integrity()
 
 
-def r_bs(machine: BlockManagerMachine) -> int:
-    return machine.bs
-
-
 BlockManagerMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=250, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 test_block_manager_state_machine = BlockManagerMachine.TestCase
 

@@ -45,7 +45,7 @@ def hf_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
     src = embedded_model_path()
     shutil.copy(src, d / src.name)
     return transformers.AutoModelForCausalLM.from_pretrained(
-        d, gguf_file=src.name, torch_dtype=torch.float32, attn_implementation="eager").eval()
+        d, gguf_file=src.name, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def _chat_ids(engine: LLMEngine, text: str) -> list[int]:

@@ -8,6 +8,10 @@ from typing import Any
 
 import pytest
 import torch
+from tokenmill.worker.attention.backend import AttentionMetadata
+from tokenmill.worker.attention.torch_ref import TorchRefBackend
+from tokenmill.worker.loader import build_model, resolve_model
+from tokenmill.worker.models.llama import LlamaForCausalLM
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -18,11 +22,6 @@ from transformers import (
     Qwen3Config,
 )
 
-from tokenmill.worker.attention.backend import AttentionMetadata
-from tokenmill.worker.attention.torch_ref import TorchRefBackend
-from tokenmill.worker.loader import build_model, resolve_model
-from tokenmill.worker.models.llama import LlamaForCausalLM
-
 VOCAB = 256
 COMMON: dict[str, Any] = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -31,9 +30,9 @@ COMMON: dict[str, Any] = dict(
 
 CONFIGS: dict[str, PretrainedConfig] = {
     "llama": LlamaConfig(**COMMON),
-    "llama3-rope": LlamaConfig(**COMMON, rope_theta=500000.0, rope_scaling={
-        "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32}),
+    "llama3-rope": LlamaConfig(**COMMON, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "smollm2-tied": LlamaConfig(**{**COMMON, "num_key_value_heads": 1}, tie_word_embeddings=True),
     "mistral-window": MistralConfig(**COMMON, sliding_window=8, head_dim=16),
     "qwen2-bias": Qwen2Config(**COMMON, tie_word_embeddings=True),
@@ -74,7 +73,8 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         assert (path / "model.safetensors.index.json").is_file()
     reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     reloaded.eval()
-    ours = build_model(resolve_model(str(path), "auto"), TorchRefBackend(), torch.device("cpu"), torch.float32)
+    source = resolve_model(str(path), "auto")
+    ours = build_model(source, TorchRefBackend(), torch.device("cpu"), torch.float32)
     return name, reloaded, ours
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 COMMON: dict[str, Any] = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                               bos_token_id=1, eos_token_id=2)
 
 ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -30,7 +30,7 @@ def save_tiny_model(name: str, root: Path, seed: int = 0) -> Path:
     cls_name, extra = ARCHS[name]
     config = getattr(transformers, cls_name)(**{**COMMON, **extra})
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():  # larger than the default init, so logits are not near-uniform
             if p.dim() >= 2:
@@ -44,4 +44,4 @@ def load_hf(path: Path) -> Any:
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(
-        path, torch_dtype=torch.float32, attn_implementation="eager").eval()
+        path, dtype=torch.float32, attn_implementation="eager").eval()

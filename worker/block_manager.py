@@ -35,7 +35,8 @@ def extend_block_hashes(req: Request, block_size: int, extra: bytes = b"") -> No
     while (len(req.block_hashes) + 1) * block_size <= req.num_tokens:
         i = len(req.block_hashes)
         parent = req.block_hashes[-1] if req.block_hashes else ROOT_HASH
-        req.block_hashes.append(hash_block(parent, req.token_ids[i * block_size : (i + 1) * block_size], extra))
+        tokens = req.token_ids[i * block_size : (i + 1) * block_size]
+        req.block_hashes.append(hash_block(parent, tokens, extra))
 
 
 @dataclass

@@ -64,7 +64,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
         self.runner = ModelRunner(config, source, self.max_model_len)
-        self.eos_token_ids = tuple(sorted(set(arch.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
+        self.eos_token_ids = tuple(arch.eos_token_ids or self.tokenizer.eos_token_ids)
         self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                    config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, self.eos_token_ids)

@@ -96,11 +96,15 @@ class Scheduler:
         return batch
 
     def _chunk(self, req: Request, budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
-        if self.config.long_prefill_token_threshold:
-            n = min(n, self.config.long_prefill_token_threshold)
+        n = min(req.num_tokens - req.num_computed_tokens, self._max_chunk(budget))
         assert n > 0, "a running request always has tokens to compute"
         return n
+
+    def _max_chunk(self, budget: int) -> int:
+        """Tokens one request may compute this step. The long-prefill cap cuts chunks, so it applies
+        only when chunking is on (otherwise a prompt longer than the cap could never start)."""
+        cap = self.config.long_prefill_token_threshold
+        return min(budget, cap) if cap and self.config.enable_chunked_prefill else budget
 
     def _allocate_or_preempt(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
         """Allocate for `req`, preempting the latest-arrived (lowest-priority) running requests
@@ -110,8 +114,7 @@ class Scheduler:
             if victim is req:
                 if len(self.running) == 1 and not batch.requests:
                     # Alone and still too big: it can never fit.
-                    self.finish(req, "error", "request does not fit in the KV cache")
-                    batch.failed.append(req)
+                    self._fail(req, batch, "request does not fit in the KV cache")
                 else:
                     self._preempt(req)
                     batch.preempted.append(req)
@@ -125,18 +128,16 @@ class Scheduler:
             req = self.waiting[0]
             cached = self.blocks.find_cached_prefix(req)
             num_computed = len(cached) * self.blocks.block_size
-            n = min(req.num_tokens - num_computed, budget)
-            if self.config.long_prefill_token_threshold:
-                n = min(n, self.config.long_prefill_token_threshold)
-            if not self.config.enable_chunked_prefill and n < req.num_tokens - num_computed:
+            remaining = req.num_tokens - num_computed
+            n = min(remaining, self._max_chunk(budget))
+            if not self.config.enable_chunked_prefill and n < remaining:
+                if remaining > self.config.max_num_batched_tokens:  # no step is ever big enough
+                    self._fail(req, batch, "prompt exceeds max_num_batched_tokens and chunked prefill is off")
+                    continue
                 break
             if not self.blocks.allocate(req, num_computed + n, cached):
                 if not self.running and not batch.requests and self.blocks.num_in_use == 0:
-                    self.waiting.pop(0)
-                    req.status = RequestStatus.RUNNING  # so finish() does not look in `waiting`
-                    self.running.append(req)
-                    self.finish(req, "error", "request does not fit in the KV cache")
-                    batch.failed.append(req)
+                    self._fail(req, batch, "request does not fit in the KV cache")
                     continue
                 break
             self.waiting.pop(0)
@@ -149,6 +150,11 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return budget
+
+    def _fail(self, req: Request, batch: ScheduledBatch, reason: str) -> None:
+        """Finish a request that can never be scheduled (from either queue) with an error."""
+        self.finish(req, "error", reason)
+        batch.failed.append(req)
 
     # -- after the forward ----------------------------------------------------------------------
     def update(self, batch: ScheduledBatch, sampled: Iterable[int | None]) -> list[Request]:

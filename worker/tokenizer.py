@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property, lru_cache
@@ -27,7 +29,6 @@ import jinja2.sandbox
 import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
-
 from tokenmill.worker.sampling_params import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -72,32 +73,64 @@ _END_OF_GENERATION_TEXTS = frozenset({
 
 
 def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """All key/value metadata of a GGUF file as plain Python values (str, int, float, bool, lists)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(os.fspath(path))
-    return {name: _field_value(field) for name, field in reader.fields.items() if not name.startswith("GGUF.")}
-
-
-def _field_value(field: Any) -> Any:
-    from gguf import GGUFValueType
-
-    types = list(field.types)
-    if not types:
-        return None
-    if types[0] == GGUFValueType.ARRAY:
-        if types[-1] == GGUFValueType.STRING:
-            return [_gguf_str(field.parts[i]) for i in field.data]
-        if not len(field.data):
-            return []
-        return np.concatenate([field.parts[i] for i in field.data]).tolist()
-    if types[0] == GGUFValueType.STRING:
-        return _gguf_str(field.parts[-1])
-    return field.parts[-1][0].item()
+    """All key/value metadata of a GGUF file (v2/v3) as plain Python values: str (lossy UTF-8), int, float,
+    bool, and lists of those. Only the header is read; tensors are not touched."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ValueError(f"{os.fspath(path)} is not a GGUF file")
+        endian = "<" if struct.unpack_from("<I", buf, 4)[0] < 0x10000 else ">"
+        version = struct.unpack_from(endian + "I", buf, 4)[0]
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is not supported (need 2 or later)")
+        reader = _GGUFHeaderReader(buf, endian, offset=8)
+        reader.scalar("Q")  # tensor count
+        kv_count = reader.scalar("Q")
+        meta: dict[str, Any] = {}
+        for _ in range(kv_count):
+            key = reader.string()
+            meta[key] = reader.value(reader.scalar("I"))
+        return meta
 
 
-def _gguf_str(part: np.ndarray) -> str:
-    return bytes(part).decode("utf-8", errors="replace")
+# GGUF value type -> struct format of its scalars (8 is STRING, 9 is ARRAY).
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+class _GGUFHeaderReader:
+    """A cursor over a GGUF header; `pos` always sits at the start of the next unread item."""
+
+    def __init__(self, buf: mmap.mmap, endian: str, offset: int) -> None:
+        self.buf, self.endian, self.pos = buf, endian, offset
+
+    def scalar(self, fmt: str) -> Any:
+        value = struct.unpack_from(self.endian + fmt, self.buf, self.pos)[0]
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("Q")
+        raw = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype == _GGUF_STRING:
+            return self.string()
+        if vtype == _GGUF_ARRAY:
+            return self.array()
+        if vtype not in _GGUF_SCALARS:
+            raise ValueError(f"unknown GGUF value type {vtype} at byte {self.pos}")
+        return self.scalar(_GGUF_SCALARS[vtype])
+
+    def array(self) -> list[Any]:
+        vtype, n = self.scalar("I"), self.scalar("Q")
+        if vtype in _GGUF_SCALARS:
+            dtype = np.dtype(self.endian + _GGUF_SCALARS[vtype])
+            values = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos).tolist()
+            self.pos += n * dtype.itemsize
+            return list(values)
+        return [self.value(vtype) for _ in range(n)]
 
 
 # ------------------------------------------------------------------------------------------ byte-level maps
@@ -106,7 +139,8 @@ def _gguf_str(part: np.ndarray) -> str:
 @lru_cache(maxsize=1)
 def byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
     mapping = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
@@ -298,8 +332,7 @@ class Tokenizer:
     def token_bytes(self) -> tuple[bytes, ...] | None:
         """Per id, the bytes decode() emits for it, when decode() is the lossy UTF-8 decoding of the
         concatenated per-token bytes (ByteLevel decoder); None for any other decoder."""
-        decoder = json.loads(self.backend.to_str()).get("decoder") or {}
-        if decoder.get("type") != "ByteLevel":
+        if not isinstance(self.backend.decoder, decoders.ByteLevel):
             return None
         size = max(self._vocab_size, self.backend.get_vocab_size(with_added_tokens=True))
         return tuple(byte_level_token_bytes(self.backend.id_to_token(i) or "") for i in range(size))
@@ -344,7 +377,6 @@ class Tokenizer:
     ) -> str:
         """Render `messages` with the model's chat template (ChatML if it has none), as transformers does."""
         validate_messages(messages)
-        template = _compile_template(self._chat_template or DEFAULT_CHAT_TEMPLATE)
         variables: dict[str, Any] = {"tools": None, "documents": None}
         for name in ("bos", "eos", "unk", "pad"):
             text = self.token_text(name)
@@ -353,10 +385,12 @@ class Tokenizer:
         variables.update(kwargs)
         variables["messages"] = messages
         variables["add_generation_prompt"] = add_generation_prompt
+        # Template failures (its own raise_exception, syntax, type errors) fail this request alone.
         try:
+            template = _compile_template(self._chat_template or DEFAULT_CHAT_TEMPLATE)
             return str(template.render(**variables))
-        except jinja2.TemplateError as e:
-            raise InvalidRequestError(f"chat template rejected the messages: {e}") from None
+        except (jinja2.TemplateError, TypeError, ValueError) as e:
+            raise InvalidRequestError(f"chat template failed: {e}") from None
 
 
 def validate_messages(messages: object) -> None:
@@ -396,10 +430,7 @@ def _compile_template(source: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"invalid chat template: {e}") from None
+    return env.from_string(source)
 
 
 # ---------------------------------------------------------------------------------------- HF folder helpers
@@ -470,7 +501,9 @@ def _vocab(tokens: Sequence[str]) -> dict[str, int]:
     return {token or f"[EMPTY_{i}]": i for i, token in enumerate(tokens)}
 
 
-def _gguf_sentencepiece_backend(meta: Mapping[str, Any], tokens: list[str], types: list[int]) -> BackendTokenizer:
+def _gguf_sentencepiece_backend(
+    meta: Mapping[str, Any], tokens: list[str], types: list[int]
+) -> BackendTokenizer:
     scores: list[float] = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
@@ -488,7 +521,9 @@ def _gguf_sentencepiece_backend(meta: Mapping[str, Any], tokens: list[str], type
     return backend
 
 
-def sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int]) -> list[tuple[str, str]]:
+def sentencepiece_merges(
+    tokens: Sequence[str], scores: Sequence[float], types: Sequence[int]
+) -> list[tuple[str, str]]:
     """BPE merges equivalent to SentencePiece's score-driven merging: every split of a normal token into
     two normal tokens, best merged-token score first (ties: shorter left piece first)."""
     normal = {t: i for i, t in enumerate(tokens) if types[i] == TOKEN_NORMAL}
@@ -510,7 +545,8 @@ def _add_gguf_added_tokens(backend: BackendTokenizer, tokens: list[str], types: 
                for t, kind in zip(tokens, types) if kind in (TOKEN_CONTROL, TOKEN_UNKNOWN)]
     if special:
         backend.add_special_tokens(special)
-    user = [AddedToken(t, special=False, normalized=False) for t, kind in zip(tokens, types) if kind == TOKEN_USER_DEFINED]
+    user = [AddedToken(t, special=False, normalized=False)
+            for t, kind in zip(tokens, types) if kind == TOKEN_USER_DEFINED]
     if user:
         backend.add_tokens(user)
 

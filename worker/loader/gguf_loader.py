@@ -1,6 +1,7 @@
 """GGUF files (llama.cpp): metadata -> ModelArch, tensors -> dequantized HF-named weights.
 
-Supported tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, dequantized in torch on the target device.
+Supported tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, dequantized to float32 one tensor at a time
+(with ggml's numpy reference on CPU, with the torch kernels below on the target device otherwise).
 llama.cpp stores the Q and K projections of the "llama" architecture with the rows of every head
 permuted (it uses interleaved-pair rope); that permutation is undone here so the weights fit the
 HF/neox rotate_half convention used by the model. qwen2/qwen3 GGUFs are stored unpermuted.
@@ -8,11 +9,13 @@ HF/neox rotate_half convention used by the model. qwen2/qwen3 GGUFs are stored u
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import gguf.quants
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
@@ -50,6 +53,17 @@ _SKIPPED = ("rope_freqs.weight",)
 
 
 def open_gguf(path: Path) -> GGUFReader:
+    """A reader over the memory-mapped file. Parsing the metadata of a big vocabulary takes seconds, so
+    the last reader is reused while the file's size and mtime are unchanged (resolve, then load)."""
+    try:
+        stat = path.stat()
+    except OSError as e:
+        raise ModelLoadError(f"cannot open GGUF file {path}: {e}") from e
+    return _cached_reader(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_reader(path: Path, size: int, mtime_ns: int) -> GGUFReader:
     try:
         return GGUFReader(path)
     except Exception as e:  # the reader raises ValueError/IndexError/... on truncated or corrupt files
@@ -172,13 +186,16 @@ def dequantize(t: ReaderTensor, device: torch.device) -> torch.Tensor:
     if t.data.nbytes != expected_bytes or (qtype in _BLOCK_BYTES and numel % _QK):
         raise ModelLoadError(f"GGUF tensor {t.name!r} holds {t.data.nbytes} bytes, "
                              f"{qtype.name} {shape} needs {expected_bytes} (corrupt file?)")
+    if qtype in _BLOCK_BYTES and device.type == "cpu":
+        # ggml's numpy reference is several times faster than the torch kernels below on CPU.
+        return torch.from_numpy(gguf.quants.dequantize(t.data, qtype)).reshape(shape)
     raw = torch.from_numpy(np.array(t.data)).to(device)  # copied out of the read-only memmap
     if qtype == GGMLQuantizationType.BF16:
         return raw.reshape(-1).view(torch.bfloat16).float().reshape(shape)
     if qtype in _FLOAT_TYPES:
         return raw.float().reshape(shape)
     blocks = raw.reshape(-1, _BLOCK_BYTES[qtype])
-    return _dequantize_blocks(blocks, qtype).reshape(shape)
+    return dequantize_blocks(blocks, qtype).reshape(shape)
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -191,7 +208,7 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()
 
 
-def _dequantize_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+def dequantize_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
     """blocks [N, bytes] uint8 -> [N, 32] float32."""
     if qtype == GGMLQuantizationType.Q8_0:  # d fp16 | 32 x int8; x = d * q
         return _f16(blocks, 0) * blocks[:, 2:].contiguous().view(torch.int8).float()

@@ -61,7 +61,7 @@ def llama3_scaled_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tens
     band = s.high_freq_factor - s.low_freq_factor
     smooth = (s.original_max_position / wavelen - s.low_freq_factor) / band
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    is_medium = wavelen < 0
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
 
 

@@ -1,0 +1,661 @@
+"""The tokenmill broker: one thread, one ZeroMQ context, a Majordomo-style loop.
+
+    clients --DEALER--> [ROUTER frontend]  broker  [ROUTER backend] <--DEALER-- workers
+
+Each loop turn: poll both sockets (timeout = the next timer, at most a fraction of the shortest
+heartbeat interval) -> handle a bounded batch of messages from each -> timers: job deadlines and queue
+timeouts, worker liveness (declared dead after `liveness` silent intervals) and broker heartbeats,
+client liveness, retention of finished jobs, resend to lagging subscribers -> dispatch queued jobs.
+
+Subscriptions are served over the frontend ROUTER rather than a PUB socket: each subscriber gets the
+job's token log replayed from the sequence number it asks for (gap-free, per subscriber), ownership is
+checked per subscription, and a slow subscriber is detected (ROUTER_MANDATORY + non-blocking send
+reports its full queue) and resumed from its cursor instead of silently losing messages as PUB would.
+
+Nothing a peer sends can stop the loop: every message is decoded strictly (ProtocolError -> dropped and
+counted, a FAIL "protocol" answer to clients), sends never block, and a send that fails marks the peer
+gone (workers: their jobs migrate; clients: their jobs are cancelled).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import Counter, defaultdict, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import structlog
+import zmq
+
+from tokenmill.broker.jobs import Job, JobState
+from tokenmill.broker.registry import PrefixIndex, WorkerInfo, pick_worker
+from tokenmill.broker.security import ZapAuthenticator, make_curve_server
+from tokenmill.client import protocol as p
+from tokenmill.client.errors import ProtocolError
+from tokenmill.client.keys import load_allowed_keys, load_keypair
+from tokenmill.worker.sampling_params import InvalidRequestError, SamplingParams
+
+log = structlog.get_logger("tokenmill.broker")
+
+_STREAM_HEAD = [p.HEADER, bytes((p.Cmd.STREAM,))]
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    """Everything a broker is built from (the `tokenmill broker` flags map 1:1 onto these)."""
+
+    frontend: str = "tcp://127.0.0.1:5555"  # clients connect here
+    backend: str = "tcp://127.0.0.1:5556"  # workers connect here
+    liveness: int = 3  # a worker silent for liveness x its heartbeat interval is dead
+    client_timeout: float = 10.0  # a client with open jobs silent this long is gone (its jobs cancelled)
+    queue_size: int = 256  # per model: queued (not yet dispatched) jobs past this get OVERLOADED
+    queue_timeout: float = 60.0  # a job queued this long without a worker fails with "deadline"
+    default_timeout: float | None = None  # deadline of a job that names none
+    retention: float = 60.0  # finished jobs (and their token logs) are kept this long for subscribers
+    max_retained: int = 10_000
+    migration_limit: int = 3  # a job that was running on this many dying workers fails
+    drain_timeout: float = 30.0
+    open_jobs: bool = False  # True: anyone may cancel/subscribe any job
+    affinity_chunk_chars: int = 128
+    affinity_max_chunks: int = 32
+    affinity_slack: float = 0.25
+    max_body_bytes: int = p.MAX_BODY_BYTES
+    hwm: int = 100_000
+    curve_secret_file: str | None = None  # broker's NAME.key_secret: enables CURVE on both sockets
+    curve_allow_dir: str | None = None  # *.key public keys of the clients and workers admitted
+    max_batch: int = 2000  # messages handled per socket per loop turn (fairness between sockets)
+
+
+class Broker:
+    """The broker. `bind()` then `run()` (blocks until drained or `stop()`); or `serve_forever()`."""
+
+    def __init__(self, config: BrokerConfig | None = None, ctx: zmq.Context | None = None) -> None:
+        self.cfg = config or BrokerConfig()
+        self.ctx = ctx or zmq.Context()
+        self._own_ctx = ctx is None
+        self.counters: Counter[str] = Counter()
+        self.jobs: dict[str, Job] = {}
+        self.workers: dict[bytes, WorkerInfo] = {}
+        self.queues: dict[str, deque[Job]] = defaultdict(deque)
+        self.queued: Counter[str] = Counter()  # live QUEUED jobs per model (deques hold lazily-removed ones)
+        self.clients: dict[bytes, float] = {}  # routing id -> last time heard
+        self.client_jobs: dict[bytes, set[str]] = defaultdict(set)  # jobs submitted or subscribed to
+        self.prefix = PrefixIndex(self.cfg.affinity_chunk_chars, self.cfg.affinity_max_chunks)
+        self._timers: list[tuple[float, int, str, str, int]] = []  # (when, n, kind, job_id, attempt)
+        self._timer_seq = itertools.count()
+        self._retired: deque[tuple[float, str]] = deque()
+        self._lagging: set[str] = set()
+        self._reregister_sent: dict[bytes, float] = {}
+        self._active = 0  # jobs not yet terminal
+        self._need_dispatch = False
+        self._job_seconds = 1.0  # EWMA of job durations, for retry-after hints
+        self._draining = False
+        self._drain_deadline: float | None = None
+        self._stop = False
+        self._curve = self.cfg.curve_secret_file is not None
+        self.zap: ZapAuthenticator | None = None
+        self.frontend: zmq.Socket | None = None
+        self.backend: zmq.Socket | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def bind(self) -> None:
+        """Create and bind the sockets (and start ZAP when CURVE is on)."""
+        keys = None
+        if self._curve:
+            assert self.cfg.curve_secret_file is not None
+            keys = load_keypair(self.cfg.curve_secret_file)
+            allowed = load_allowed_keys(self.cfg.curve_allow_dir) if self.cfg.curve_allow_dir else set()
+            self.zap = ZapAuthenticator(self.ctx, allowed)
+            self.zap.start()
+            log.info("curve_enabled", allowed_keys=len(allowed))
+        self.frontend = self._router(self.cfg.frontend, keys, b"clients")
+        self.backend = self._router(self.cfg.backend, keys, b"workers")
+        log.info("broker_bound", frontend=self.endpoint("frontend"), backend=self.endpoint("backend"))
+
+    def _router(self, addr: str, keys: tuple[bytes, bytes] | None, domain: bytes) -> zmq.Socket:
+        s = self.ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer raises instead of vanishing
+        s.setsockopt(zmq.MAXMSGSIZE, 2 * self.cfg.max_body_bytes)  # past this libzmq drops the peer
+        s.setsockopt(zmq.SNDHWM, self.cfg.hwm)
+        s.setsockopt(zmq.RCVHWM, self.cfg.hwm)
+        s.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        s.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
+        if keys is not None:
+            make_curve_server(s, keys[0], keys[1], domain)
+        s.bind(addr)
+        return s
+
+    def endpoint(self, which: str) -> str:
+        sock = self.frontend if which == "frontend" else self.backend
+        assert sock is not None
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def request_drain(self) -> None:
+        """Stop accepting, finish in-flight and queued jobs, then exit (signal-handler safe)."""
+        self._draining = True
+
+    def stop(self) -> None:
+        """Exit the loop at the next turn without draining (thread-safe)."""
+        self._stop = True
+
+    def serve_forever(self) -> None:
+        self.bind()
+        self.run()
+
+    def run(self) -> None:
+        assert self.frontend is not None and self.backend is not None, "call bind() first"
+        poller = zmq.Poller()
+        poller.register(self.frontend, zmq.POLLIN)
+        poller.register(self.backend, zmq.POLLIN)
+        try:
+            while not self._stop:
+                events = dict(poller.poll(self._poll_timeout_ms()))
+                if self.frontend in events:
+                    self._drain_socket(self.frontend, self._on_client_frames)
+                if self.backend in events:
+                    self._drain_socket(self.backend, self._on_worker_frames)
+                self._tick(time.monotonic())
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        for w in list(self.workers.values()):
+            self._send_worker(w, p.BrokerDisconnect("shutdown"), on_fail_dead=False)
+        for s in (self.frontend, self.backend):
+            if s is not None:
+                s.close(linger=1000)  # let final replies reach their peers
+        if self.zap is not None:
+            self.zap.stop()
+        if self._own_ctx:
+            self.ctx.term()
+        log.info("broker_stopped", **self._summary())
+
+    def _poll_timeout_ms(self) -> int:
+        tick = min([0.1, *(w.interval / 5 for w in self.workers.values())])
+        if self._timers:
+            tick = min(tick, max(0.0, self._timers[0][0] - time.monotonic()))
+        if self._lagging:
+            tick = min(tick, 0.005)
+        return max(1, int(tick * 1000))
+
+    def _drain_socket(self, sock: zmq.Socket, handle: Any) -> None:
+        copy = not (self._curve and sock is self.frontend)  # frames carry "User-Id" only uncopied
+        for _ in range(self.cfg.max_batch):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
+            except zmq.Again:
+                return
+            try:
+                handle(frames)
+            except Exception:  # a handler bug must not take the broker down; it is logged and counted
+                self.counters["handler_errors"] += 1
+                log.exception("handler_error")
+
+    # ---- timers -----------------------------------------------------------------------------------
+
+    def _tick(self, now: float) -> None:
+        self._run_timers(now)
+        self._check_workers(now)
+        self._check_clients(now)
+        self._gc_retired(now)
+        if self._lagging:
+            lagging, self._lagging = self._lagging, set()
+            self._flush([self.jobs[j] for j in lagging if j in self.jobs])
+        if self._need_dispatch:
+            self._dispatch()
+        if self._draining:
+            self._check_drain(now)
+
+    def _push_timer(self, when: float, kind: str, job: Job) -> None:
+        heapq.heappush(self._timers, (when, next(self._timer_seq), kind, job.job_id, job.attempt))
+
+    def _run_timers(self, now: float) -> None:
+        while self._timers and self._timers[0][0] <= now:
+            _, _, kind, job_id, attempt = heapq.heappop(self._timers)
+            job = self.jobs.get(job_id)
+            if job is None or job.is_terminal:
+                continue
+            if kind == "deadline":
+                self.counters["deadline_expired"] += 1
+                self._finish(job, p.Fail(job_id, "deadline", "deadline exceeded"), cancel_worker=True)
+            elif job.state is JobState.QUEUED and job.attempt == attempt:
+                self.counters["queue_timeouts"] += 1
+                self._finish(job, p.Fail(job_id, "deadline", f"queued {self.cfg.queue_timeout}s without a worker"))
+
+    def _check_workers(self, now: float) -> None:
+        for w in list(self.workers.values()):
+            if now - w.last_seen > w.interval * self.cfg.liveness:
+                self._worker_dead(w, "heartbeat timeout")
+            elif now >= w.next_heartbeat:
+                w.next_heartbeat = now + w.interval
+                self._send_worker(w, p.BrokerHeartbeat())
+
+    def _check_clients(self, now: float) -> None:
+        for cid, seen in list(self.clients.items()):
+            if now - seen > self.cfg.client_timeout:
+                self._client_gone(cid, "timeout")
+
+    def _gc_retired(self, now: float) -> None:
+        horizon = now - self.cfg.retention
+        while self._retired and (self._retired[0][0] < horizon or len(self._retired) > self.cfg.max_retained):
+            _, job_id = self._retired.popleft()
+            job = self.jobs.pop(job_id, None)
+            if job is not None:
+                for cid in job.subscribers:
+                    self.client_jobs.get(cid, set()).discard(job_id)
+
+    def _check_drain(self, now: float) -> None:
+        if self._drain_deadline is None:
+            self._drain_deadline = now + self.cfg.drain_timeout
+            log.info("drain_started", active_jobs=self._active, timeout=self.cfg.drain_timeout)
+        if self._active and now < self._drain_deadline:
+            return
+        for job in [j for j in self.jobs.values() if not j.is_terminal]:
+            self._finish(job, p.Fail(job.job_id, "unavailable", "broker shut down"), cancel_worker=True)
+        self._stop = True
+
+    # ---- clients ----------------------------------------------------------------------------------
+
+    def _on_client_frames(self, frames: list[Any]) -> None:
+        owner_key: str | None = None
+        if not isinstance(frames[0], bytes):  # CURVE: uncopied frames carrying the ZAP user id
+            owner_key = frames[-1].get("User-Id")
+            frames = [f.bytes for f in frames]
+        ident = frames[0]
+        try:
+            msg = p.decode(frames[1:], p.CLIENT_TO_BROKER, self.cfg.max_body_bytes)
+        except ProtocolError as e:
+            oversized = len(frames) == 4 and len(frames[3]) > self.cfg.max_body_bytes
+            self.counters["oversized_frames" if oversized else "malformed_client_messages"] += 1
+            self._send_client(ident, p.Fail("", "protocol", str(e)[:300]))
+            return
+        self.clients[ident] = time.monotonic()
+        owner = owner_key if owner_key is not None else getattr(msg, "owner", "")
+        if isinstance(msg, p.Submit):
+            self._on_submit(ident, owner, msg)
+        elif isinstance(msg, p.Cancel):
+            self._on_cancel(ident, owner, msg)
+        elif isinstance(msg, p.Subscribe):
+            self._on_subscribe(ident, owner, msg)
+        elif isinstance(msg, p.Ping):
+            self._send_client(ident, p.Pong())
+        elif isinstance(msg, p.Bye):
+            self._client_gone(ident, "bye")
+        elif isinstance(msg, p.StatsRequest):
+            self._send_client(ident, p.StatsReply(self.stats()))
+
+    def _on_submit(self, ident: bytes, owner: str, msg: p.Submit) -> None:
+        self.counters["submits"] += 1
+        if self._draining:
+            self.counters["rejected_draining"] += 1
+            self._send_client(ident, p.Fail(msg.job_id, "unavailable", "broker is draining"))
+            return
+        existing = self.jobs.get(msg.job_id)
+        if existing is not None:
+            self._on_duplicate(ident, owner, msg, existing)
+            return
+        try:
+            max_tokens = SamplingParams.from_dict(msg.params).max_tokens
+        except InvalidRequestError as e:
+            self.counters["rejected_invalid"] += 1
+            self._send_client(ident, p.Fail(msg.job_id, "invalid", str(e)[:1000]))
+            return
+        if self.queued[msg.model] >= self.cfg.queue_size:
+            self.counters["rejected_overloaded"] += 1
+            self._send_client(ident, p.Fail(msg.job_id, "overloaded", f"queue for {msg.model!r} is full",
+                                            self._retry_after(msg.model)))
+            return
+        self._accept(ident, owner, msg, max_tokens)
+
+    def _on_duplicate(self, ident: bytes, owner: str, msg: p.Submit, job: Job) -> None:
+        """Idempotent submit: the same owner re-sending a job id is re-subscribed, not re-run."""
+        if job.owner != owner:
+            self.counters["rejected_conflict"] += 1
+            self._send_client(ident, p.Fail(msg.job_id, "conflict", "job id in use by another owner"))
+            return
+        self.counters["duplicate_submits"] += 1
+        self._send_client(ident, p.Ack(msg.job_id, duplicate=True))
+        self._subscribe(job, ident, msg.from_seq)
+
+    def _accept(self, ident: bytes, owner: str, msg: p.Submit, max_tokens: int) -> None:
+        now = time.monotonic()
+        timeout = msg.timeout if msg.timeout is not None else self.cfg.default_timeout
+        job = Job(msg.job_id, owner, msg.model, msg.input, msg.params, max_tokens, msg.priority, ident,
+                  msg.cancel_on_disconnect, now, now + timeout if timeout is not None else None,
+                  self.prefix.hashes(msg.input.affinity_text()))
+        self.jobs[job.job_id] = job
+        self._active += 1
+        self.counters["accepted"] += 1
+        job.subscribers[ident] = 0
+        self.client_jobs[ident].add(job.job_id)
+        self._send_client(ident, p.Ack(job.job_id))
+        if job.deadline is not None:
+            self._push_timer(job.deadline, "deadline", job)
+        self._enqueue(job, front=False)
+        self._dispatch()
+
+    def _retry_after(self, model: str) -> float:
+        cap = sum(w.capacity for w in self.workers.values() if w.serves(model)) or 1
+        return round(min(30.0, max(0.05, self.queued[model] * self._job_seconds / cap)), 3)
+
+    def _may_access(self, job: Job, owner: str) -> bool:
+        return self.cfg.open_jobs or job.owner == owner
+
+    def _checked_job(self, ident: bytes, owner: str, job_id: str) -> Job | None:
+        job = self.jobs.get(job_id)
+        if job is None:
+            self._send_client(ident, p.Fail(job_id, "unknown_job", "no such job (or expired)"))
+            return None
+        if not self._may_access(job, owner):
+            self.counters["forbidden"] += 1
+            self._send_client(ident, p.Fail(job_id, "forbidden", "job belongs to another client"))
+            return None
+        return job
+
+    def _on_cancel(self, ident: bytes, owner: str, msg: p.Cancel) -> None:
+        job = self._checked_job(ident, owner, msg.job_id)
+        if job is None:
+            return
+        self._send_client(ident, p.Ack(job.job_id, duplicate=True))
+        if not job.is_terminal:
+            self.counters["cancels"] += 1
+            self._finish(job, p.Fail(job.job_id, "cancelled", "cancelled by client"), cancel_worker=True)
+
+    def _on_subscribe(self, ident: bytes, owner: str, msg: p.Subscribe) -> None:
+        job = self._checked_job(ident, owner, msg.job_id)
+        if job is None:
+            return
+        self.counters["subscribes"] += 1
+        self._send_client(ident, p.Ack(job.job_id, duplicate=True))
+        self._subscribe(job, ident, msg.from_seq)
+
+    def _subscribe(self, job: Job, ident: bytes, from_seq: int) -> None:
+        job.subscribers[ident] = job.chunk_index(from_seq)
+        self.client_jobs[ident].add(job.job_id)
+        self._flush([job])
+
+    def _client_gone(self, cid: bytes, reason: str) -> None:
+        """The client left (BYE, silence, unreachable): drop its subscriptions, cancel its jobs."""
+        self.clients.pop(cid, None)
+        for job_id in sorted(self.client_jobs.pop(cid, set())):
+            job = self.jobs.get(job_id)
+            if job is None:
+                continue
+            job.subscribers.pop(cid, None)
+            if not job.is_terminal and job.client == cid and job.cancel_on_disconnect:
+                self.counters["disconnect_cancels"] += 1
+                self._finish(job, p.Fail(job_id, "cancelled", f"client gone ({reason})"), cancel_worker=True)
+
+    def _send_client(self, cid: bytes, msg: p.Message) -> bool:
+        return self._send_client_frames(cid, p.encode(msg))
+
+    def _send_client_frames(self, cid: bytes, frames: list[bytes]) -> bool:
+        """Non-blocking send; False when the client's queue is full (caller retries) or it is gone."""
+        assert self.frontend is not None
+        try:
+            self.frontend.send_multipart([cid, *frames], zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            self.counters["client_send_blocked"] += 1
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self._client_gone(cid, "unreachable")
+        return False
+
+    def _flush(self, jobs: Iterable[Job]) -> None:
+        """Send every subscriber of `jobs` the chunks it lacks (one STREAM per client), then the
+        terminal reply to those who have all chunks. Unsent data stays behind the cursors."""
+        jobs = list(jobs)
+        entries: dict[bytes, list[list[Any]]] = defaultdict(list)
+        moves: dict[bytes, list[Job]] = defaultdict(list)
+        for job in jobs:
+            for cid, cursor in job.subscribers.items():
+                if cursor < len(job.chunks):
+                    entries[cid].extend(job.chunks[cursor:])
+                    moves[cid].append(job)
+        for cid, batch in entries.items():
+            if self._send_client_frames(cid, [*_STREAM_HEAD, msgpack.packb(batch, use_bin_type=True)]):
+                self.counters["tokens_out"] += sum(len(e[2]) for e in batch)
+                for job in moves[cid]:
+                    if cid in job.subscribers:
+                        job.subscribers[cid] = len(job.chunks)
+            else:
+                self._lagging.update(j.job_id for j in moves[cid])
+        for job in jobs:
+            if job.terminal is None:
+                continue
+            for cid, cursor in list(job.subscribers.items()):
+                if cursor < len(job.chunks):
+                    continue
+                if self._send_client(cid, job.terminal):
+                    job.subscribers.pop(cid, None)
+                    self.client_jobs.get(cid, set()).discard(job.job_id)
+                elif cid in job.subscribers:
+                    self._lagging.add(job.job_id)
+
+    # ---- workers ----------------------------------------------------------------------------------
+
+    def _on_worker_frames(self, frames: list[bytes]) -> None:
+        ident = frames[0]
+        try:
+            msg = p.decode(frames[1:], p.WORKER_TO_BROKER, self.cfg.max_body_bytes)
+        except ProtocolError as e:
+            self.counters["malformed_worker_messages"] += 1
+            log.warning("malformed_worker_message", error=str(e)[:200])
+            return
+        now = time.monotonic()
+        if isinstance(msg, p.Ready):
+            self._on_ready(ident, msg, now)
+            return
+        w = self.workers.get(ident)
+        if w is None:
+            self._on_unknown_worker(ident, msg, now)
+            return
+        w.last_seen = now
+        if isinstance(msg, p.Tokens):
+            self._on_tokens(w, msg)
+        elif isinstance(msg, p.Finished):
+            self._on_finished(w, msg)
+        elif isinstance(msg, p.JobError):
+            self._on_job_error(w, msg)
+        elif isinstance(msg, p.WorkerHeartbeat):
+            w.load = msg
+        elif isinstance(msg, p.WorkerDisconnect):
+            self._worker_dead(w, "disconnected")
+
+    def _on_ready(self, ident: bytes, msg: p.Ready, now: float) -> None:
+        old = self.workers.get(ident)
+        if old is not None:  # the worker reset itself: whatever it ran is gone
+            self._worker_dead(old, "re-registered")
+        w = WorkerInfo.from_ready(ident, msg, now)
+        self.workers[ident] = w
+        self._reregister_sent.pop(ident, None)
+        self.counters["workers_registered"] += 1
+        log.info("worker_ready", worker=w.name, models=sorted(w.models), capacity=w.capacity,
+                 kv_blocks=w.kv_blocks, block_size=w.block_size, max_model_len=w.max_model_len)
+        w.next_heartbeat = now + w.interval
+        self._send_worker(w, p.BrokerHeartbeat())
+        self._need_dispatch = True
+
+    def _on_unknown_worker(self, ident: bytes, msg: p.Message, now: float) -> None:
+        """A worker we declared dead (or from before a restart): drop its output, ask it to re-register
+        (at most once per second per worker, so a stream of stale output is not answered in kind)."""
+        self.counters["stale_worker_messages"] += 1
+        if isinstance(msg, p.Tokens):
+            self.counters["stale_tokens_dropped"] += sum(len(c.token_ids) for c in msg.chunks)
+        if isinstance(msg, p.WorkerDisconnect) or now - self._reregister_sent.get(ident, -1e9) < 1.0:
+            return
+        self._reregister_sent[ident] = now
+        if len(self._reregister_sent) > 10_000:
+            self._reregister_sent.clear()
+        assert self.backend is not None
+        try:
+            self.backend.send_multipart([ident, *p.encode(p.BrokerDisconnect("reregister"))], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def _current(self, w: WorkerInfo, job_id: str, attempt: int) -> Job | None:
+        """The job if `w` runs its current attempt `attempt`; else None (stale output: dropped)."""
+        job = self.jobs.get(job_id)
+        if job is None or job.state is not JobState.RUNNING or job.worker != w.ident or job.attempt != attempt:
+            self.counters["stale_messages_dropped"] += 1
+            return None
+        return job
+
+    def _on_tokens(self, w: WorkerInfo, msg: p.Tokens) -> None:
+        touched: list[Job] = []
+        for c in msg.chunks:
+            job = self._current(w, c.job_id, c.attempt)
+            if job is None:
+                self.counters["stale_tokens_dropped"] += len(c.token_ids)
+                continue
+            if c.seq != job.num_tokens:  # never accept a gap or a duplicate into the log
+                self.counters["seq_mismatch"] += 1
+                log.warning("seq_mismatch", job=c.job_id, got=c.seq, expected=job.num_tokens)
+                continue
+            job.append(c.seq, c.token_ids, c.text, c.logprobs)
+            self.counters["tokens_in"] += len(c.token_ids)
+            touched.append(job)
+        self._flush(touched)
+
+    def _on_finished(self, w: WorkerInfo, msg: p.Finished) -> None:
+        for f in msg.jobs:
+            job = self._current(w, f.job_id, f.attempt)
+            if job is not None:
+                self._finish(job, p.Done(f.job_id, f.finish_reason, f.stop_reason, f.usage, job.num_tokens))
+
+    def _on_job_error(self, w: WorkerInfo, msg: p.JobError) -> None:
+        job = self._current(w, msg.job_id, msg.attempt)
+        if job is not None:
+            self._finish(job, p.Fail(job.job_id, msg.code, msg.message))
+
+    def _send_worker(self, w: WorkerInfo, msg: p.Message, on_fail_dead: bool = True) -> bool:
+        assert self.backend is not None
+        try:
+            self.backend.send_multipart([w.ident, *p.encode(msg)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:  # Again (its queue is full: it stopped reading) or EHOSTUNREACH
+            if on_fail_dead:
+                self._worker_dead(w, f"send failed: {e}")
+            return False
+
+    def _worker_dead(self, w: WorkerInfo, reason: str) -> None:
+        """Forget the worker and migrate each of its unfinished jobs (or fail it at the limit)."""
+        if self.workers.get(w.ident) is not w:
+            return
+        del self.workers[w.ident]
+        self.counters["workers_lost"] += 1
+        log.warning("worker_dead", worker=w.name, reason=reason, jobs=len(w.jobs))
+        jobs, w.jobs = sorted(w.jobs), set()
+        for job_id in jobs:
+            job = self.jobs.get(job_id)
+            if job is None or job.is_terminal or job.worker != w.ident:
+                continue
+            self._migrate(job)
+        self._need_dispatch = True
+
+    def _migrate(self, job: Job) -> None:
+        job.worker = None
+        job.failures += 1
+        if job.failures >= self.cfg.migration_limit:
+            self.counters["migration_limit_failures"] += 1
+            self._finish(job, p.Fail(job.job_id, "failed",
+                                     f"job was running on {job.failures} workers that died (migration limit)"))
+        elif job.num_tokens >= job.max_tokens:  # everything was delivered; only FINISHED was lost
+            self._finish(job, p.Done(job.job_id, "length", None, (0, job.num_tokens, 0), job.num_tokens))
+        else:
+            job.attempt += 1
+            self.counters["migrations"] += 1
+            log.info("job_migrated", job=job.job_id, attempt=job.attempt, delivered=job.num_tokens)
+            self._enqueue(job, front=True)
+
+    # ---- queues and dispatch -----------------------------------------------------------------------
+
+    def _enqueue(self, job: Job, front: bool) -> None:
+        job.state = JobState.QUEUED
+        job.queued_at = time.monotonic()
+        q = self.queues[job.model]
+        q.appendleft(job) if front else q.append(job)
+        self.queued[job.model] += 1
+        self._push_timer(job.queued_at + self.cfg.queue_timeout, "queue", job)
+
+    def _dispatch(self) -> None:
+        """Start queued jobs (FIFO per model; migrated ones first) on the best worker with room."""
+        self._need_dispatch = False
+        for model, q in list(self.queues.items()):
+            while q:
+                job = q[0]
+                if job.state is not JobState.QUEUED:
+                    q.popleft()  # lazily removed (cancelled or expired while queued)
+                    continue
+                w = pick_worker((w for w in self.workers.values() if w.serves(model)), job.prefix_hashes,
+                                self.prefix, self.cfg.affinity_slack)
+                if w is None:
+                    break
+                q.popleft()
+                self.queued[model] -= 1
+                self._start(job, w)
+
+    def _start(self, job: Job, w: WorkerInfo) -> None:
+        job.state = JobState.RUNNING
+        job.worker = w.ident
+        w.jobs.add(job.job_id)
+        w.dispatched += 1
+        self.prefix.record(job.prefix_hashes, w.ident)
+        self.counters["dispatches"] += 1
+        self._send_worker(w, p.WorkerSubmit(job.job_id, job.attempt, job.input, job.params, list(job.tokens),
+                                            job.priority))
+
+    def _finish(self, job: Job, terminal: p.Done | p.Fail, cancel_worker: bool = False) -> None:
+        """Make `terminal` the job's one terminal reply; release its queue slot or worker slot."""
+        assert job.terminal is None
+        if job.state is JobState.QUEUED:
+            self.queued[job.model] -= 1
+            self._compact_queue(job.model)
+        elif job.worker is not None and (w := self.workers.get(job.worker)) is not None:
+            w.jobs.discard(job.job_id)
+            if cancel_worker:
+                self._send_worker(w, p.WorkerCancel(job.job_id, job.attempt), on_fail_dead=False)
+            self._need_dispatch = True
+        now = time.monotonic()
+        job.state, job.terminal, job.finished_at = JobState.DONE, terminal, now
+        self._active -= 1
+        self._retired.append((now, job.job_id))
+        if isinstance(terminal, p.Done):
+            self.counters["completed"] += 1
+            self._job_seconds = 0.9 * self._job_seconds + 0.1 * (now - job.created)
+        else:
+            self.counters[f"failed_{terminal.code}"] += 1
+        self._flush([job])
+
+    def _compact_queue(self, model: str) -> None:
+        q = self.queues[model]
+        if len(q) > 2 * self.queued[model] + 64:
+            self.queues[model] = deque(j for j in q if j.state is JobState.QUEUED)
+
+    # ---- introspection ----------------------------------------------------------------------------
+
+    def _summary(self) -> dict[str, Any]:
+        return {"active_jobs": self._active, "workers": len(self.workers), **dict(self.counters)}
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, queue depths and per-worker load (what a STATS request returns)."""
+        now = time.monotonic()
+        return {
+            "counters": dict(self.counters),
+            "queues": {m: n for m, n in self.queued.items() if n},
+            "workers": [w.describe(now) for w in self.workers.values()],
+            "active_jobs": self._active,
+            "retained_jobs": len(self.jobs),
+            "clients": len(self.clients),
+            "draining": self._draining,
+            "prefix_entries": len(self.prefix),
+            "zap": {"accepted": self.zap.accepted, "refused": self.zap.refused} if self.zap else None,
+        }

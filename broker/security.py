@@ -1,0 +1,80 @@
+"""CURVE server setup and a ZAP handler that admits only allow-listed public keys.
+
+The handler runs on its own thread with a REP socket bound to the ZAP endpoint of the broker's context
+(libzmq asks it about every CURVE handshake on every server socket of that context). The user id it
+returns is the client's z85 public key; the broker reads it from each message's "User-Id" property and
+uses it as the job owner.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import structlog
+import zmq
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+ZAP_VERSION = b"1.0"
+
+log = structlog.get_logger("tokenmill.broker.zap")
+
+
+class ZapAuthenticator:
+    """Allow-list CURVE authenticator (a ZAP handler thread). Counts who it admitted and refused."""
+
+    def __init__(self, ctx: zmq.Context, allowed_keys: set[bytes]) -> None:
+        self._ctx = ctx
+        self._allowed = frozenset(allowed_keys)
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tokenmill-zap", daemon=True)
+        self.accepted = 0
+        self.refused = 0
+
+    def start(self) -> None:
+        """Bind the ZAP endpoint (must happen before the server sockets accept handshakes)."""
+        self._thread.start()
+        self._ready.wait(5.0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2.0)
+
+    def _run(self) -> None:
+        sock = self._ctx.socket(zmq.REP)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(ZAP_ENDPOINT)
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                if sock.poll(100):
+                    sock.send_multipart(self._answer(sock.recv_multipart()))
+        finally:
+            sock.close()
+
+    def _answer(self, req: list[bytes]) -> list[bytes]:
+        """ZAP request: version, request id, domain, address, identity, mechanism, credentials..."""
+        if len(req) < 6:
+            self.refused += 1
+            return [ZAP_VERSION, req[1] if len(req) > 1 else b"", b"400", b"malformed", b"", b""]
+        version, request_id, _domain, address, _identity, mechanism = req[:6]
+        creds = req[6:]
+        if version != ZAP_VERSION or mechanism != b"CURVE" or len(creds) != 1 or len(creds[0]) != 32:
+            self.refused += 1
+            log.warning("zap_refused", reason="mechanism", address=address.decode(errors="replace"))
+            return [ZAP_VERSION, request_id, b"400", b"CURVE required", b"", b""]
+        key = zmq.utils.z85.encode(creds[0])
+        if key not in self._allowed:
+            self.refused += 1
+            log.warning("zap_refused", reason="unknown key", address=address.decode(errors="replace"))
+            return [ZAP_VERSION, request_id, b"400", b"unknown key", b"", b""]
+        self.accepted += 1
+        return [ZAP_VERSION, request_id, b"200", b"OK", key, b""]
+
+
+def make_curve_server(sock: zmq.Socket, public: bytes, secret: bytes, domain: bytes) -> None:
+    """Configure `sock` as a CURVE server (before bind); ZAP then authenticates every client."""
+    sock.curve_server = True
+    sock.curve_publickey = public
+    sock.curve_secretkey = secret
+    sock.zap_domain = domain

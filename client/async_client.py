@@ -1,0 +1,316 @@
+"""asyncio client SDK: the same operations as `Client`, as coroutines and async iterators.
+
+    async with AsyncClient("tcp://127.0.0.1:5555") as c:
+        async for ev in c.stream("Hello", max_tokens=16):
+            print(ev.text, end="", flush=True)
+
+The socket lives on the running event loop (zmq.asyncio); a reader task routes replies to per-job
+asyncio queues and a heartbeat task pings the broker while jobs are open. `run()` runs a coroutine on
+uvloop when it is installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from typing import Any, TypeVar
+
+import zmq
+import zmq.asyncio
+
+from tokenmill.client import protocol as p
+from tokenmill.client.client import (
+    DEFAULT_ADDRESS,
+    Assembly,
+    Result,
+    RouterCore,
+    StreamEvent,
+    _Gap,
+    build_params,
+    make_submit,
+    terminal_error,
+)
+from tokenmill.client.errors import BrokerUnavailable, DeadlineExceeded, TokenmillError
+from tokenmill.client.keys import apply_client_curve, load_keypair, load_public_key
+
+T = TypeVar("T")
+
+
+def run(coro: Awaitable[T]) -> T:
+    """Run `coro` to completion on a new event loop (uvloop's when installed)."""
+    try:
+        import uvloop
+    except ImportError:
+        factory = None
+    else:
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)  # type: ignore[arg-type]
+
+
+class AsyncJobHandle:
+    """A submitted (or subscribed) job on an AsyncClient: `stream()`, `result()`, `cancel()`."""
+
+    def __init__(self, client: AsyncClient, job_id: str, from_seq: int = 0) -> None:
+        self._client = client
+        self.job_id = job_id
+        self._q: asyncio.Queue[Any] = asyncio.Queue()
+        self._asm = Assembly(job_id, from_seq)
+        self._accepted = asyncio.Event()
+        self._error: TokenmillError | None = None
+        self._finished = False
+
+    @property
+    def done(self) -> bool:
+        """True once the job's terminal reply (or an error) was consumed."""
+        return self._finished or self._error is not None
+
+    def _on_ack(self) -> None:
+        self._accepted.set()
+
+    async def wait_accepted(self, timeout: float | None = None) -> bool:
+        """Wait until the broker acknowledged the job (False on timeout)."""
+        try:
+            await asyncio.wait_for(self._accepted.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def stream(self, timeout: float | None = None) -> AsyncIterator[StreamEvent]:
+        """Yield the job's events in order (the last has `finish_reason`); raises the job's typed error,
+        or DeadlineExceeded when no event arrives for `timeout` seconds."""
+        if self._error is not None:
+            raise self._error
+        while not self._finished:
+            try:
+                item = await asyncio.wait_for(self._q.get(), timeout)
+            except TimeoutError:
+                raise DeadlineExceeded(f"no event for {timeout}s", job_id=self.job_id) from None
+            ev = await self._consume(item)
+            if ev is not None:
+                yield ev
+
+    async def _consume(self, item: Any) -> StreamEvent | None:
+        if isinstance(item, p.StreamChunk):
+            try:
+                return self._asm.on_chunk(item)
+            except _Gap:
+                await self._client._send(p.Subscribe(self.job_id, self._client.owner, self._asm.next_seq))
+                return None
+        if isinstance(item, p.Done):
+            self._finished = True
+            return self._asm.on_done(item)
+        self._error = terminal_error(item) if isinstance(item, p.Fail) else item
+        assert self._error is not None
+        raise self._error
+
+    async def result(self, timeout: float | None = None) -> Result:
+        """Wait for the whole output; `timeout` bounds each wait for the next event."""
+        async for _ in self.stream(timeout):
+            pass
+        return self._asm.result
+
+    async def cancel(self) -> None:
+        """Ask the broker to cancel the job; the stream then ends with Cancelled."""
+        await self._client._send(p.Cancel(self.job_id, self._client.owner))
+
+
+class AsyncClient(RouterCore):
+    """asyncio client of a tokenmill broker; arguments as for `Client`. Use it from one event loop."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, owner: str | None = None, timeout: float | None = None,
+                 heartbeat_interval: float = 1.0, broker_timeout: float = 10.0,
+                 curve_server_key: str | None = None, curve_secret_key: str | None = None) -> None:
+        self.address = address
+        self.owner = owner if owner is not None else secrets.token_hex(16)
+        self.timeout = timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.broker_timeout = broker_timeout
+        self._curve = (curve_server_key, curve_secret_key)
+        self._handles: dict[str, AsyncJobHandle] = {}
+        self._waiters: dict[str, asyncio.Future[Any]] = {}
+        self._stats_waiters: list[asyncio.Future[Any]] = []
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_heard = 0.0
+        self._closed = False
+
+    # ---- public API -------------------------------------------------------------------------------
+
+    async def submit(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
+                     prompt_token_ids: list[int] | None = None, model: str = "",
+                     params: Mapping[str, Any] | None = None, timeout: float | None = None,
+                     job_id: str | None = None, priority: int = 0, cancel_on_disconnect: bool = True,
+                     **sampling: Any) -> AsyncJobHandle:
+        """Submit a job and return its handle at once; see `Client.submit`."""
+        msg = make_submit(job_id, model, prompt, messages, prompt_token_ids, build_params(params, sampling),
+                          timeout if timeout is not None else self.timeout, priority, self.owner,
+                          cancel_on_disconnect)
+        handle = AsyncJobHandle(self, msg.job_id)
+        self._handles[msg.job_id] = handle
+        await self._send(msg)
+        return handle
+
+    async def generate(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
+                       model: str = "", params: Mapping[str, Any] | None = None, timeout: float | None = None,
+                       **sampling: Any) -> Result:
+        """Run a prompt to completion and return the whole Result."""
+        h = await self.submit(prompt, prompt_token_ids=prompt_token_ids, model=model, params=params,
+                              timeout=timeout, **sampling)
+        return await self._run(h, timeout)
+
+    async def chat(self, messages: list[dict[str, str]], *, model: str = "",
+                   params: Mapping[str, Any] | None = None, timeout: float | None = None,
+                   **sampling: Any) -> Result:
+        """Run a chat (a list of {"role", "content"} messages) to completion."""
+        h = await self.submit(messages=messages, model=model, params=params, timeout=timeout, **sampling)
+        return await self._run(h, timeout)
+
+    async def stream(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
+                     prompt_token_ids: list[int] | None = None, model: str = "",
+                     params: Mapping[str, Any] | None = None, timeout: float | None = None,
+                     **sampling: Any) -> AsyncIterator[StreamEvent]:
+        """Submit and yield events as they arrive; leaving early cancels the job."""
+        h = await self.submit(prompt, messages=messages, prompt_token_ids=prompt_token_ids, model=model,
+                              params=params, timeout=timeout, **sampling)
+        try:
+            async for ev in h.stream(self._wait_bound(timeout)):
+                yield ev
+        finally:
+            if not h.done:
+                await h.cancel()
+
+    async def subscribe(self, job_id: str, *, from_seq: int = 0, owner: str | None = None) -> AsyncJobHandle:
+        """Follow a job submitted elsewhere from output position `from_seq`; see `Client.subscribe`."""
+        handle = AsyncJobHandle(self, job_id, from_seq)
+        self._handles[job_id] = handle
+        await self._send(p.Subscribe(job_id, owner if owner is not None else self.owner, from_seq))
+        return handle
+
+    async def cancel(self, job_id: str, *, owner: str | None = None, timeout: float = 5.0) -> None:
+        """Cancel any job this client may access; raises Forbidden, UnknownJob or BrokerUnavailable."""
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiters[job_id] = fut
+        await self._send(p.Cancel(job_id, owner if owner is not None else self.owner))
+        await self._wait_reply(fut, timeout)
+
+    async def stats(self, timeout: float = 5.0) -> dict[str, Any]:
+        """The broker's counters, queue depths and workers."""
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(fut)
+        await self._send(p.StatsRequest())
+        reply = await self._wait_reply(fut, timeout)
+        assert isinstance(reply, p.StatsReply)
+        return reply.stats
+
+    async def close(self) -> None:
+        """Say goodbye (the broker cancels this client's cancel-on-disconnect jobs) and stop the tasks."""
+        if self._closed:
+            return
+        self._closed = True
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self._sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                await self._sock.send_multipart(p.encode(p.Bye()), zmq.NOBLOCK)
+            self._sock.close(linger=200)
+        if self._ctx is not None:
+            self._ctx.term()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---- internals --------------------------------------------------------------------------------
+
+    def _wait_bound(self, timeout: float | None) -> float | None:
+        t = timeout if timeout is not None else self.timeout
+        return None if t is None else t + self.broker_timeout
+
+    async def _run(self, h: AsyncJobHandle, timeout: float | None) -> Result:
+        try:
+            return await h.result(self._wait_bound(timeout))
+        finally:
+            if not h.done:
+                await h.cancel()
+
+    async def _wait_reply(self, fut: asyncio.Future[Any], timeout: float) -> Any:
+        try:
+            item = await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise BrokerUnavailable(f"no reply within {timeout}s") from None
+        if isinstance(item, p.Fail):
+            raise terminal_error(item)
+        if isinstance(item, TokenmillError):
+            raise item
+        return item
+
+    def _start(self) -> zmq.asyncio.Socket:
+        if self._sock is not None:
+            return self._sock
+        self._ctx = zmq.asyncio.Context()
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 100_000)
+        s.setsockopt(zmq.RCVHWM, 100_000)
+        s.setsockopt(zmq.MAXMSGSIZE, 2 * p.MAX_BODY_BYTES)
+        server_key, secret_file = self._curve
+        if server_key is not None and secret_file is not None:
+            apply_client_curve(s, load_public_key(server_key), load_keypair(secret_file))
+        s.connect(self.address)
+        self._sock = s
+        self._tasks = [asyncio.create_task(self._reader(), name=f"tokenmill-reader-{uuid.uuid4().hex[:6]}"),
+                       asyncio.create_task(self._heartbeat(), name="tokenmill-heartbeat")]
+        return s
+
+    async def _send(self, msg: p.Message) -> None:
+        if self._closed:
+            raise BrokerUnavailable("client is closed")
+        sock = self._start()
+        if not self._is_open_besides(msg):
+            self._last_heard = time.monotonic()  # the silence clock starts when we start expecting
+        try:
+            await sock.send_multipart(p.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            raise BrokerUnavailable("send queue to the broker is full") from None
+
+    def _is_open_besides(self, msg: p.Message) -> bool:
+        n = len(self._handles) + len(self._waiters) + len(self._stats_waiters)
+        return n > 1
+
+    def _deliver(self, handle: Any, item: Any) -> None:
+        handle._q.put_nowait(item)
+
+    def _deliver_waiter(self, waiter: Any, item: Any) -> None:
+        if not waiter.done():
+            waiter.set_result(item)
+
+    async def _reader(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart()
+            self._last_heard = time.monotonic()
+            self._route(frames)
+
+    async def _heartbeat(self) -> None:
+        assert self._sock is not None
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            if not (self._handles or self._waiters or self._stats_waiters):
+                continue
+            if time.monotonic() - self._last_heard > self.broker_timeout:
+                self._fail_all(f"broker {self.address} silent for {self.broker_timeout}s")
+                self._last_heard = time.monotonic()
+                continue
+            with contextlib.suppress(zmq.Again):
+                await self._sock.send_multipart(p.encode(p.Ping()), zmq.NOBLOCK)

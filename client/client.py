@@ -1,0 +1,491 @@
+"""Synchronous client SDK: submit jobs to a tokenmill broker, stream or subscribe to their tokens.
+
+    with Client("tcp://127.0.0.1:5555") as c:
+        print(c.generate("Once upon a time", max_tokens=32, temperature=0).text)
+        for ev in c.stream("Hello", max_tokens=16):
+            print(ev.text, end="", flush=True)
+
+One background IO thread owns the ZeroMQ socket (sockets are not thread-safe); calls from any thread
+hand it encoded messages through an inproc pipe, and it routes the broker's replies to per-job queues.
+While jobs are open it pings the broker; if the broker stays silent for `broker_timeout` seconds every
+open job fails with BrokerUnavailable (nothing waits forever). Every stream is gap-free and duplicate-
+free by sequence number: duplicates are dropped, a gap triggers a re-subscribe from the missing token.
+"""
+
+from __future__ import annotations
+
+import queue
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from tokenmill.client import protocol as p
+from tokenmill.client.errors import (
+    BrokerUnavailable,
+    DeadlineExceeded,
+    InvalidRequest,
+    ProtocolError,
+    TokenmillError,
+    error_from_fail,
+)
+from tokenmill.client.keys import apply_client_curve, load_keypair, load_public_key
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of a finished job (completion_tokens includes tokens of migrated attempts)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """New output of a job: `token_ids[0]` is output position `seq`. The last event of a stream has
+    `finish_reason` set (and usually no tokens)."""
+
+    job_id: str
+    seq: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True on the final event."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class Result:
+    """The whole output of a finished job."""
+
+    job_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+class _Gap(Exception):
+    """A chunk arrived past the next expected sequence number."""
+
+
+class Assembly:
+    """Per-job stream state: accepts chunks in sequence order (dropping duplicates, reporting gaps)
+    and accumulates the result."""
+
+    def __init__(self, job_id: str, from_seq: int = 0) -> None:
+        self.job_id = job_id
+        self.next_seq = from_seq
+        self.result = Result(job_id)
+
+    def on_chunk(self, c: p.StreamChunk) -> StreamEvent | None:
+        """The event for a new chunk, None for a duplicate; raises _Gap if tokens are missing."""
+        ids, text, lps = c.token_ids, c.text, c.logprobs
+        if c.seq > self.next_seq:
+            raise _Gap(f"expected seq {self.next_seq}, got {c.seq}")
+        if c.seq < self.next_seq:
+            skip = self.next_seq - c.seq
+            if skip >= len(ids):
+                return None  # already seen
+            ids, text = ids[skip:], ""  # a replay starting mid-chunk: its text cannot be split
+            lps = lps[skip:] if lps is not None else None
+        logprobs = [{int(t): float(v) for t, v in pairs} for pairs in lps] if lps is not None else None
+        ev = StreamEvent(self.job_id, self.next_seq, list(ids), text, logprobs)
+        self.next_seq += len(ids)
+        r = self.result
+        r.token_ids.extend(ids)
+        r.text += text
+        if logprobs is not None:
+            r.logprobs = (r.logprobs or []) + logprobs
+        return ev
+
+    def on_done(self, d: p.Done) -> StreamEvent:
+        usage = Usage(*d.usage)
+        r = self.result
+        r.finish_reason, r.stop_reason, r.usage = d.finish_reason, d.stop_reason, usage
+        return StreamEvent(self.job_id, self.next_seq, [], "", None, d.finish_reason, d.stop_reason, usage)
+
+
+def build_params(params: Mapping[str, Any] | None, sampling: Mapping[str, Any]) -> dict[str, Any]:
+    """Sampling parameters for the wire: `params` updated by keyword arguments (None values omitted).
+    The broker validates them (SamplingParams.from_dict) and answers InvalidRequest."""
+    out = dict(params or {})
+    out.update({k: (list(v) if isinstance(v, tuple) else v) for k, v in sampling.items() if v is not None})
+    return out
+
+
+def make_submit(job_id: str | None, model: str, prompt: str | None, messages: list[dict[str, str]] | None,
+                prompt_token_ids: list[int] | None, params: dict[str, Any], timeout: float | None,
+                priority: int, owner: str, cancel_on_disconnect: bool) -> p.Submit:
+    """The SUBMIT message of a call (InvalidRequest unless exactly one input is given)."""
+    try:
+        inp = p.RequestInput(prompt, messages, list(prompt_token_ids) if prompt_token_ids is not None else None)
+    except ProtocolError as e:
+        raise InvalidRequest(str(e)) from None
+    return p.Submit(job_id or uuid.uuid4().hex, model, inp, params, timeout, priority, owner,
+                    cancel_on_disconnect=cancel_on_disconnect)
+
+
+class RouterCore:
+    """Routing of broker replies to job handles and control waiters, shared by Client and AsyncClient.
+    Subclasses provide `_deliver(handle, item)` and `_deliver_waiter(waiter, item)`."""
+
+    _handles: dict[str, Any]
+    _waiters: dict[str, Any]
+    _stats_waiters: list[Any]
+
+    def _route(self, frames: list[bytes]) -> None:
+        try:
+            msg = p.decode(frames, p.BROKER_TO_CLIENT)
+        except ProtocolError:
+            return  # a malformed reply cannot be attributed to a job; the job's own timeout covers it
+        if isinstance(msg, p.Stream):
+            for c in msg.chunks:
+                h = self._handles.get(c.job_id)
+                if h is not None:
+                    self._deliver(h, c)
+        elif isinstance(msg, p.Ack):
+            w = self._waiters.pop(msg.job_id, None)
+            if w is not None:
+                self._deliver_waiter(w, msg)
+            elif (h := self._handles.get(msg.job_id)) is not None:
+                h._on_ack()
+        elif isinstance(msg, p.Done):
+            if (h := self._handles.pop(msg.job_id, None)) is not None:
+                self._deliver(h, msg)
+        elif isinstance(msg, p.Fail):
+            self._route_fail(msg)
+        elif isinstance(msg, p.StatsReply) and self._stats_waiters:
+            self._deliver_waiter(self._stats_waiters.pop(0), msg)
+
+    def _route_fail(self, msg: p.Fail) -> None:
+        if msg.code in ("forbidden", "unknown_job") and msg.job_id in self._waiters:
+            self._deliver_waiter(self._waiters.pop(msg.job_id), msg)
+        elif (h := self._handles.pop(msg.job_id, None)) is not None:
+            self._deliver(h, msg)
+
+    def _fail_all(self, err_message: str) -> None:
+        for job_id in list(self._handles):
+            h = self._handles.pop(job_id, None)
+            if h is not None:
+                self._deliver(h, BrokerUnavailable(err_message, job_id=job_id))
+        for job_id in list(self._waiters):
+            w = self._waiters.pop(job_id, None)
+            if w is not None:
+                self._deliver_waiter(w, BrokerUnavailable(err_message, job_id=job_id))
+        while self._stats_waiters:
+            self._deliver_waiter(self._stats_waiters.pop(0), BrokerUnavailable(err_message))
+
+    def _deliver(self, handle: Any, item: Any) -> None:
+        raise NotImplementedError
+
+    def _deliver_waiter(self, waiter: Any, item: Any) -> None:
+        raise NotImplementedError
+
+
+def terminal_error(item: p.Fail) -> TokenmillError:
+    return error_from_fail(item.code, item.message, item.job_id, item.retry_after)
+
+
+class JobHandle:
+    """A submitted (or subscribed) job: `stream()` its events, wait for its `result()`, `cancel()` it.
+    Events are buffered from the moment of submission, so nothing is missed by starting late."""
+
+    def __init__(self, client: Client, job_id: str, from_seq: int = 0) -> None:
+        self._client = client
+        self.job_id = job_id
+        self._q: queue.Queue[Any] = queue.Queue()
+        self._asm = Assembly(job_id, from_seq)
+        self._accepted = threading.Event()
+        self._error: TokenmillError | None = None
+        self._finished = False
+
+    @property
+    def done(self) -> bool:
+        """True once the job's terminal reply (or an error) was consumed."""
+        return self._finished or self._error is not None
+
+    def _on_ack(self) -> None:
+        self._accepted.set()
+
+    def wait_accepted(self, timeout: float | None = None) -> bool:
+        """Block until the broker acknowledged the job (False on timeout or a terminal error)."""
+        return self._accepted.wait(timeout)
+
+    def stream(self, timeout: float | None = None) -> Iterator[StreamEvent]:
+        """Yield the job's events in order; the last has `finish_reason`. Raises the job's typed error,
+        or DeadlineExceeded when no event arrives for `timeout` seconds (the job keeps running)."""
+        if self._error is not None:
+            raise self._error
+        while not self._finished:
+            try:
+                item = self._q.get(timeout=timeout)
+            except queue.Empty:
+                raise DeadlineExceeded(f"no event for {timeout}s", job_id=self.job_id) from None
+            ev = self._consume(item)
+            if ev is not None:
+                yield ev
+
+    def _consume(self, item: Any) -> StreamEvent | None:
+        if isinstance(item, p.StreamChunk):
+            try:
+                return self._asm.on_chunk(item)
+            except _Gap:
+                self._client._send(p.Subscribe(self.job_id, self._client.owner, self._asm.next_seq))
+                return None
+        if isinstance(item, p.Done):
+            self._finished = True
+            return self._asm.on_done(item)
+        self._error = terminal_error(item) if isinstance(item, p.Fail) else item
+        assert self._error is not None
+        raise self._error
+
+    def result(self, timeout: float | None = None) -> Result:
+        """Wait for the whole output. `timeout` bounds each wait for the next event."""
+        for _ in self.stream(timeout):
+            pass
+        return self._asm.result
+
+    def cancel(self) -> None:
+        """Ask the broker to cancel the job (its KV blocks are freed); the stream then ends with Cancelled."""
+        self._client._send(p.Cancel(self.job_id, self._client.owner))
+
+
+class Client(RouterCore):
+    """Synchronous client of a tokenmill broker (thread-safe).
+
+    `owner` identifies this client's jobs for cancel/subscribe from other processes when CURVE is off
+    (default: a random token); with CURVE the client key does. `timeout`: default job deadline in
+    seconds (None: the broker's). `broker_timeout`: how long the broker may stay silent while jobs are
+    open before they fail with BrokerUnavailable. CURVE: `curve_server_key` (the broker's public key or
+    key file) and `curve_secret_key` (this client's NAME.key_secret file)."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, owner: str | None = None, timeout: float | None = None,
+                 heartbeat_interval: float = 1.0, broker_timeout: float = 10.0,
+                 curve_server_key: str | None = None, curve_secret_key: str | None = None) -> None:
+        self.address = address
+        self.owner = owner if owner is not None else secrets.token_hex(16)
+        self.timeout = timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.broker_timeout = broker_timeout
+        self._handles: dict[str, JobHandle] = {}
+        self._waiters: dict[str, queue.Queue[Any]] = {}
+        self._stats_waiters: list[queue.Queue[Any]] = []
+        self._ctx = zmq.Context()
+        self._dealer = self._ctx.socket(zmq.DEALER)
+        self._dealer.setsockopt(zmq.LINGER, 0)
+        self._dealer.setsockopt(zmq.SNDHWM, 100_000)
+        self._dealer.setsockopt(zmq.RCVHWM, 100_000)
+        self._dealer.setsockopt(zmq.MAXMSGSIZE, 2 * p.MAX_BODY_BYTES)
+        if curve_server_key is not None and curve_secret_key is not None:
+            apply_client_curve(self._dealer, load_public_key(curve_server_key), load_keypair(curve_secret_key))
+        self._dealer.connect(address)
+        pipe = f"inproc://tokenmill-client-{uuid.uuid4().hex}"
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(pipe)
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.connect(pipe)
+        self._push_lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._io_main, name="tokenmill-client-io", daemon=True)
+        self._thread.start()
+
+    # ---- public API -------------------------------------------------------------------------------
+
+    def submit(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
+               prompt_token_ids: list[int] | None = None, model: str = "",
+               params: Mapping[str, Any] | None = None, timeout: float | None = None, job_id: str | None = None,
+               priority: int = 0, cancel_on_disconnect: bool = True, **sampling: Any) -> JobHandle:
+        """Submit a job and return its handle at once (errors such as Overloaded surface from the
+        handle). Exactly one of prompt / messages / prompt_token_ids. `model` "" = any worker's model.
+        Sampling parameters come as `params` and/or keywords (max_tokens=, temperature=, seed=, ...).
+        A client-chosen `job_id` makes the submit idempotent (a repeat re-attaches to the same job)."""
+        msg = make_submit(job_id, model, prompt, messages, prompt_token_ids, build_params(params, sampling),
+                          timeout if timeout is not None else self.timeout, priority, self.owner,
+                          cancel_on_disconnect)
+        handle = JobHandle(self, msg.job_id)
+        self._handles[msg.job_id] = handle
+        self._send(msg)
+        return handle
+
+    def generate(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None, model: str = "",
+                 params: Mapping[str, Any] | None = None, timeout: float | None = None,
+                 **sampling: Any) -> Result:
+        """Run a prompt (text or token ids) to completion and return the whole Result."""
+        return self._run(self.submit(prompt, prompt_token_ids=prompt_token_ids, model=model, params=params,
+                                     timeout=timeout, **sampling), timeout)
+
+    def chat(self, messages: list[dict[str, str]], *, model: str = "", params: Mapping[str, Any] | None = None,
+             timeout: float | None = None, **sampling: Any) -> Result:
+        """Run a chat (a list of {"role", "content"} messages; the worker applies the chat template)."""
+        return self._run(self.submit(messages=messages, model=model, params=params, timeout=timeout, **sampling),
+                         timeout)
+
+    def stream(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
+               prompt_token_ids: list[int] | None = None, model: str = "",
+               params: Mapping[str, Any] | None = None, timeout: float | None = None,
+               **sampling: Any) -> Iterator[StreamEvent]:
+        """Submit and yield events as they arrive; leaving the loop early cancels the job."""
+        h = self.submit(prompt, messages=messages, prompt_token_ids=prompt_token_ids, model=model, params=params,
+                        timeout=timeout, **sampling)
+        try:
+            yield from h.stream(self._wait_bound(timeout))
+        finally:
+            if not h.done:
+                h.cancel()
+
+    def subscribe(self, job_id: str, *, from_seq: int = 0, owner: str | None = None) -> JobHandle:
+        """Follow a job submitted elsewhere (same owner, or any job on an open broker), replayed from
+        output position `from_seq`. Raises Forbidden / UnknownJob from the handle."""
+        handle = JobHandle(self, job_id, from_seq)
+        self._handles[job_id] = handle
+        self._send(p.Subscribe(job_id, owner if owner is not None else self.owner, from_seq))
+        return handle
+
+    def cancel(self, job_id: str, *, owner: str | None = None, timeout: float = 5.0) -> None:
+        """Cancel any job this client may access; raises Forbidden, UnknownJob or BrokerUnavailable."""
+        w: queue.Queue[Any] = queue.Queue()
+        self._waiters[job_id] = w
+        self._send(p.Cancel(job_id, owner if owner is not None else self.owner))
+        self._wait_reply(w, timeout)
+
+    def stats(self, timeout: float = 5.0) -> dict[str, Any]:
+        """The broker's counters, queue depths and workers."""
+        w: queue.Queue[Any] = queue.Queue()
+        self._stats_waiters.append(w)
+        self._send(p.StatsRequest())
+        reply = self._wait_reply(w, timeout)
+        assert isinstance(reply, p.StatsReply)
+        return reply.stats
+
+    def close(self) -> None:
+        """Say goodbye (the broker cancels this client's cancel-on-disconnect jobs) and stop the IO thread."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._push_lock:
+            self._push.send_multipart([b"", *p.encode(p.Bye())])
+            self._push.send_multipart([b"__close__"])
+        self._thread.join(5.0)
+        self._push.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals --------------------------------------------------------------------------------
+
+    def _wait_bound(self, timeout: float | None) -> float | None:
+        t = timeout if timeout is not None else self.timeout
+        return None if t is None else t + self.broker_timeout
+
+    def _run(self, h: JobHandle, timeout: float | None) -> Result:
+        try:
+            return h.result(self._wait_bound(timeout))
+        finally:
+            if not h.done:
+                h.cancel()
+
+    def _wait_reply(self, w: queue.Queue[Any], timeout: float) -> Any:
+        try:
+            item = w.get(timeout=timeout)
+        except queue.Empty:
+            raise BrokerUnavailable(f"no reply within {timeout}s") from None
+        if isinstance(item, p.Fail):
+            raise terminal_error(item)
+        if isinstance(item, TokenmillError):
+            raise item
+        return item
+
+    def _send(self, msg: p.Message) -> None:
+        if self._closed:
+            raise BrokerUnavailable("client is closed")
+        job_id = getattr(msg, "job_id", "")
+        with self._push_lock:
+            self._push.send_multipart([job_id.encode(), *p.encode(msg)])
+
+    def _deliver(self, handle: Any, item: Any) -> None:
+        handle._q.put(item)
+
+    def _deliver_waiter(self, waiter: Any, item: Any) -> None:
+        waiter.put(item)
+
+    def _io_main(self) -> None:
+        """The IO thread: forward commands, route replies, ping, detect a silent broker."""
+        poller = zmq.Poller()
+        poller.register(self._dealer, zmq.POLLIN)
+        poller.register(self._pull, zmq.POLLIN)
+        last_heard = next_ping = time.monotonic()
+        was_open = False
+        try:
+            while True:
+                events = dict(poller.poll(max(1, int(self.heartbeat_interval * 250))))
+                if self._pull in events and not self._forward_commands():
+                    return
+                if self._dealer in events:
+                    last_heard = self._read_replies(last_heard)
+                now = time.monotonic()
+                is_open = bool(self._handles or self._waiters or self._stats_waiters)
+                if is_open and not was_open:
+                    last_heard = now  # the silence clock starts when we start expecting something
+                was_open = is_open
+                if not is_open:
+                    continue
+                if now - last_heard > self.broker_timeout:
+                    self._fail_all(f"broker {self.address} silent for {self.broker_timeout}s")
+                    last_heard = now
+                elif now >= next_ping:
+                    next_ping = now + self.heartbeat_interval
+                    self._dealer.send_multipart(p.encode(p.Ping()), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self._fail_all("client socket failed")
+        finally:
+            self._dealer.close(linger=200)
+            self._pull.close(linger=0)
+
+    def _forward_commands(self) -> bool:
+        """Send queued commands to the broker; False when asked to close."""
+        while True:
+            try:
+                frames = self._pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            if frames == [b"__close__"]:
+                return False
+            try:
+                self._dealer.send_multipart(frames[1:], zmq.NOBLOCK)
+            except zmq.Again:
+                job_id = frames[0].decode()
+                h = self._handles.pop(job_id, None)
+                if h is not None:
+                    self._deliver(h, BrokerUnavailable("send queue to the broker is full", job_id=job_id))
+
+    def _read_replies(self, last_heard: float) -> float:
+        for _ in range(10_000):
+            try:
+                frames = self._dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            last_heard = time.monotonic()
+            self._route(frames)
+        return last_heard

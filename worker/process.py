@@ -1,0 +1,353 @@
+"""The worker process: one engine behind the broker.
+
+Two threads:
+- the IO thread owns the DEALER socket to the broker. It forwards broker messages to the engine loop
+  (a queue), forwards the engine loop's encoded messages to the broker (an inproc PULL), and sends a
+  HEARTBEAT with the latest load every interval, so a long engine step never looks like death. When the
+  broker is silent for `liveness` intervals (or tells it to re-register) it asks the engine loop to
+  reset (abort everything), drops the loop's output until the loop hands it a fresh READY, and (when
+  silent) reconnects with a new socket (Paranoid Pirate).
+- the engine loop (the main thread) drains its queue (SUBMIT -> add_request, CANCEL -> abort_request),
+  runs one engine step, and emits one TOKENS message per step (plus FINISHED/ERROR when any).
+
+A request is `"{job_id}#{attempt}"` inside the engine, so a stale attempt never collides with a new one.
+A malformed or invalid job is answered with ERROR for that job alone. An exception in the IO thread is
+re-raised in the main thread, which exits non-zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+import zmq
+
+from tokenmill.client import protocol as p
+from tokenmill.client.errors import ProtocolError
+from tokenmill.client.keys import apply_client_curve
+from tokenmill.worker.sampling_params import InvalidRequestError, SamplingParams
+
+log = structlog.get_logger("tokenmill.worker")
+
+
+class EngineLike(Protocol):
+    """The part of LLMEngine the worker uses (lets tests and benchmarks plug in a fake)."""
+
+    model_name: str
+    max_model_len: int
+
+    def add_request(self, request_id: str, prompt: str | None = None, *,
+                    prompt_token_ids: Sequence[int] | None = None, messages: list[dict[str, Any]] | None = None,
+                    params: SamplingParams | None = None, priority: int = 0,
+                    resume_token_ids: Sequence[int] = ()) -> None: ...
+
+    def abort_request(self, request_id: str) -> bool: ...
+
+    def step(self) -> list[Any]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    broker: str = "tcp://127.0.0.1:5556"
+    name: str = ""
+    aliases: tuple[str, ...] = ()  # extra model names it answers to (e.g. the --model argument)
+    capacity: int = 0  # 0: the engine's max_num_seqs (or 64)
+    heartbeat_interval: float = 1.0
+    liveness: int = 3
+    curve_server_key: bytes | None = None
+    curve_keypair: tuple[bytes, bytes] | None = None
+    idle_wait: float = 0.05  # the loop's longest sleep when it has nothing to run
+
+
+class _Reset:
+    """Inbound-queue marker: abort every request, then send a fresh READY."""
+
+
+class IOThread(threading.Thread):
+    """Owns the broker socket. Talks to the engine loop through `inbound` (a queue) and the inproc
+    PUSH/PULL pair at `outbox_addr` (frames already encoded)."""
+
+    def __init__(self, ctx: zmq.Context, opts: WorkerOptions, outbox_addr: str) -> None:
+        super().__init__(name="tokenmill-worker-io", daemon=True)
+        self.ctx, self.opts = ctx, opts
+        self.inbound: queue.Queue[Any] = queue.Queue()
+        self.error: BaseException | None = None
+        self.load = p.WorkerHeartbeat()  # replaced (atomically) by the engine loop after each step
+        self._stop = threading.Event()
+        self._outbox = ctx.socket(zmq.PULL)
+        self._outbox.bind(outbox_addr)
+        self._dealer: zmq.Socket | None = None
+        self._poller = zmq.Poller()
+        self._awaiting_ready = True  # engine output is dropped until the loop's READY goes out
+        self._last_heard = time.monotonic()
+        self._next_heartbeat = 0.0
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        try:
+            self._connect()
+            while not self._stop.is_set():
+                self._turn()
+        except BaseException as e:  # handed to the main thread, which exits non-zero
+            self.error = e
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        if self._dealer is not None:
+            try:
+                self._dealer.send_multipart(p.encode(p.WorkerDisconnect()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self._dealer.close(linger=500)
+        self._outbox.close(linger=0)
+
+    def _connect(self) -> None:
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.ROUTING_ID, f"{self.opts.name}-{secrets.token_hex(4)}".encode())
+        s.setsockopt(zmq.SNDHWM, 100_000)
+        s.setsockopt(zmq.RCVHWM, 100_000)
+        s.setsockopt(zmq.MAXMSGSIZE, 2 * p.MAX_BODY_BYTES)
+        if self.opts.curve_server_key is not None and self.opts.curve_keypair is not None:
+            apply_client_curve(s, self.opts.curve_server_key, self.opts.curve_keypair)
+        s.connect(self.opts.broker)
+        self._dealer = s
+        self._poller = zmq.Poller()
+        self._poller.register(s, zmq.POLLIN)
+        self._poller.register(self._outbox, zmq.POLLIN)
+        self._last_heard = time.monotonic()
+        self._request_reset()
+
+    def _request_reset(self) -> None:
+        self._awaiting_ready = True
+        self.inbound.put(_Reset())
+
+    def _turn(self) -> None:
+        assert self._dealer is not None
+        interval = self.opts.heartbeat_interval
+        events = dict(self._poller.poll(max(1, int(interval * 250))))
+        if self._outbox in events:
+            self._forward_outbox()
+        if self._dealer in events:
+            self._read_broker()
+        now = time.monotonic()
+        if now - self._last_heard > interval * self.opts.liveness:
+            log.warning("broker_silent", seconds=round(now - self._last_heard, 2))
+            self._connect()
+        elif now >= self._next_heartbeat and not self._awaiting_ready:
+            self._next_heartbeat = now + interval
+            self._send(p.encode(self.load))
+
+    def _send(self, frames: list[bytes]) -> None:
+        assert self._dealer is not None
+        try:
+            self._dealer.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:  # the broker is unreachable and our queue is full; liveness will reconnect
+            pass
+
+    def _forward_outbox(self) -> None:
+        for _ in range(1000):
+            try:
+                frames = self._outbox.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            is_ready = frames[1] == bytes((p.Cmd.W_READY,))
+            if self._awaiting_ready and not is_ready:
+                continue  # output of requests the reset is aborting: the broker would drop it anyway
+            if is_ready:
+                self._awaiting_ready = False
+                self._next_heartbeat = time.monotonic() + self.opts.heartbeat_interval
+            self._send(frames)
+
+    def _read_broker(self) -> None:
+        assert self._dealer is not None
+        for _ in range(1000):
+            try:
+                frames = self._dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._last_heard = time.monotonic()
+            self._on_broker_message(frames)
+
+    def _on_broker_message(self, frames: list[bytes]) -> None:
+        try:
+            msg = p.decode(frames, p.BROKER_TO_WORKER)
+        except ProtocolError as e:
+            self._answer_malformed(frames, e)
+            return
+        if isinstance(msg, p.BrokerDisconnect):
+            log.info("broker_disconnect", reason=msg.reason)
+            if not self._awaiting_ready:
+                self._request_reset()
+        elif isinstance(msg, p.WorkerSubmit | p.WorkerCancel):
+            self.inbound.put(msg)
+
+    def _answer_malformed(self, frames: list[bytes], err: ProtocolError) -> None:
+        """ERROR for the job a malformed SUBMIT names (if its id can be read); otherwise just log."""
+        log.warning("malformed_broker_message", error=str(err)[:200])
+        if len(frames) != 3 or frames[1] != bytes((p.Cmd.B_SUBMIT,)):
+            return
+        try:
+            body = p.unpack_body(frames[2])
+            job_id, attempt = body["job_id"], body["attempt"]
+            err_msg = p.JobError(job_id, attempt, "invalid", str(err)[:1000])
+            self._send(p.encode(p.JobError.from_wire(err_msg.to_wire())))
+        except Exception:
+            return
+
+
+class EngineLoop:
+    """Drives the engine on the calling thread; see the module docstring."""
+
+    def __init__(self, engine: EngineLike, io: IOThread, outbox: zmq.Socket, opts: WorkerOptions,
+                 ready: p.Ready) -> None:
+        self.engine, self.io, self.outbox, self.opts = engine, io, outbox, opts
+        self.ready = ready
+        self.active: dict[str, tuple[str, int]] = {}  # engine request id -> (job id, attempt)
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            if self.io.error is not None:
+                raise RuntimeError("worker IO thread failed") from self.io.error
+            if not self.io.is_alive():
+                raise RuntimeError("worker IO thread exited")
+            self._drain_inbound(block=not self.engine.has_unfinished_requests())
+            if self.engine.has_unfinished_requests():
+                self._emit(self.engine.step())
+            self._publish_load()
+
+    def _drain_inbound(self, block: bool) -> None:
+        try:
+            item = self.io.inbound.get(timeout=self.opts.idle_wait) if block else self.io.inbound.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(item)
+            try:
+                item = self.io.inbound.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item: Any) -> None:
+        if isinstance(item, _Reset):
+            self._reset()
+        elif isinstance(item, p.WorkerSubmit):
+            self._submit(item)
+        elif isinstance(item, p.WorkerCancel):
+            rid = f"{item.job_id}#{item.attempt}"
+            if self.active.pop(rid, None) is not None:
+                self.engine.abort_request(rid)
+
+    def _reset(self) -> None:
+        for rid in list(self.active):
+            self.engine.abort_request(rid)
+        n = len(self.active)
+        self.active.clear()
+        if n:
+            log.info("worker_reset", aborted=n)
+        self._push(self.ready)
+
+    def _submit(self, msg: p.WorkerSubmit) -> None:
+        rid = f"{msg.job_id}#{msg.attempt}"
+        try:
+            params = SamplingParams.from_dict(msg.params)
+            self.engine.add_request(rid, msg.input.prompt, prompt_token_ids=msg.input.prompt_token_ids,
+                                    messages=msg.input.messages, params=params, priority=msg.priority,
+                                    resume_token_ids=msg.resume_token_ids)
+        except (InvalidRequestError, ValueError, TypeError) as e:
+            self._push(p.JobError(msg.job_id, msg.attempt, "invalid", str(e)[:1000]))
+            return
+        self.active[rid] = (msg.job_id, msg.attempt)
+
+    def _emit(self, outputs: list[Any]) -> None:
+        """One TOKENS message for the step, then FINISHED and ERRORs (after the tokens they follow)."""
+        chunks: list[p.TokenChunk] = []
+        finished: list[p.FinishedJob] = []
+        errors: list[p.JobError] = []
+        for out in outputs:
+            job = self.active.get(out.request_id)
+            if job is None:
+                continue  # aborted (cancelled, reset) or not ours
+            job_id, attempt = job
+            if out.new_token_ids or out.text_delta:
+                lps = None
+                if out.logprobs is not None:
+                    lps = [[[int(t), float(v)] for t, v in d.items()] for d in out.logprobs]
+                chunks.append(p.TokenChunk(job_id, attempt, out.first_index, list(out.new_token_ids),
+                                           out.text_delta, lps))
+            if out.finished:
+                del self.active[out.request_id]
+                if out.finish_reason == "error":
+                    errors.append(p.JobError(job_id, attempt, "failed", str(out.error)[:1000]))
+                else:
+                    u = out.usage
+                    usage = (u.prompt_tokens, u.completion_tokens, u.cached_tokens) if u else (0, 0, 0)
+                    finished.append(p.FinishedJob(job_id, attempt, out.finish_reason, out.stop_reason, usage))
+        if chunks:
+            self._push(p.Tokens(chunks))
+        if finished:
+            self._push(p.Finished(finished))
+        for e in errors:
+            self._push(e)
+
+    def _publish_load(self) -> None:
+        s = self.engine.stats()
+        self.io.load = p.WorkerHeartbeat(s.num_running, s.num_waiting, s.num_free_blocks, s.num_cached_blocks)
+
+    def _push(self, msg: p.Message) -> None:
+        self.outbox.send_multipart(p.encode(msg))
+
+
+def ready_message(engine: EngineLike, opts: WorkerOptions) -> p.Ready:
+    s = engine.stats()
+    models = [engine.model_name, *(a for a in opts.aliases if a and a != engine.model_name)]
+    capacity = opts.capacity or int(getattr(getattr(getattr(engine, "config", None), "scheduler", None),
+                                            "max_num_seqs", 64))
+    return p.Ready(opts.name, models[:16], capacity, s.num_total_blocks, s.block_size, engine.max_model_len,
+                   opts.heartbeat_interval)
+
+
+def run_worker(engine: EngineLike, opts: WorkerOptions, stop: threading.Event | None = None,
+               on_ready: Callable[[], None] | None = None) -> None:
+    """Serve `engine` to the broker until `stop` is set (or an exception, which propagates)."""
+    if not opts.name:
+        opts = dataclasses.replace(opts, name=f"worker-{os.getpid()}")
+    ctx = zmq.Context()
+    outbox_addr = f"inproc://tokenmill-worker-outbox-{secrets.token_hex(4)}"
+    io = IOThread(ctx, opts, outbox_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.LINGER, 0)
+    outbox.setsockopt(zmq.SNDHWM, 0)  # never block the engine loop; the IO thread drains it
+    outbox.connect(outbox_addr)
+    loop = EngineLoop(engine, io, outbox, opts, ready_message(engine, opts))
+    if stop is not None:
+        threading.Thread(target=lambda: (stop.wait(), loop.stopping.set()), daemon=True).start()
+    io.start()
+    log.info("worker_started", broker=opts.broker, name=opts.name, model=engine.model_name)
+    if on_ready is not None:
+        on_ready()
+    try:
+        loop.run()
+    finally:
+        io.stop()
+        io.join(2.0)
+        outbox.close(linger=0)
+        ctx.term()

@@ -18,14 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
-
 from tokenmill.benchmarks.common import write_results
 from tokenmill.benchmarks.datasets import sharegpt_pairs
 from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.registry_fetch import embedded_model_path, sharegpt_path
 from tokenmill.worker.sampling_params import SamplingParams
+from tqdm import tqdm
 
 
 def chat_prompts(engine: LLMEngine, n: int, max_prompt: int) -> list[list[int]]:
@@ -106,7 +105,7 @@ def main() -> None:
     hf = load_hf()
     t_hf = hf_one_at_a_time(hf, prompts, args.output_len)
     prefix = prefix_ttft(engine, args.repeats)
-    results = {
+    results: dict[str, Any] = {
         "config": vars(args) | {"out": str(args.out)},
         "throughput": {"engine_s": t_engine, "hf_s": t_hf, "engine_tok_s": n_out / t_engine,
                        "hf_tok_s": n_out / t_hf, "ratio": t_hf / t_engine},

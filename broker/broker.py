@@ -265,7 +265,10 @@ class Broker:
     def _on_client_frames(self, frames: list[Any]) -> None:
         owner_key: str | None = None
         if not isinstance(frames[0], bytes):  # CURVE: uncopied frames carrying the ZAP user id
-            owner_key = frames[-1].get("User-Id")
+            try:
+                owner_key = frames[-1].get("User-Id")
+            except zmq.ZMQError:  # no user id: cannot own anything (ZAP always sets one)
+                owner_key = ""
             frames = [f.bytes for f in frames]
         ident = frames[0]
         try:

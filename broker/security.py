@@ -12,6 +12,7 @@ import threading
 
 import structlog
 import zmq
+from zmq.utils import z85
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_VERSION = b"1.0"
@@ -48,7 +49,14 @@ class ZapAuthenticator:
         try:
             while not self._stop.is_set():
                 if sock.poll(100):
-                    sock.send_multipart(self._answer(sock.recv_multipart()))
+                    req = sock.recv_multipart()
+                    try:
+                        reply = self._answer(req)
+                    except Exception:  # never let a bad request kill the handler: refuse it
+                        log.exception("zap_error")
+                        self.refused += 1
+                        reply = [ZAP_VERSION, req[1] if len(req) > 1 else b"", b"500", b"error", b"", b""]
+                    sock.send_multipart(reply)
         finally:
             sock.close()
 
@@ -63,7 +71,7 @@ class ZapAuthenticator:
             self.refused += 1
             log.warning("zap_refused", reason="mechanism", address=address.decode(errors="replace"))
             return [ZAP_VERSION, request_id, b"400", b"CURVE required", b"", b""]
-        key = zmq.utils.z85.encode(creds[0])
+        key = z85.encode(creds[0])
         if key not in self._allowed:
             self.refused += 1
             log.warning("zap_refused", reason="unknown key", address=address.decode(errors="replace"))
@@ -78,3 +86,5 @@ def make_curve_server(sock: zmq.Socket, public: bytes, secret: bytes, domain: by
     sock.curve_publickey = public
     sock.curve_secretkey = secret
     sock.zap_domain = domain
+    # Refuse every handshake when no ZAP handler answers (libzmq would otherwise admit anyone).
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)

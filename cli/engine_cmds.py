@@ -116,7 +116,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     engine = _engine(args)
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     if args.prompt is not None:
-        return _print_stream(engine.stream(params=params, messages=[*history, {"role": "user", "content": args.prompt}]))
+        messages = [*history, {"role": "user", "content": args.prompt}]
+        return _print_stream(engine.stream(params=params, messages=messages))
     interactive = sys.stdin.isatty()
     while True:
         if interactive:

@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "write_kv_cache": "kv_cache",
     "write_kv_cache_ref": "kv_cache",
     "rotary_embedding": "rotary",
+    "cos_sin_cache_from_inv_freq": "rotary",
     "rotary_embedding_ref": "rotary",
     "rotary_and_cache": "rotary",
     "rotary_and_cache_ref": "rotary",

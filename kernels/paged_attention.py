@@ -43,9 +43,6 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
-# Finite "minus infinity" for the running max: a fully masked row keeps m == _NEG_BIG and l == 0 and
-# never produces exp2(-inf - -inf) = NaN.
-_NEG_BIG = -1.0e30
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -280,6 +277,8 @@ def _paged_attn_kernel(
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # finite "minus infinity": a row that sees no key of this segment keeps m == -1e30 and l == 0 and never
+    # computes exp2(-inf - -inf) = NaN; masked scores are -inf and give p == 0
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attn_segment(
@@ -435,16 +434,12 @@ def paged_attention(
 
     if num_splits is None:
         kv_span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + max_query_len)
-        num_splits = choose_num_splits(
-            num_tile_slots * num_kv_heads, kv_span, _num_sms(device), config.block_n
-        )
+        num_splits = choose_num_splits(num_tile_slots * num_kv_heads, kv_span, _num_sms(device), config.block_n)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
     if num_splits > 1:
-        part_acc = torch.empty(
-            (num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device
-        )
+        part_acc = torch.empty((num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device)
         part_m = torch.empty((num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=device)
         part_l = torch.empty_like(part_m)
     else:  # unused by the kernel; any fp32 tensor keeps the signature uniform

@@ -100,9 +100,7 @@ def _check(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device}, {name} on {x.device}")
     if x.stride(-1) != 1 or weight.stride(0) != 1:
-        raise ValueError(
-            f"{name} and weight must be contiguous in the last dim, got {x.stride()}, {weight.stride()}"
-        )
+        raise ValueError(f"{name} and weight must be contiguous in the last dim, got {x.stride()}, {weight.stride()}")
 
 
 def _launch(

@@ -99,9 +99,7 @@ def _rotary_kernel(
     cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d, mask=dmask, other=0.0).to(tl.float32)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + half + offs_d, mask=dmask, other=0.0).to(tl.float32)
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, cos, sin, num_q_heads, half, QHEADS_PAD, HALF_PAD)
-    k1, k2 = _rotate_heads(
-        k_ptr + t * stride_kt, stride_kh, cos, sin, num_kv_heads, half, KHEADS_PAD, HALF_PAD
-    )
+    k1, k2 = _rotate_heads(k_ptr + t * stride_kt, stride_kh, cos, sin, num_kv_heads, half, KHEADS_PAD, HALF_PAD)
     if WRITE_CACHE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
@@ -109,30 +107,16 @@ def _rotary_kernel(
             off = slot % BLOCK_SIZE
             offs_h = tl.arange(0, KHEADS_PAD)
             mask = (offs_h[:, None] < num_kv_heads) & dmask[None, :]  # [KHEADS_PAD, HALF_PAD]
-            kc = (
-                k_cache_ptr
-                + blk * stride_kcb
-                + off * stride_kcs
-                + offs_h[:, None] * stride_kch
-                + offs_d[None, :]
-            )
+            kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
             tl.store(kc, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
             tl.store(kc + half, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
             vp = v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
-            vc = (
-                v_cache_ptr
-                + blk * stride_vcb
-                + off * stride_vcs
-                + offs_h[:, None] * stride_vch
-                + offs_d[None, :]
-            )
+            vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
             tl.store(vc, tl.load(vp, mask=mask), mask=mask)
             tl.store(vc + half, tl.load(vp + half, mask=mask), mask=mask)
 
 
-def _check_rotary_args(
-    q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor
-) -> None:
+def _check_rotary_args(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor) -> None:
     if q.dim() != 3 or k.dim() != 3:
         raise ValueError(f"q and k must be [T, H, D], got {tuple(q.shape)} and {tuple(k.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:

@@ -13,7 +13,9 @@ TIE_TOL = 1e-3  # logit gap under which two implementations may legitimately pic
 
 
 @torch.no_grad()
-def hf_greedy(model: Any, prompt: Sequence[int], n: int, eos: Sequence[int] = ()) -> tuple[list[int], list[torch.Tensor]]:
+def hf_greedy(
+    model: Any, prompt: Sequence[int], n: int, eos: Sequence[int] = ()
+) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens and the logits each was chosen from (HF forward with its KV cache)."""
     ids = torch.tensor([list(prompt)])
     out = model(ids, use_cache=True)

@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 from tiny_hf import save_tiny_model
-
-from tokenmill.worker.config import EngineConfig
+from tokenmill.worker.config import CacheConfig, EngineConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.loader import ModelLoadError
 from tokenmill.worker.registry_fetch import embedded_model_path
@@ -23,8 +22,7 @@ def engine() -> LLMEngine:
     return LLMEngine(EngineConfig(model="tiny-llama", load_format="dummy", device="cpu", max_model_len=256))
 
 
-def finish_neighbour(engine: LLMEngine, rid: str) -> list[int]:
-    tokens: list[int] = []
+def finish_neighbour(engine: LLMEngine, rid: str, tokens: list[int]) -> list[int]:
     for _ in range(100):
         for out in engine.step():
             if out.request_id == rid:
@@ -38,10 +36,10 @@ def finish_neighbour(engine: LLMEngine, rid: str) -> list[int]:
 def check_rejected_beside_neighbour(engine: LLMEngine, bad: Callable[[], Any], match: str, rid: str) -> None:
     engine.add_request(rid, prompt_token_ids=[5, 6, 7, 8], params=SamplingParams(temperature=0, max_tokens=6,
                                                                                   ignore_eos=True))
-    engine.step()
+    first = [t for out in engine.step() if out.request_id == rid for t in out.new_token_ids]
     with pytest.raises(InvalidRequestError, match=match):
         bad()
-    assert len(finish_neighbour(engine, rid)) == 6
+    assert len(finish_neighbour(engine, rid, first)) == 6
     engine.blocks.check_integrity()
     assert engine.blocks.num_in_use == 0
 
@@ -61,7 +59,6 @@ BAD_REQUESTS: dict[str, tuple[dict[str, Any], str]] = {
     "stop_wrong_type": (dict(prompt_token_ids=[1], params={"stop": [1, 2]}), "stop must be a list of str"),
     "two_prompts": (dict(prompt="hi", prompt_token_ids=[1]), "exactly one"),
     "bad_messages": (dict(messages=[{"role": "user"}]), "content"),
-    "too_big_for_cache": (dict(prompt_token_ids=[1], params={"max_tokens": 10**9}), "KV cache|context"),
 }
 
 
@@ -70,6 +67,14 @@ def test_bad_request_fails_alone(engine: LLMEngine, case: str) -> None:
     kwargs, match = BAD_REQUESTS[case]
     check_rejected_beside_neighbour(engine, lambda: engine.add_request(f"bad-{case}", **kwargs), match,
                                     f"good-{case}")
+
+
+def test_request_too_big_for_the_cache_is_rejected() -> None:
+    small = LLMEngine(EngineConfig(model="tiny-llama", load_format="dummy", device="cpu", max_model_len=256,
+                                   cache=CacheConfig(num_blocks=8)))  # 128 tokens of KV cache
+    bad = lambda: small.add_request("big", prompt_token_ids=[1] * 10, params={"max_tokens": 200})  # noqa: E731
+    check_rejected_beside_neighbour(small, bad, "needs up to 210 tokens of KV cache but the cache holds 128",
+                                    "good-big")
 
 
 def test_duplicate_request_id_is_rejected(engine: LLMEngine) -> None:

@@ -439,7 +439,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 BlockManagerMachine.TestCase.settings = settings(
-    max_examples=250, stateful_step_count=50, deadline=None,
+    max_examples=400, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 test_block_manager_state_machine = BlockManagerMachine.TestCase
 

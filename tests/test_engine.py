@@ -11,7 +11,6 @@ import pytest
 import torch
 from greedy_ref import compare_greedy, hf_greedy
 from tiny_hf import ARCHS, load_hf, save_tiny_model
-
 from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.request import Request

@@ -96,30 +96,31 @@ def make_batch(
     """Random queries and a cache whose blocks are scattered (random permutation); every slot that is not
     part of some request's context (spare blocks, the tail of last blocks) is NaN."""
     assert all(1 <= ql <= sl for ql, sl in zip(query_lens, seq_lens))
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)  # data generated where it is used
     n_blocks = [math.ceil(s / block_size) for s in seq_lens]
     num_blocks = sum(n_blocks) + spare_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype)
-    perm = torch.randperm(num_blocks, generator=gen)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
     block_tables = torch.zeros((len(seq_lens), max(n_blocks) + 1), dtype=torch.int32)
     used = 0
     for i, (s, nb) in enumerate(zip(seq_lens, n_blocks)):
         blocks = perm[used : used + nb]
         used += nb
         block_tables[i, :nb] = blocks.to(torch.int32)
-        flat = torch.arange(s)
-        kv = torch.randn((2, s, num_kv_heads, head_dim), generator=gen).to(dtype)
-        k_cache[blocks[flat // block_size], flat % block_size] = kv[0]
-        v_cache[blocks[flat // block_size], flat % block_size] = kv[1]
-    q = torch.randn((sum(query_lens), num_q_heads, head_dim), generator=gen).to(dtype)
+        flat = torch.arange(s, device=device)
+        kv = torch.randn((2, s, num_kv_heads, head_dim), generator=gen, device=device).to(dtype)
+        blk = blocks.to(device)[flat // block_size]
+        k_cache[blk, flat % block_size] = kv[0]
+        v_cache[blk, flat % block_size] = kv[1]
+    q = torch.randn((sum(query_lens), num_q_heads, head_dim), generator=gen, device=device).to(dtype)
     qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(torch.tensor(query_lens), 0)
     return Batch(
-        q=q.to(device),
-        k_cache=k_cache.to(device),
-        v_cache=v_cache.to(device),
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
         block_tables=block_tables.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         query_start_loc=qsl.to(device),
@@ -199,9 +200,7 @@ def test_decode_block_boundaries_gqa4(dtype: torch.dtype, num_splits: int | None
     ids=["mha", "mqa-bs8", "gqa3-bs32", "d128"],
 )
 def test_decode_head_layouts(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
-    batch = make_batch(
-        [1, 1, 1], [16, 17, 33], num_q_heads, num_kv_heads, head_dim, block_size, torch.float16
-    )
+    batch = make_batch([1, 1, 1], [16, 17, 33], num_q_heads, num_kv_heads, head_dim, block_size, torch.float16)
     check_attention(batch, num_splits=2)
 
 
@@ -578,23 +577,23 @@ def _backend_case(
     batch = make_batch(query_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
                        device=device)  # fmt: skip
     num_tokens = sum(query_lens)
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    k = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen).to(dtype).to(device)
-    v = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen).to(dtype).to(device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    k = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen, device=device).to(dtype)
+    v = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen, device=device).to(dtype)
     slots = []
     bt = batch.block_tables.cpu()
     for i, (ql, sl) in enumerate(zip(query_lens, seq_lens)):
         for pos in range(sl - ql, sl):
             slots.append(int(bt[i, pos // block_size]) * block_size + pos % block_size)
     # new tokens' slots are poisoned before the step, so a missing write shows up as NaN
-    for s in slots:
-        batch.k_cache.view(-1, num_kv_heads, head_dim)[s] = float("nan")
-        batch.v_cache.view(-1, num_kv_heads, head_dim)[s] = float("nan")
+    slot_t = torch.tensor(slots, dtype=torch.int64, device=device)
+    batch.k_cache.view(-1, num_kv_heads, head_dim)[slot_t] = float("nan")
+    batch.v_cache.view(-1, num_kv_heads, head_dim)[slot_t] = float("nan")
     meta = AttentionMetadata(
         query_start_loc=batch.query_start_loc,
         seq_lens=batch.seq_lens,
         block_tables=batch.block_tables,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        slot_mapping=slot_t,
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         query_lens_cpu=list(query_lens),
@@ -643,6 +642,85 @@ def test_triton_backend_does_not_sync(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
+# ahead-of-time compile for Hopper (sm_90) on a CPU-only machine: catches GPU-only compile errors and
+# checks the prefill path uses wgmma and the attention loops are software-pipelined (async copies)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _sm90_compile_all() -> None:
+    """Run in a subprocess with TRITON_INTERPRET=0 (kernels must be decorated as real JIT functions)."""
+    import tokenmill.kernels.activation as act
+    import tokenmill.kernels.kv_cache as kvc
+    import tokenmill.kernels.paged_attention as pa
+    import tokenmill.kernels.rmsnorm as rn
+    import tokenmill.kernels.rotary as rot
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler import compile as triton_compile
+
+    target = GPUTarget("cuda", 90, 32)
+
+    def build(fn: Any, ptrs: dict[str, str], consts: dict[str, Any], num_warps: int, num_stages: int) -> str:
+        names = list(fn.arg_names)
+        signature = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+        for n in ("qk_scale", "eps"):
+            if n in signature:
+                signature[n] = "fp32"
+        constexprs = {(names.index(k),): v for k, v in consts.items()}
+        aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride_")]
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        kernel = triton_compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                options={"num_warps": num_warps, "num_stages": num_stages})  # fmt: skip
+        return str(kernel.asm["ttgir"])
+
+    def attention(dt: str, group: int, head_dim: int, block_m: int, split: bool, one_tile: bool,
+                  window: bool, num_warps: int, num_stages: int) -> str:  # fmt: skip
+        gpad = 1 << (group - 1).bit_length()
+        ptrs = {n: f"*{dt}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+        ptrs |= {n: "*i32" for n in ("bt_ptr", "seq_lens_ptr", "qsl_ptr")}
+        ptrs |= {n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}
+        consts = {"GROUP": group, "GROUP_PAD": gpad, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, "BLOCK_M": block_m,
+                  "BLOCK_Q": block_m // gpad, "BLOCK_N": 64, "SPLIT": split, "ONE_TILE_PER_SEQ": one_tile,
+                  "USE_WINDOW": window, "DOT_PRECISION": "tf32"}  # fmt: skip
+        return build(pa._paged_attn_kernel, ptrs, consts, num_warps, num_stages)
+
+    cfg_d, cfg_p = pa.DECODE_CONFIG, pa.PREFILL_CONFIG
+    decode = attention("bf16", 4, 128, cfg_d.block_m, True, True, False, cfg_d.num_warps, cfg_d.num_stages)
+    assert "async_copy_global_to_local" in decode, "decode loop is not pipelined"
+    prefill = attention("bf16", 4, 128, cfg_p.block_m, False, False, False, cfg_p.num_warps, cfg_p.num_stages)
+    assert "warp_group_dot" in prefill, "prefill does not use wgmma"
+    assert "async_copy_global_to_local" in prefill, "prefill loop is not pipelined"
+    attention("fp16", 3, 64, cfg_p.block_m, True, False, True, cfg_p.num_warps, cfg_p.num_stages)
+    attention("bf16", 1, 64, cfg_d.block_m, False, True, True, cfg_d.num_warps, cfg_d.num_stages)
+    f32 = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "out_ptr": "*bf16"}
+    build(pa._reduce_splits_kernel, f32, {"SPLITS_PAD": 64, "HEAD_DIM": 128}, 4, 1)
+    bf = dict.fromkeys(("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "q_ptr", "x_ptr", "res_ptr", "w_ptr",
+                        "out_ptr", "res_out_ptr"), "*bf16")  # fmt: skip
+    bf |= {"slot_ptr": "*i64", "pos_ptr": "*i64", "cos_sin_ptr": "*fp32"}
+    build(kvc._write_kv_cache_kernel, bf, {"BLOCK_SIZE": 16, "HEADS_PAD": 8, "DIM_PAD": 128}, 4, 1)
+    rot_consts = {"QHEADS_PAD": 32, "KHEADS_PAD": 8, "HALF_PAD": 64, "BLOCK_SIZE": 16, "WRITE_CACHE": True}
+    build(rot._rotary_kernel, bf, rot_consts, 4, 1)
+    for single in (True, False):
+        for residual in (True, False):
+            consts = {"HAS_RESIDUAL": residual, "BLOCK": 4096, "SINGLE_PASS": single}
+            build(rn._rmsnorm_kernel, bf, consts, 8, 1)
+    build(act._silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, {"BLOCK": 1024}, 4, 1)
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_hopper(tmp_path: Any) -> None:
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
+    code = "import test_kernels; test_kernels._sm90_compile_all()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+# ---------------------------------------------------------------------------------------------------
 # GPU tests (bf16, realistic shapes)
 # ---------------------------------------------------------------------------------------------------
 
@@ -661,9 +739,7 @@ def _gpu_check(batch: Batch, window: int | None = None, num_splits: int | None =
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize(
-    ("num_q_heads", "num_kv_heads", "head_dim"), [(32, 8, 128), (32, 8, 64), (16, 16, 128)]
-)
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads", "head_dim"), [(32, 8, 128), (32, 8, 64), (16, 16, 128)])
 def test_gpu_decode_batch64(num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
     gen = torch.Generator().manual_seed(0)
     seq_lens = torch.randint(1024, 8193, (64,), generator=gen).tolist()

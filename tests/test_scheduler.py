@@ -437,7 +437,7 @@ def workloads(draw: st.DrawFn) -> Workload:
     return Workload(config, num_blocks, bs, max_model_len, draw(st.booleans()), specs)
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads_terminate_and_match_running_alone(w: Workload) -> None:
     sched = make_scheduler(w.config, w.num_blocks, w.block_size, w.max_model_len, w.caching)

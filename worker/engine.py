@@ -96,7 +96,9 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params)
-        params = params or SamplingParams()
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be SamplingParams or a mapping of its fields")
         ids = self._prompt_ids(prompt, prompt_token_ids, messages)
         resume = list(resume_token_ids)
         self._validate(ids, resume, params)
@@ -138,6 +140,10 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"the prompt has {n} tokens but the model's context is {self.max_model_len} tokens "
                 "(at least one must be left to generate)")
+        sched = self.config.scheduler
+        if not sched.enable_chunked_prefill and n > sched.max_num_batched_tokens:
+            raise InvalidRequestError(f"the prompt has {n} tokens, more than max_num_batched_tokens="
+                                      f"{sched.max_num_batched_tokens}, and chunked prefill is off")
         if len(resume) >= params.max_tokens:
             raise InvalidRequestError(f"{len(resume)} tokens already delivered, max_tokens is {params.max_tokens}")
         worst = min(len(ids) + params.max_tokens, self.max_model_len)

@@ -10,7 +10,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-
 from tokenmill.worker.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.worker.config import CacheConfig, EngineConfig, ModelArch
 from tokenmill.worker.loader import ModelSource, build_model
@@ -107,17 +106,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _profile_step(self) -> None:
+        """Worst-case step: max_num_batched_tokens prefill tokens spread over max_num_seqs requests,
+        attending into a throwaway cache just big enough for them (slots -1: nothing is written)."""
         n = self.config.scheduler.max_num_batched_tokens
-        max_seqs = min(self.config.scheduler.max_num_seqs, n)
-        # One throwaway block-sized cache per layer; slots all -1 so nothing is written.
-        shape = (1, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
-        caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),) * 2 for _ in range(self.arch.num_layers)]
-        q_lens = [n // max_seqs] * max_seqs
+        num_seqs = min(self.config.scheduler.max_num_seqs, n)
+        q_lens = [n // num_seqs] * num_seqs
         q_lens[-1] += n - sum(q_lens)
-        meta = self._metadata(q_lens, [1] * max_seqs, [[0]] * max_seqs, [-1] * n)
+        nb = -(-max(q_lens) // self.block_size)
+        shape = (nb, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2 for _ in range(self.arch.num_layers)]
+        meta = self._metadata(q_lens, q_lens, [list(range(nb))] * num_seqs, [-1] * n)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         hidden = self.model(ids, ids, caches, meta)  # type: ignore[arg-type]
-        logits = self.model.compute_logits(hidden[:max_seqs])
+        logits = self.model.compute_logits(hidden[:num_seqs])
         del hidden, logits
 
     # -- the step ---------------------------------------------------------------------------------

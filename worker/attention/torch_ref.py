@@ -78,13 +78,54 @@ class TorchRefBackend:
         flat_k = k_cache.view(-1, *k_cache.shape[2:])
         flat_v = v_cache.view(-1, *v_cache.shape[2:])
         out = torch.zeros_like(q)  # rows not owned by any request (padding) stay zero
-        start = 0
+        starts = [0]
+        for query_len in meta.query_lens_cpu:
+            starts.append(starts[-1] + query_len)
+        decodes = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+        if decodes:
+            rows = torch.tensor([starts[i] for i in decodes], device=q.device)
+            out[rows] = decode_attention(
+                q[rows], flat_k, flat_v, meta.block_tables[decodes], meta.seq_lens[decodes],
+                max(meta.seq_lens_cpu[i] for i in decodes), block_size, scale, sliding_window,
+            ).to(q.dtype)
         for i, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            if query_len == 0:
+            if query_len <= 1:
                 continue
             slots = context_slots(meta.block_tables[i], seq_len, block_size)
             mask = attention_mask(query_len, seq_len, sliding_window, q.device)
-            rows = slice(start, start + query_len)
-            out[rows] = dense_attention(q[rows], flat_k[slots], flat_v[slots], mask, scale).to(q.dtype)
-            start += query_len
+            span = slice(starts[i], starts[i + 1])
+            out[span] = dense_attention(q[span], flat_k[slots], flat_v[slots], mask, scale).to(q.dtype)
         return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    flat_k: torch.Tensor,
+    flat_v: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    block_size: int,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One query per request, all requests at once. q: [B, Hq, D]; flat caches [slots, Hkv, D];
+    block_tables [B, W]; seq_lens [B] -> [B, Hq, D] float32. Keys past a request's length are masked."""
+    b, hq, d = q.shape
+    hkv = flat_k.shape[1]
+    pos = torch.arange(max_seq_len, device=q.device)
+    slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size  # [B, S]
+    k = flat_k[slots].float().transpose(1, 2)  # [B, Hkv, S, D]
+    v = flat_v[slots].float().transpose(1, 2)
+    last = seq_lens.long().unsqueeze(1) - 1  # position of each query
+    mask = pos.unsqueeze(0) <= last  # [B, S]
+    if sliding_window is not None:
+        mask &= pos.unsqueeze(0) > last - sliding_window
+    qg = q.float().reshape(b, hkv, hq // hkv, d)  # query head h reads kv head h // group
+    # Masked slots may hold garbage (even NaN) from other requests or never-written memory: zero them,
+    # since 0 * NaN would poison the weighted sum.
+    hidden = ~mask[:, None, :, None]
+    k, v = k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0)
+    scores = torch.einsum("bhgd,bhsd->bhgs", qg, k) * scale
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    return torch.einsum("bhgs,bhsd->bhgd", torch.softmax(scores, dim=-1), v).reshape(b, hq, d)

@@ -329,7 +329,10 @@ def _reduce_splits_kernel(
     l_s = tl.load(part_l_ptr + row, mask=smask, other=0.0)
     m_max = tl.max(m, 0)  # finite: every query sees its own key in some split
     w = tl.exp2(m - m_max)  # [SPLITS_PAD]; 0 for padding and empty splits
+    # denom > 0 for every real query (it sees its own key); 0 only for padding requests with seq_len 0
+    # (e.g. CUDA-graph padding rows), which get zeros instead of 0/0
     denom = tl.sum(w * l_s, 0)
+    denom = tl.where(denom > 0.0, denom, 1.0)
     acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=smask[:, None], other=0.0)
     o = tl.sum(acc * w[:, None], 0) / denom  # [HEAD_DIM]
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))

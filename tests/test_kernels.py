@@ -294,6 +294,23 @@ def test_attention_is_sensitive_to_cache_contents() -> None:
     assert (before - after).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_padding_request_without_context(num_splits: int) -> None:
+    # a padded decode row (seq_len 0, one query token) must yield finite zeros, not NaN, and leave the
+    # real requests alone
+    batch = make_batch([1, 1], [20, 33], 4, 2, 32, 16, torch.float32)
+    ref = paged_attention_ref(*batch.args(), 32**-0.5)
+    q = torch.cat([batch.q, batch.q[:1]])
+    seq_lens = torch.cat([batch.seq_lens, batch.seq_lens.new_zeros(1)])
+    qsl = torch.cat([batch.query_start_loc, batch.query_start_loc[-1:] + 1])
+    bt = torch.cat([batch.block_tables, batch.block_tables[:1]])
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, batch.k_cache, batch.v_cache, bt, seq_lens, qsl, 32**-0.5, max_query_len=1,
+                    max_seq_len=33, out=out, num_splits=num_splits)  # fmt: skip
+    torch.testing.assert_close(out[:2], ref, atol=1e-4, rtol=1e-3)
+    assert (out[2] == 0).all()
+
+
 def test_attention_empty_batch() -> None:
     batch = make_batch([1], [4], 4, 2, 32, 16, torch.float32)
     q = batch.q[:0]

@@ -115,6 +115,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    cuda_graphs: bool = True  # decode-only steps replay captured graphs (CUDA only)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from tokenmill.worker.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.worker.config import CacheConfig, EngineConfig, ModelArch
+from tokenmill.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tokenmill.worker.loader import ModelSource, build_model
 from tokenmill.worker.sampler import Sampler, SamplingMetadata
 from tokenmill.worker.scheduler import ScheduledBatch
@@ -64,11 +65,18 @@ class ModelRunner:
         self.sampler = Sampler()
         self.num_blocks = self._size_kv_cache(config.cache)
         shape = (self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        # Zeroed so that padding rows of a graph replay read finite values.
         self.kv_caches = [
-            (torch.empty(shape, dtype=self.dtype, device=self.device),
-             torch.empty(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.arch.num_layers)
         ]
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and config.cuda_graphs:
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_caches, graph_batch_sizes(config.scheduler.max_num_seqs),
+                -(-max_model_len // self.block_size), max_model_len, self.arch.hidden_size, self.device)
+            self.graphs.capture()
 
     # -- KV cache sizing --------------------------------------------------------------------------
     @property
@@ -167,6 +175,8 @@ class ModelRunner:
     def forward_hidden(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata]:
         """Hidden states [T, hidden] of every scheduled token (KV written to the cache)."""
         ids, positions, meta = self.prepare(batch)
+        if self.graphs is not None and meta.is_decode_only and self.graphs.bucket(meta.num_seqs) is not None:
+            return self.graphs.run(ids, positions, meta), meta
         return self.model(ids, positions, self.kv_caches, meta), meta
 
     @torch.inference_mode()

@@ -35,9 +35,23 @@ class RMSNorm(nn.Module):
         self.weight = frozen_param(torch.ones(hidden_size, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from tokenmill.kernels.rmsnorm import rmsnorm
+
+            return rmsnorm(x, self.weight, self.eps)
         x32 = x.float()
         inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return (x32 * inv_rms * self.weight.float()).to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm (one pass on CUDA).
+        The sum is rounded to x's dtype before the norm, as HF adds in the model dtype."""
+        if x.is_cuda:
+            from tokenmill.kernels.rmsnorm import add_rmsnorm
+
+            return add_rmsnorm(x, residual, self.weight, self.eps)
+        h = x + residual
+        return self.forward(h), h
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -179,6 +193,10 @@ class SiluAndMul(nn.Module):
     """x [..., 2 * I] = [gate | up] -> silu(gate) * up, [..., I]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dim() == 2:
+            from tokenmill.kernels.activation import silu_and_mul
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

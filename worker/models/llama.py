@@ -102,11 +102,18 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(arch, linear_method, dtype)
 
     def forward(
-        self, positions: torch.Tensor, h: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """h: [T, hidden] residual stream in, residual stream out."""
-        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried as (h, residual) with stream = h + residual (residual None in
+        the first layer), so each residual add fuses into the following norm. Shapes [T, hidden]."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.add_forward(h, residual)
+        h = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -166,10 +173,13 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.model.layers)} layers")
         h = self.model.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(positions, h, kv_cache, meta)
-        self.last_aux_hidden = h if capture_hidden else None
-        return self.model.norm(h)
+            h, residual = layer(positions, h, residual, kv_cache, meta)
+        assert residual is not None
+        out, stream = self.model.norm.add_forward(h, residual)
+        self.last_aux_hidden = stream if capture_hidden else None
+        return out
 
     def lm_head_weight(self) -> torch.Tensor:
         """[vocab, hidden]; embed_tokens.weight itself when the embeddings are tied."""

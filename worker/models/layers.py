@@ -41,7 +41,7 @@ class RMSNorm(nn.Module):
             return rmsnorm(x, self.weight, self.eps)
         x32 = x.float()
         inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (x32 * inv_rms * self.weight.float()).to(x.dtype)
+        return self.weight * (x32 * inv_rms).to(x.dtype)  # rounded before the weight, as HF does
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual add fused into the norm (one pass on CUDA).

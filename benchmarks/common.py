@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import platform
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,3 +50,104 @@ def write_results(out_dir: Path, name: str, payload: dict[str, Any], table_md: s
               f"command: `{payload['command']}`\n\n")
     (out_dir / f"{name}.md").write_text(header + table_md + "\n")
     print(table_md)
+
+
+# -- per-request latency metrics (shared by the offline, ladder and serving benchmarks) ----------------
+
+
+@dataclass
+class RequestTiming:
+    """When one request was sent, when each of its output chunks arrived, and how long it was.
+    Times are seconds on one monotonic clock (time.perf_counter)."""
+
+    sent: float
+    prompt_len: int
+    output_len: int = 0  # tokens received
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk with tokens
+    chunk_sizes: list[int] = field(default_factory=list)
+    done: float = float("nan")
+    cached_tokens: int = 0
+    error: str | None = None
+
+    def on_tokens(self, t: float, n: int) -> None:
+        if n > 0:
+            self.chunk_times.append(t)
+            self.chunk_sizes.append(n)
+            self.output_len += n
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.chunk_times) and math.isfinite(self.done)
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.sent
+
+    @property
+    def e2e(self) -> float:
+        return self.done - self.sent
+
+    @property
+    def tpot(self) -> float:
+        """Mean time per output token after the first (vLLM's TPOT); NaN for a single token."""
+        n = self.output_len
+        return (self.chunk_times[-1] - self.chunk_times[0]) / (n - 1) if n > 1 else float("nan")
+
+    @property
+    def itls(self) -> list[float]:
+        """Gaps between consecutive chunks (vLLM's ITL: one value per chunk after the first)."""
+        ts = self.chunk_times
+        return [b - a for a, b in zip(ts, ts[1:])]
+
+
+PCTS = (50, 90, 99)
+
+
+def dist(xs: list[float], scale: float = 1e3) -> dict[str, float]:
+    """mean and p50/p90/p99 of `xs` times `scale` (default: seconds -> ms); NaNs dropped."""
+    v = [x * scale for x in xs if math.isfinite(x)]
+    out = {"mean": sum(v) / len(v) if v else float("nan")}
+    out.update({f"p{q}": percentile(v, q) for q in PCTS})
+    return out
+
+
+def latency_summary(timings: list[RequestTiming]) -> dict[str, dict[str, float]]:
+    """TTFT, TPOT, ITL and end-to-end latency distributions (ms) over the successful requests."""
+    ok = [t for t in timings if t.ok]
+    return {"ttft_ms": dist([t.ttft for t in ok]), "tpot_ms": dist([t.tpot for t in ok]),
+            "itl_ms": dist([x for t in ok for x in t.itls]), "e2e_ms": dist([t.e2e for t in ok])}
+
+
+def meets_slo(t: RequestTiming, ttft_slo_s: float | None, tpot_slo_s: float | None) -> bool:
+    if not t.ok:
+        return False
+    if ttft_slo_s is not None and t.ttft > ttft_slo_s:
+        return False
+    tpot = t.tpot
+    return tpot_slo_s is None or not math.isfinite(tpot) or tpot <= tpot_slo_s
+
+
+def goodput(timings: list[RequestTiming], duration_s: float, ttft_slo_s: float | None,
+            tpot_slo_s: float | None) -> float:
+    """Requests per second that finished within both SLOs (vLLM's goodput definition)."""
+    if duration_s <= 0:
+        return float("nan")
+    return sum(meets_slo(t, ttft_slo_s, tpot_slo_s) for t in timings) / duration_s
+
+
+def throughput_summary(timings: list[RequestTiming], duration_s: float) -> dict[str, float]:
+    """Request, output-token and total-token rates of the successful requests over `duration_s`."""
+    ok = [t for t in timings if t.ok]
+    out_tok = sum(t.output_len for t in ok)
+    in_tok = sum(t.prompt_len for t in ok)
+    d = duration_s if duration_s > 0 else float("nan")
+    return {"duration_s": duration_s, "completed": len(ok), "failed": len(timings) - len(ok),
+            "input_tokens": in_tok, "output_tokens": out_tok, "requests_per_s": len(ok) / d,
+            "output_tok_per_s": out_tok / d, "total_tok_per_s": (in_tok + out_tok) / d}
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (Linux reports KiB)."""
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

@@ -85,8 +85,10 @@ def main() -> None:
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/h200"))
     ap.add_argument("--batches", default="1,8,32,128")
-    ap.add_argument("--fill-requests", type=int, default=600)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--fill-requests", type=int, default=700)
+    # 512 x 2,000 tokens is more than the KV cache of an 8B model on an H200 holds: the fill run must
+    # reach the reported block count (and preempt) without running out of memory.
+    ap.add_argument("--max-num-seqs", type=int, default=512)
     args = ap.parse_args()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()

@@ -19,6 +19,7 @@ gone (workers: their jobs migrate; clients: their jobs are cancelled).
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import time
@@ -30,7 +31,6 @@ from typing import Any
 import msgpack
 import structlog
 import zmq
-
 from tokenmill.broker.jobs import Job, JobState
 from tokenmill.broker.registry import PrefixIndex, WorkerInfo, pick_worker
 from tokenmill.broker.security import ZapAuthenticator, make_curve_server
@@ -419,13 +419,17 @@ class Broker:
         entries: dict[bytes, list[list[Any]]] = defaultdict(list)
         moves: dict[bytes, list[Job]] = defaultdict(list)
         for job in jobs:
+            n = len(job.chunks)
             for cid, cursor in job.subscribers.items():
-                if cursor < len(job.chunks):
-                    entries[cid].extend(job.chunks[cursor:])
+                if cursor < n:
+                    if cursor == n - 1:
+                        entries[cid].append(job.chunks[cursor])
+                    else:
+                        entries[cid].extend(job.chunks[cursor:])
                     moves[cid].append(job)
         for cid, batch in entries.items():
             if self._send_client_frames(cid, [*_STREAM_HEAD, msgpack.packb(batch, use_bin_type=True)]):
-                self.counters["tokens_out"] += sum(len(e[2]) for e in batch)
+                self.counters["tokens_out"] += sum([len(e[2]) for e in batch])
                 for job in moves[cid]:
                     if cid in job.subscribers:
                         job.subscribers[cid] = len(job.chunks)
@@ -499,10 +503,8 @@ class Broker:
         if len(self._reregister_sent) > 10_000:
             self._reregister_sent.clear()
         assert self.backend is not None
-        try:
+        with contextlib.suppress(zmq.ZMQError):
             self.backend.send_multipart([ident, *p.encode(p.BrokerDisconnect("reregister"))], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
 
     def _current(self, w: WorkerInfo, job_id: str, attempt: int) -> Job | None:
         """The job if `w` runs its current attempt `attempt`; else None (stale output: dropped)."""
@@ -514,9 +516,12 @@ class Broker:
 
     def _on_tokens(self, w: WorkerInfo, msg: p.Tokens) -> None:
         touched: list[Job] = []
+        n_in = 0
+        jobs, running, ident = self.jobs, JobState.RUNNING, w.ident
         for c in msg.chunks:
-            job = self._current(w, c.job_id, c.attempt)
-            if job is None:
+            job = jobs.get(c.job_id)
+            if job is None or job.state is not running or job.worker != ident or job.attempt != c.attempt:
+                self.counters["stale_messages_dropped"] += 1  # an older attempt's (or unknown) output
                 self.counters["stale_tokens_dropped"] += len(c.token_ids)
                 continue
             if c.seq != job.num_tokens:  # never accept a gap or a duplicate into the log
@@ -524,8 +529,9 @@ class Broker:
                 log.warning("seq_mismatch", job=c.job_id, got=c.seq, expected=job.num_tokens)
                 continue
             job.append(c.seq, c.token_ids, c.text, c.logprobs)
-            self.counters["tokens_in"] += len(c.token_ids)
+            n_in += len(c.token_ids)
             touched.append(job)
+        self.counters["tokens_in"] += n_in
         self._flush(touched)
 
     def _on_finished(self, w: WorkerInfo, msg: p.Finished) -> None:
@@ -551,8 +557,8 @@ class Broker:
 
     def _worker_dead(self, w: WorkerInfo, reason: str) -> None:
         """Forget the worker and migrate each of its unfinished jobs (or fail it at the limit)."""
-        if self.workers.get(w.ident) is not w:
-            return
+        if self.workers.get(w.ident, None) is None or self.workers[w.ident] is not w:
+            return  # already handled
         del self.workers[w.ident]
         self.counters["workers_lost"] += 1
         log.warning("worker_dead", worker=w.name, reason=reason, jobs=len(w.jobs))

@@ -44,7 +44,9 @@ def configure_logging(level: str = "info", json: bool = False) -> None:
     lvl = logging.getLevelName(level.upper())
     if not isinstance(lvl, int):
         lvl = logging.INFO
-    renderer: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
+    # Plain tracebacks: rich's would print local variables, which may hold key material.
+    renderer: Any = (structlog.processors.JSONRenderer() if json else
+                     structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback))
     processors: list[Any] = [structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso")]
     if json:
         processors.append(structlog.processors.format_exc_info)

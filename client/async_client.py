@@ -21,7 +21,6 @@ from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
-
 from tokenmill.client import protocol as p
 from tokenmill.client.client import (
     DEFAULT_ADDRESS,
@@ -153,7 +152,11 @@ class AsyncClient(RouterCore):
                           cancel_on_disconnect)
         handle = AsyncJobHandle(self, msg.job_id)
         self._handles[msg.job_id] = handle
-        await self._send(msg)
+        try:
+            await self._send(msg)
+        except BaseException:
+            self._handles.pop(msg.job_id, None)
+            raise
         return handle
 
     async def generate(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,

@@ -14,6 +14,7 @@ free by sequence number: duplicates are dropped, a gap triggers a re-subscribe f
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import secrets
 import threading
@@ -24,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-
 from tokenmill.client import protocol as p
 from tokenmill.client.errors import (
     BrokerUnavailable,
@@ -322,7 +322,11 @@ class Client(RouterCore):
                           cancel_on_disconnect)
         handle = JobHandle(self, msg.job_id)
         self._handles[msg.job_id] = handle
-        self._send(msg)
+        try:
+            self._send(msg)
+        except BaseException:
+            self._handles.pop(msg.job_id, None)
+            raise
         return handle
 
     def generate(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None, model: str = "",
@@ -380,10 +384,11 @@ class Client(RouterCore):
         if self._closed:
             return
         self._closed = True
-        with self._push_lock:
-            self._push.send_multipart([b"", *p.encode(p.Bye())])
-            self._push.send_multipart([b"__close__"])
-        self._thread.join(5.0)
+        if self._thread.is_alive():
+            with self._push_lock, contextlib.suppress(zmq.ZMQError):
+                self._push.send_multipart([b"", *p.encode(p.Bye())], zmq.NOBLOCK)
+                self._push.send_multipart([b"__close__"], zmq.NOBLOCK)
+            self._thread.join(5.0)
         self._push.close(linger=0)
         self._ctx.term()
 
@@ -418,7 +423,7 @@ class Client(RouterCore):
         return item
 
     def _send(self, msg: p.Message) -> None:
-        if self._closed:
+        if self._closed or not self._thread.is_alive():
             raise BrokerUnavailable("client is closed")
         job_id = getattr(msg, "job_id", "")
         with self._push_lock:
@@ -456,7 +461,8 @@ class Client(RouterCore):
                     last_heard = now
                 elif now >= next_ping:
                     next_ping = now + self.heartbeat_interval
-                    self._dealer.send_multipart(p.encode(p.Ping()), zmq.NOBLOCK)
+                    with contextlib.suppress(zmq.Again):  # no connected broker: silence will tell
+                        self._dealer.send_multipart(p.encode(p.Ping()), zmq.NOBLOCK)
         except zmq.ZMQError:
             self._fail_all("client socket failed")
         finally:
@@ -477,8 +483,8 @@ class Client(RouterCore):
             except zmq.Again:
                 job_id = frames[0].decode()
                 h = self._handles.pop(job_id, None)
-                if h is not None:
-                    self._deliver(h, BrokerUnavailable("send queue to the broker is full", job_id=job_id))
+                if h is not None:  # no connection (refused handshake, ...) or a full queue
+                    self._deliver(h, BrokerUnavailable("cannot send to the broker", job_id=job_id))
 
     def _read_replies(self, last_heard: float) -> float:
         for _ in range(10_000):

@@ -19,10 +19,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import msgpack
-
 from tokenmill.client.errors import ProtocolError
 
 HEADER = b"TM1"
@@ -150,6 +149,16 @@ def _token_ids(v: Any, name: str) -> list[int]:
     if v and (not all(type(t) is int for t in v) or min(v) < 0 or max(v) > MAX_TOKEN_ID):
         raise _fail(f"{name}: token ids must be integers in [0, {MAX_TOKEN_ID}]")
     return v
+
+
+def _fast_token_ids(v: Any) -> bool:
+    """True for a list of valid token ids (the hot path's check; _token_ids explains failures)."""
+    if type(v) is not list:
+        return False
+    if len(v) == 1:
+        t = v[0]
+        return type(t) is int and 0 <= t <= MAX_TOKEN_ID
+    return not v or (all(type(t) is int for t in v) and min(v) >= 0 and max(v) <= MAX_TOKEN_ID)
 
 
 def _list(v: Any, name: str, max_len: int = MAX_ARRAY_LEN) -> list[Any]:
@@ -443,8 +452,7 @@ class Ack(Message):
         return cls(_ident(d["job_id"], "job_id"), _bool(d.get("duplicate", False), "duplicate"))
 
 
-@dataclass(frozen=True, slots=True)
-class StreamChunk:
+class StreamChunk(NamedTuple):
     """Tokens of one job: token_ids[0] is output position `seq`; chunks of a job are gap-free."""
 
     job_id: str
@@ -458,6 +466,11 @@ class StreamChunk:
 
     @staticmethod
     def from_wire(obj: Any) -> StreamChunk:
+        if type(obj) is list and len(obj) == 5:
+            job_id, seq, ids, text, lps = obj
+            if (type(job_id) is str and 0 < len(job_id) <= MAX_ID_LEN and type(seq) is int and 0 <= seq < 1 << 63
+                    and type(text) is str and lps is None and _fast_token_ids(ids)):
+                return StreamChunk(job_id, seq, ids, text, None)
         job_id, seq, ids, text, lps = _tuple(obj, "stream chunk", 5)
         ids = _token_ids(ids, "token_ids")
         return StreamChunk(_ident(job_id, "job_id"), _int(seq, "seq"), ids, _str(text, "text"),
@@ -625,10 +638,9 @@ class WorkerHeartbeat(Message):
         return cls(_int(r, "running"), _int(w, "waiting"), _int(f, "free_blocks"), _int(c, "cached_blocks"))
 
 
-@dataclass(frozen=True, slots=True)
-class TokenChunk:
+class TokenChunk(NamedTuple):
     """One job's new tokens of one engine step; `seq` = output index of token_ids[0] (counting tokens
-    an earlier attempt delivered)."""
+    an earlier attempt delivered). A NamedTuple: this is the relay hot path."""
 
     job_id: str
     attempt: int
@@ -642,6 +654,14 @@ class TokenChunk:
 
     @staticmethod
     def from_wire(obj: Any) -> TokenChunk:
+        # Fast path: the common well-formed chunk is checked with a few type tests; anything else goes
+        # through the field validators, which say precisely what is wrong.
+        if type(obj) is list and len(obj) == 6:
+            job_id, attempt, seq, ids, text, lps = obj
+            if (type(job_id) is str and 0 < len(job_id) <= MAX_ID_LEN and type(attempt) is int
+                    and 0 <= attempt <= MAX_ATTEMPT and type(seq) is int and 0 <= seq < 1 << 63
+                    and type(text) is str and lps is None and _fast_token_ids(ids)):
+                return TokenChunk(job_id, attempt, seq, ids, text, None)
         job_id, attempt, seq, ids, text, lps = _tuple(obj, "token chunk", 6)
         ids = _token_ids(ids, "token_ids")
         return TokenChunk(_ident(job_id, "job_id"), _int(attempt, "attempt", 0, MAX_ATTEMPT), _int(seq, "seq"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from typing import Any
@@ -10,7 +11,6 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from tokenmill.client import protocol as p
 from tokenmill.client.errors import ProtocolError
 
@@ -146,10 +146,8 @@ def test_deep_nesting_in_body() -> None:
 @settings(max_examples=300, deadline=None)
 @given(cmd=st.sampled_from(list(p.Cmd)), body=st.binary(max_size=200))
 def test_fuzz_random_bytes_only_raise_protocol_error(cmd: p.Cmd, body: bytes) -> None:
-    try:
+    with contextlib.suppress(ProtocolError):
         p.decode([p.HEADER, bytes((cmd,)), body])
-    except ProtocolError:
-        pass
 
 
 _json = st.recursive(
@@ -163,10 +161,8 @@ _json = st.recursive(
 @settings(max_examples=400, deadline=None)
 @given(cmd=st.sampled_from(list(p.Cmd)), obj=_json)
 def test_fuzz_wrong_types_only_raise_protocol_error(cmd: p.Cmd, obj: Any) -> None:
-    try:
+    with contextlib.suppress(ProtocolError):
         p.decode([p.HEADER, bytes((cmd,)), msgpack.packb(obj)])
-    except ProtocolError:
-        pass
 
 
 @settings(max_examples=200, deadline=None)

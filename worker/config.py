@@ -116,6 +116,8 @@ class EngineConfig:
     seed: int = 0
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     cuda_graphs: bool = True  # decode-only steps replay captured graphs (CUDA only)
+    # Schedule step N+1 while step N runs on the device (one step in flight). None: on for CUDA only.
+    async_scheduling: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

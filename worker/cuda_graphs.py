@@ -13,7 +13,6 @@ import logging
 from collections.abc import Sequence
 
 import torch
-
 from tokenmill.worker.attention.backend import AttentionMetadata
 
 log = logging.getLogger("tokenmill.cuda_graphs")

@@ -1,29 +1,37 @@
 """The engine: requests in, token deltas out. schedule -> forward -> sample -> detokenize, one step at
-a time. Not thread-safe: one thread drives it (the worker process's engine loop, or the caller)."""
+a time, or with async scheduling one step ahead (the host schedules step N+1 while the device runs
+step N). Not thread-safe: one thread drives it (the worker process's engine loop, or the caller)."""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import random
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from tokenmill.worker.block_manager import BlockManager
 from tokenmill.worker.config import EngineConfig
 from tokenmill.worker.detokenizer import IncrementalDetokenizer
 from tokenmill.worker.loader import ModelSource, resolve_model
-from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.model_runner import ModelRunner, PendingStep
 from tokenmill.worker.outputs import CompletionOutput, EngineStats, RequestOutput, Usage
 from tokenmill.worker.request import Request
 from tokenmill.worker.sampling_params import InvalidRequestError, SamplingParams
-from tokenmill.worker.scheduler import Scheduler
+from tokenmill.worker.scheduler import ScheduledBatch, Scheduler
 from tokenmill.worker.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenmill.engine")
 
 Prompt = str | Sequence[int]
+
+
+class _Launched(NamedTuple):
+    batch: ScheduledBatch
+    slots: list[int | None]  # per request: index of the placeholder its sampled token replaces
+    pending: PendingStep
 
 
 @dataclass(eq=False)
@@ -68,14 +76,17 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                    config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, self.eos_token_ids)
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.runner.device.type == "cuda")
+        self._inflight: deque[_Launched] = deque()  # launched, not yet completed; at most 1 kept between steps
         self._live: dict[str, _Live] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside a step (aborts)
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
-        log.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d",
-                 self.model_name, self.runner.device, self.runner.dtype, self.runner.num_blocks,
-                 config.cache.block_size, self.max_model_len)
+        log.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d, "
+                 "async_scheduling=%s", self.model_name, self.runner.device, self.runner.dtype,
+                 self.runner.num_blocks, config.cache.block_size, self.max_model_len, self.async_scheduling)
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(
@@ -163,31 +174,56 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._live) or bool(self._pending)
+        """True while a request is live, an output is pending or a launched step is not completed."""
+        return bool(self._live or self._pending or self._inflight)
 
     # -- the step -----------------------------------------------------------------------------------
+    # Synchronous: schedule, launch, wait, update. Async scheduling keeps one step in flight: step()
+    # schedules and launches step N+1 (against placeholders for the tokens step N is sampling), then
+    # waits for step N and emits its outputs while N+1 runs on the device.
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        launched = self._schedule_and_launch(outputs)
+        if launched is not None:
+            self._inflight.append(launched)
+        keep = 1 if self.async_scheduling and launched is not None else 0
+        while len(self._inflight) > keep:
+            outputs += self._complete(self._inflight.popleft())
+        return outputs
+
+    def _schedule_and_launch(self, outputs: list[RequestOutput]) -> _Launched | None:
         batch = self.scheduler.schedule()
         for req in batch.failed:
             live = self._live.pop(req.request_id)
             outputs.append(self._final(live, [], "", req.num_output_tokens, error=str(req.stop_reason)))
         if not batch.requests:
-            return outputs
-        result = self.runner.execute(batch, self.eos_token_ids)
-        for req, lp in zip(batch.requests, result.logprobs):
-            if lp is not None and req.request_id in self._live:
-                self._live[req.request_id].logprobs.append(lp)
-        first_index = {r.request_id: r.num_output_tokens for r in batch.requests}
-        for req in self.scheduler.update(batch, result.sampled):
-            out = self._emit(self._live[req.request_id], first_index[req.request_id])
+            return None
+        prev = self._inflight[-1].pending if self._inflight else None
+        pending = self.runner.launch(batch, self.eos_token_ids, prev)
+        return _Launched(batch, self.scheduler.begin_step(batch), pending)
+
+    def _complete(self, launched: _Launched) -> list[RequestOutput]:
+        """Wait for a launched step, put its tokens in place of their placeholders and emit them."""
+        result = launched.pending.result()
+        batch = launched.batch
+        slots, logprobs = dict(zip(batch.requests, launched.slots)), dict(zip(batch.requests, result.logprobs))
+        outputs = []
+        for req in self.scheduler.commit(batch, launched.slots, result.sampled):
+            live = self._live[req.request_id]
+            assert live.req is req, "a committed request is the live one (finished ones are skipped)"
+            lp = logprobs[req]
+            if lp is not None:
+                live.logprobs.append(lp)
+            slot = slots[req]
+            assert slot is not None
+            out = self._emit(live, slot - req.num_prompt_tokens)
             if out is not None:
                 outputs.append(out)
         return outputs
 
     def _emit(self, live: _Live, first_index: int) -> RequestOutput | None:
         req = live.req
-        new_ids = req.token_ids[req.num_prompt_tokens + first_index :]
+        new_ids = req.token_ids[req.num_prompt_tokens + first_index : req.num_known_tokens]
         text = live.held + live.detok.push(new_ids)
         live.held = ""
         stop = self._find_stop(text, req.params.stop) if req.params.stop else None

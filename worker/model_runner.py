@@ -7,15 +7,20 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
 
 import torch
 from tokenmill.worker.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.worker.config import CacheConfig, EngineConfig, ModelArch
 from tokenmill.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tokenmill.worker.loader import ModelSource, build_model
+from tokenmill.worker.request import PLACEHOLDER, Request
 from tokenmill.worker.sampler import Sampler, SamplingMetadata
 from tokenmill.worker.scheduler import ScheduledBatch
+from tokenmill.worker.transfer import HostCopy, ship
+from torch import Tensor
 
 log = logging.getLogger("tokenmill.runner")
 
@@ -50,6 +55,35 @@ class StepResult:
 
     sampled: list[int | None]
     logprobs: list[dict[int, float] | None]
+
+
+class PendingStep:
+    """A launched step. Its sampled ids stay on the device, where the next step reads the inputs of
+    its placeholder tokens; `result()` waits for them on the host."""
+
+    def __init__(self, num_requests: int, rows: dict[Request, int], batch_index: list[int],
+                 num_logprobs: list[int | None], sampled: Tensor | None, copy: HostCopy | None) -> None:
+        self.num_requests = num_requests
+        self.rows = rows  # sampling request -> its row of `sampled`
+        self.sampled = sampled  # [S] i64 on the device; None when no request samples
+        self._batch_index = batch_index  # row -> index in the batch
+        self._num_logprobs = num_logprobs  # row -> requested top-n (None: no logprobs)
+        self._copy = copy
+
+    def result(self) -> StepResult:
+        sampled: list[int | None] = [None] * self.num_requests
+        logprobs: list[dict[int, float] | None] = [None] * self.num_requests
+        if self._copy is None:
+            return StepResult(sampled, logprobs)
+        host = self._copy.wait()
+        tokens = host[0].tolist()
+        lp_ids, lp_vals = (host[1].tolist(), host[2].tolist()) if len(host) == 3 else (None, None)
+        for row, i in enumerate(self._batch_index):
+            sampled[i] = tokens[row]
+            n_lp = self._num_logprobs[row]
+            if n_lp is not None and lp_ids is not None and lp_vals is not None:
+                logprobs[i] = dict(zip(lp_ids[row][: n_lp + 1], lp_vals[row][: n_lp + 1]))
+        return StepResult(sampled, logprobs)
 
 
 class ModelRunner:
@@ -130,86 +164,125 @@ class ModelRunner:
         del hidden, logits
 
     # -- the step ---------------------------------------------------------------------------------
+    # Per-step inputs are built as CPU tensors and shipped in one pinned, non_blocking copy (`ship`), and
+    # sampled ids come back through `HostCopy`: the host never waits for the stream while it prepares
+    # a step, so it can prepare step N+1 while step N runs.
     def _metadata(self, q_lens: list[int], seq_lens: list[int], tables: list[list[int]],
                   slots: list[int]) -> AttentionMetadata:
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        starts = [0]
-        for q in q_lens:
-            starts.append(starts[-1] + q)
-        dev = self.device
-        return AttentionMetadata(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=q_lens,
-            seq_lens_cpu=seq_lens,
-        )
+        dev = ship(_attention_host(q_lens, seq_lens, tables, slots), self.device)
+        return _attention_meta(dev, q_lens, seq_lens)
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flattened input ids [T], positions [T] and attention metadata for the batch."""
+    def _host_inputs(self, batch: ScheduledBatch, prev: PendingStep | None) -> _HostInputs:
+        """Token ids, positions and attention metadata of `batch` as CPU tensors. A placeholder input
+        (always the last token of a chunk: placeholders trail) is left 0 and noted, with the row of
+        `prev`'s sampled ids that holds its value."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        fix_index: list[int] = []
+        fix_source: list[int] = []
         bs = self.block_size
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
-            ids.extend(req.token_ids[start : start + n])
+            chunk = req.token_ids[start : start + n]
+            if chunk[-1] == PLACEHOLDER:
+                fix_index.append(len(ids) + n - 1)
+                fix_source.append(_source_row(prev, req))
+                chunk[-1] = 0
+            ids.extend(chunk)
             pos = range(start, start + n)
             positions.extend(pos)
             slots.extend(req.block_ids[p // bs] * bs + p % bs for p in pos)
-        meta = self._metadata(
-            list(batch.num_new_tokens),
-            [r.num_computed_tokens + n for r, n in zip(batch.requests, batch.num_new_tokens)],
-            [r.block_ids for r in batch.requests],
-            slots,
-        )
-        dev = self.device
-        return (torch.tensor(ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), meta)
+        q_lens = list(batch.num_new_tokens)
+        seq_lens = [r.num_computed_tokens + n for r, n in zip(batch.requests, q_lens)]
+        tensors = _attention_host(q_lens, seq_lens, [r.block_ids for r in batch.requests], slots)
+        tensors |= {"input_ids": _i64(ids), "positions": _i64(positions),
+                    "fix_index": _i64(fix_index), "fix_source": _i64(fix_source)}
+        return _HostInputs(tensors, q_lens, seq_lens)
+
+    def _device_inputs(self, dev: dict[str, Tensor], host: _HostInputs, prev: PendingStep | None,
+                       ) -> tuple[Tensor, Tensor, AttentionMetadata]:
+        ids = dev["input_ids"]
+        if host.tensors["fix_index"].numel():
+            assert prev is not None and prev.sampled is not None
+            ids[dev["fix_index"]] = prev.sampled[dev["fix_source"]]  # on the device, after prev's sampler
+        return ids, dev["positions"], _attention_meta(dev, host.q_lens, host.seq_lens)
+
+    def prepare(self, batch: ScheduledBatch, prev: PendingStep | None = None,
+                ) -> tuple[Tensor, Tensor, AttentionMetadata]:
+        """Flattened input ids [T], positions [T] and attention metadata for the batch."""
+        host = self._host_inputs(batch, prev)
+        return self._device_inputs(ship(host.tensors, self.device), host, prev)
+
+    def _forward(self, ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        if self.graphs is not None and meta.is_decode_only and self.graphs.bucket(meta.num_seqs) is not None:
+            return self.graphs.run(ids, positions, meta)
+        return self.model(ids, positions, self.kv_caches, meta)
 
     @torch.inference_mode()
-    def forward_hidden(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata]:
+    def forward_hidden(self, batch: ScheduledBatch) -> tuple[Tensor, AttentionMetadata]:
         """Hidden states [T, hidden] of every scheduled token (KV written to the cache)."""
         ids, positions, meta = self.prepare(batch)
-        if self.graphs is not None and meta.is_decode_only and self.graphs.bucket(meta.num_seqs) is not None:
-            return self.graphs.run(ids, positions, meta), meta
-        return self.model(ids, positions, self.kv_caches, meta), meta
+        return self._forward(ids, positions, meta), meta
+
+    def _host_sampling(self, reqs: list[Request], eos_token_ids: tuple[int, ...], prev: PendingStep | None,
+                       ) -> tuple[SamplingMetadata, dict[str, Tensor]]:
+        """SamplingMetadata on the CPU plus, for penalties, where placeholder outputs go: a placeholder
+        is padded (pad id V counts for nothing) and filled on the device from `prev`'s sampled ids."""
+        vocab = self.arch.vocab_size
+        outputs: list[list[int]] = []
+        fix: list[tuple[int, int, int]] = []  # (row, column, row of prev.sampled)
+        for row, r in enumerate(reqs):
+            out = r.output_token_ids
+            if out and out[-1] == PLACEHOLDER:
+                out[-1] = vocab
+                fix.append((row, len(out) - 1, _source_row(prev, r)))
+            outputs.append(out)
+        meta = SamplingMetadata.build([r.params for r in reqs], [r.prompt_token_ids for r in reqs], outputs,
+                                      [r.seed for r in reqs], eos_token_ids, vocab, torch.device("cpu"))
+        tensors = {f"s.{f.name}": getattr(meta, f.name) for f in fields(meta)
+                   if isinstance(getattr(meta, f.name), Tensor)}
+        if fix and meta.output_ids.shape[1]:
+            rows, cols, src = zip(*fix)
+            tensors |= {"pen.rows": _i64(rows), "pen.cols": _i64(cols), "pen.src": _i64(src)}
+        return meta, tensors
+
+    @staticmethod
+    def _device_sampling(meta: SamplingMetadata, dev: dict[str, Tensor], prev: PendingStep | None,
+                         ) -> SamplingMetadata:
+        meta = replace(meta, **{k[2:]: v for k, v in dev.items() if k.startswith("s.")})
+        if "pen.rows" in dev:
+            assert prev is not None and prev.sampled is not None
+            meta.output_ids[dev["pen.rows"], dev["pen.cols"]] = prev.sampled[dev["pen.src"]]
+        return meta
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, eos_token_ids: tuple[int, ...]) -> StepResult:
-        hidden, meta = self.forward_hidden(batch)
+    def launch(self, batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
+               prev: PendingStep | None = None) -> PendingStep:
+        """Enqueue the forward and sampling of `batch` without waiting for the device. Inputs that are
+        placeholders are read on the device from `prev`, which must be the step launched just before
+        (it samples them). Call before the scheduler marks the batch launched (`begin_step`)."""
         sampling = [i for i in range(len(batch.requests)) if batch.samples(i)]
-        sampled: list[int | None] = [None] * len(batch.requests)
-        logprobs: list[dict[int, float] | None] = [None] * len(batch.requests)
-        if not sampling:
-            return StepResult(sampled, logprobs)
-        ends = list(itertools.accumulate(meta.query_lens_cpu))
-        rows = torch.tensor([ends[i] - 1 for i in sampling], device=self.device)  # last token of each
-        logits = self.model.compute_logits(hidden[rows])
         reqs = [batch.requests[i] for i in sampling]
-        smeta = SamplingMetadata.build(
-            [r.params for r in reqs],
-            [r.prompt_token_ids for r in reqs],
-            [r.output_token_ids for r in reqs],
-            [r.seed for r in reqs],
-            eos_token_ids,
-            logits.shape[-1],
-            self.device,
-        )
-        out = self.sampler(logits, smeta)
-        tokens = out.sampled_token_ids.tolist()
-        lp_ids = out.logprobs_token_ids.tolist() if out.logprobs_token_ids is not None else None
-        lp_vals = out.logprobs.tolist() if out.logprobs is not None else None
-        for j, i in enumerate(sampling):
-            sampled[i] = tokens[j]
-            n_lp = reqs[j].params.logprobs
-            if n_lp is not None and lp_ids is not None and lp_vals is not None:
-                logprobs[i] = {t: v for t, v in zip(lp_ids[j][: n_lp + 1], lp_vals[j][: n_lp + 1])}
-        return StepResult(sampled, logprobs)
+        host = self._host_inputs(batch, prev)
+        ends = list(itertools.accumulate(host.q_lens))
+        tensors = host.tensors | {"logits_rows": _i64([ends[i] - 1 for i in sampling])}  # last token of each
+        smeta, stensors = self._host_sampling(reqs, eos_token_ids, prev) if reqs else (None, {})
+        dev = ship(tensors | stensors, self.device)  # the step's one host-to-device copy
+        hidden = self._forward(*self._device_inputs(dev, host, prev))
+        if smeta is None:
+            return PendingStep(len(batch.requests), {}, [], [], None, None)
+        logits = self.model.compute_logits(hidden[dev["logits_rows"]])
+        out = self.sampler(logits, self._device_sampling(smeta, dev, prev))
+        copies = [out.sampled_token_ids]
+        if out.logprobs_token_ids is not None and out.logprobs is not None:
+            copies += [out.logprobs_token_ids, out.logprobs]
+        return PendingStep(len(batch.requests), {r: row for row, r in enumerate(reqs)}, sampling,
+                           [r.params.logprobs for r in reqs], out.sampled_token_ids, HostCopy(copies))
+
+    def execute(self, batch: ScheduledBatch, eos_token_ids: tuple[int, ...]) -> StepResult:
+        """Launch and wait: the synchronous step."""
+        return self.launch(batch, eos_token_ids).result()
 
     @torch.inference_mode()
     def logits_for_all(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -217,3 +290,39 @@ class ModelRunner:
         hidden, _ = self.forward_hidden(batch)
         return self.model.compute_logits(hidden)
 
+
+
+class _HostInputs(NamedTuple):
+    tensors: dict[str, Tensor]  # CPU tensors, shipped with the step's other inputs
+    q_lens: list[int]
+    seq_lens: list[int]
+
+
+def _i64(vals: Sequence[int]) -> Tensor:
+    return torch.tensor(vals, dtype=torch.int64)
+
+
+def _source_row(prev: PendingStep | None, req: Request) -> int:
+    """Row of `prev`'s sampled ids that holds `req`'s placeholder token."""
+    assert prev is not None and req in prev.rows and req.num_placeholders == 1, \
+        f"{req.request_id}: a placeholder input whose sampling step is not the previous one"
+    return prev.rows[req]
+
+
+def _attention_host(q_lens: list[int], seq_lens: list[int], tables: list[list[int]],
+                    slots: list[int]) -> dict[str, Tensor]:
+    width = max(len(t) for t in tables)
+    return {
+        "query_start_loc": torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "block_tables": torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        "slot_mapping": _i64(slots),
+    }
+
+
+def _attention_meta(dev: dict[str, Tensor], q_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
+    return AttentionMetadata(
+        query_start_loc=dev["query_start_loc"], seq_lens=dev["seq_lens"], block_tables=dev["block_tables"],
+        slot_mapping=dev["slot_mapping"], max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        query_lens_cpu=q_lens, seq_lens_cpu=seq_lens,
+    )

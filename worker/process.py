@@ -17,6 +17,7 @@ re-raised in the main thread, which exits non-zero.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import queue
@@ -29,7 +30,6 @@ from typing import Any, Protocol
 
 import structlog
 import zmq
-
 from tokenmill.client import protocol as p
 from tokenmill.client.errors import ProtocolError
 from tokenmill.client.keys import apply_client_curve
@@ -85,7 +85,7 @@ class IOThread(threading.Thread):
         self.inbound: queue.Queue[Any] = queue.Queue()
         self.error: BaseException | None = None
         self.load = p.WorkerHeartbeat()  # replaced (atomically) by the engine loop after each step
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
         self._outbox = ctx.socket(zmq.PULL)
         self._outbox.bind(outbox_addr)
         self._dealer: zmq.Socket | None = None
@@ -95,12 +95,12 @@ class IOThread(threading.Thread):
         self._next_heartbeat = 0.0
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
 
     def run(self) -> None:
         try:
             self._connect()
-            while not self._stop.is_set():
+            while not self._stopping.is_set():
                 self._turn()
         except BaseException as e:  # handed to the main thread, which exits non-zero
             self.error = e
@@ -109,10 +109,8 @@ class IOThread(threading.Thread):
 
     def _close(self) -> None:
         if self._dealer is not None:
-            try:
+            with contextlib.suppress(zmq.ZMQError):
                 self._dealer.send_multipart(p.encode(p.WorkerDisconnect()), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
             self._dealer.close(linger=500)
         self._outbox.close(linger=0)
 
@@ -127,7 +125,11 @@ class IOThread(threading.Thread):
         s.setsockopt(zmq.MAXMSGSIZE, 2 * p.MAX_BODY_BYTES)
         if self.opts.curve_server_key is not None and self.opts.curve_keypair is not None:
             apply_client_curve(s, self.opts.curve_server_key, self.opts.curve_keypair)
-        s.connect(self.opts.broker)
+        try:
+            s.connect(self.opts.broker)
+        except zmq.ZMQError:
+            s.close(linger=0)
+            raise
         self._dealer = s
         self._poller = zmq.Poller()
         self._poller.register(s, zmq.POLLIN)
@@ -157,10 +159,9 @@ class IOThread(threading.Thread):
 
     def _send(self, frames: list[bytes]) -> None:
         assert self._dealer is not None
-        try:
+        # On Again the broker is unreachable and our queue is full; liveness will reconnect.
+        with contextlib.suppress(zmq.Again):
             self._dealer.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:  # the broker is unreachable and our queue is full; liveness will reconnect
-            pass
 
     def _forward_outbox(self) -> None:
         for _ in range(1000):
@@ -339,7 +340,11 @@ def run_worker(engine: EngineLike, opts: WorkerOptions, stop: threading.Event | 
     outbox.connect(outbox_addr)
     loop = EngineLoop(engine, io, outbox, opts, ready_message(engine, opts))
     if stop is not None:
-        threading.Thread(target=lambda: (stop.wait(), loop.stopping.set()), daemon=True).start()
+        def relay_stop() -> None:
+            stop.wait()
+            loop.stopping.set()
+
+        threading.Thread(target=relay_stop, daemon=True).start()
     io.start()
     log.info("worker_started", broker=opts.broker, name=opts.name, model=engine.model_name)
     if on_ready is not None:
@@ -350,4 +355,4 @@ def run_worker(engine: EngineLike, opts: WorkerOptions, stop: threading.Event | 
         io.stop()
         io.join(2.0)
         outbox.close(linger=0)
-        ctx.term()
+        ctx.destroy(linger=0)  # closes whatever a failed IO thread left open

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 from tokenmill.worker.sampling_params import SamplingParams
 
+# Stands in `token_ids` for a token that a launched step is still sampling (async scheduling).
+PLACEHOLDER = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -19,7 +22,11 @@ class RequestStatus(enum.Enum):
 class Request:
     """Invariant: `token_ids == prompt + output`; the first `num_computed_tokens` of them have their
     keys/values in the blocks `block_ids` (block j holds tokens j*block_size ..). A request is
-    scheduled until `num_computed_tokens == num_tokens`; the step that reaches it samples one token."""
+    scheduled until `num_computed_tokens == num_tokens`; the step that reaches it samples one token.
+
+    While steps are in flight, the last one or two output tokens may be PLACEHOLDERs: one per launched
+    step that samples this request, in launch order, never before a real token. Counts include them
+    (the scheduler plans with them); `num_known_tokens` does not."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -49,6 +56,18 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_placeholders(self) -> int:
+        """Trailing PLACEHOLDER tokens: output tokens whose sampling step has not come back yet."""
+        n = 0
+        while n < len(self.token_ids) and self.token_ids[-1 - n] == PLACEHOLDER:
+            n += 1
+        return n
+
+    @property
+    def num_known_tokens(self) -> int:
+        return self.num_tokens - self.num_placeholders
 
     @property
     def output_token_ids(self) -> list[int]:

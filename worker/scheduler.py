@@ -1,6 +1,12 @@
 """One scheduling rule, no prefill/decode phases: every running request's computed tokens catch up to
 its total tokens (prompt + output). A step spends a token budget on running requests first (decodes
 and unfinished prefill chunks, in queue order), then admits waiting requests, chunking long prompts.
+
+A step's life: `schedule()`, the model runner reads the batch and launches it, `begin_step()` counts
+its tokens as computed and gives each sampling request a PLACEHOLDER for the token it will sample,
+`commit()` puts the sampled tokens in place and applies the stop rules. With async scheduling the next
+`schedule()` runs between `begin_step` and `commit`, so it plans with the placeholders (a decode of a
+placeholder reads its input on the device); `update()` is begin_step + commit for a step already run.
 Torch-free."""
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from typing import NamedTuple
 
 from tokenmill.worker.block_manager import BlockManager, extend_block_hashes
 from tokenmill.worker.config import SchedulerConfig
-from tokenmill.worker.request import Request, RequestStatus
+from tokenmill.worker.request import PLACEHOLDER, Request, RequestStatus
 
 
 class ScheduledBatch(NamedTuple):
@@ -58,6 +64,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
+        del req.token_ids[req.num_known_tokens :]  # a token still being sampled is discarded
         self.blocks.free(req)
 
     def has_unfinished(self) -> bool:
@@ -84,8 +91,8 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
-                continue
+            if req.status is not RequestStatus.RUNNING or self._ends_in_flight(req):
+                continue  # preempted earlier in this loop, or nothing left worth computing
             n = self._chunk(req, budget)
             if self._allocate_or_preempt(req, n, batch):
                 batch.requests.append(req)
@@ -94,6 +101,13 @@ class Scheduler:
         if not batch.preempted:
             budget = self._admit_waiting(budget, batch)
         return batch
+
+    def _ends_in_flight(self, req: Request) -> bool:
+        """Its last uncomputed token is a placeholder that will finish it by length whatever its value:
+        computing it would only produce a token to discard."""
+        if not req.num_placeholders:
+            return False
+        return req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len
 
     def _chunk(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed_tokens, self._max_chunk(budget))
@@ -126,6 +140,8 @@ class Scheduler:
     def _admit_waiting(self, budget: int, batch: ScheduledBatch) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            # A request preempted with a token in flight gets it (commit) before it can be admitted.
+            assert not req.num_placeholders, f"{req.request_id} is admitted with a placeholder"
             cached = self.blocks.find_cached_prefix(req)
             num_computed = len(cached) * self.blocks.block_size
             remaining = req.num_tokens - num_computed
@@ -156,31 +172,69 @@ class Scheduler:
         self.finish(req, "error", reason)
         batch.failed.append(req)
 
-    # -- after the forward ----------------------------------------------------------------------
-    def update(self, batch: ScheduledBatch, sampled: Iterable[int | None]) -> list[Request]:
-        """Advance computed counts, append sampled tokens (None for requests that did not sample)
-        and finish requests on EOS / stop ids / length. Returns the requests that got a token."""
-        got_token: list[Request] = []
-        for req, n, token in zip(batch.requests, batch.num_new_tokens, sampled):
-            if req.is_finished:  # aborted while its step ran
+    # -- after the launch -----------------------------------------------------------------------
+    def begin_step(self, batch: ScheduledBatch) -> list[int | None]:
+        """The batch is launched (the runner has read it): count its tokens as computed and append a
+        placeholder to each request that samples. Returns per request the index of that placeholder in
+        `token_ids` (None: no sample). Blocks are registered for prefix reuse only at `commit`."""
+        slots: list[int | None] = []
+        for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            if req.is_finished:  # aborted before the launch was recorded (update() callers)
+                slots.append(None)
                 continue
+            samples = batch.samples(i)
             req.num_computed_tokens += n
+            slots.append(self._add_placeholder(req) if samples else None)
+        return slots
+
+    @staticmethod
+    def _add_placeholder(req: Request) -> int:
+        req.token_ids.append(PLACEHOLDER)
+        return req.num_tokens - 1
+
+    def commit(self, batch: ScheduledBatch, slots: list[int | None], sampled: Iterable[int | None],
+               ) -> list[Request]:
+        """The step's tokens are in: replace each placeholder, register full computed blocks for prefix
+        reuse and finish requests on EOS / stop ids / length. Returns the requests that got a token.
+        A request finished meanwhile (abort, a stop found one step late) is skipped: `finish` dropped
+        its placeholders, so its token is discarded. A preempted one keeps its token."""
+        got_token: list[Request] = []
+        for req, slot, token in zip(batch.requests, slots, sampled):
+            if req.is_finished:
+                continue
+            assert (slot is None) == (token is None), f"{req.request_id}: sample without placeholder"
+            if slot is not None and token is not None:
+                assert req.token_ids[slot] == PLACEHOLDER
+                req.token_ids[slot] = token
+                self._hash_full_blocks(req)
             self.blocks.cache_computed_blocks(req)
-            if token is not None:
-                req.token_ids.append(token)
-                extend_block_hashes(req, self.blocks.block_size)
+            if slot is not None and token is not None:
                 got_token.append(req)
                 self._check_stop(req, token)
         return got_token
 
+    def update(self, batch: ScheduledBatch, sampled: Iterable[int | None]) -> list[Request]:
+        """begin_step + commit for a step that has already run: advance computed counts, append
+        sampled tokens (None for requests that did not sample) and finish requests on EOS / stop ids /
+        length. Returns the requests that got a token."""
+        return self.commit(batch, self.begin_step(batch), sampled)
+
+    def _hash_full_blocks(self, req: Request) -> None:
+        """Hash the newly full blocks of known tokens: a block hash never covers a placeholder."""
+        k = req.num_placeholders
+        tail = req.token_ids[len(req.token_ids) - k :]
+        del req.token_ids[len(req.token_ids) - k :]
+        extend_block_hashes(req, self.blocks.block_size)
+        req.token_ids += tail
+
     def _check_stop(self, req: Request, token: int) -> None:
         p = req.params
-        n_out = req.num_output_tokens
+        n_out = req.num_output_tokens - req.num_placeholders
         if n_out >= p.min_tokens:
             if token in p.stop_token_ids:
                 return self.finish(req, "stop", token)
             if not p.ignore_eos and token in self.eos_token_ids:
                 return self.finish(req, "stop", None)
-        if n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        if n_out >= p.max_tokens or req.num_known_tokens >= self.max_model_len:
             self.finish(req, "length")
         return None

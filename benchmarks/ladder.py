@@ -1,0 +1,145 @@
+"""The optimization ladder as one report: each step's tokens/s, TTFT, TPOT and memory side by side.
+
+1. static batching: our engine driven in fixed batches (admit B requests, run all to completion, then
+   the next B), prefix caching off, ShareGPT;
+2. continuous batching: the same requests all at once, prefix caching off;
+3. the shared-prefix chat workload (~1,000-token system prompt, multi-turn), prefix caching off, then on
+   (the TTFT gain of prefix caching);
+4. quantization and speculative decoding: rows kept, "not built yet".
+
+Latencies are measured from the moment a request is handed to the engine (static batching: all arrive
+at the start, so later batches wait: that wait is in their TTFT). Memory: the KV cache actually in use
+at the peak of the run (blocks x bytes per block) on top of the weights.
+
+    python -m tokenmill.benchmarks.ladder --out benchmarks/results/cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from tokenmill.benchmarks.common import write_results
+from tokenmill.benchmarks.throughput import (
+    EngineRun,
+    add_model_args,
+    build_engine,
+    drive,
+    memory_info,
+    set_prefix_caching,
+    spec_from_args,
+    workload_tokenizer,
+)
+from tokenmill.benchmarks.workloads import Workload, shared_prefix_workload, sharegpt_workload
+from tokenmill.worker.engine import LLMEngine
+
+NOT_BUILT = ("quantization (INT8/INT4 weight-only, FP8)", "speculative decoding (EAGLE draft heads)")
+
+
+def ladder_row(step: str, workload: Workload, run: EngineRun, engine: LLMEngine) -> dict[str, Any]:
+    s = run.summary(engine.runner.bytes_per_block)
+    lat = s["latency"]
+    return {"step": step, "workload": workload.name, "requests": s["completed"],
+            "output_tok_per_s": s["output_tok_per_s"], "total_tok_per_s": s["total_tok_per_s"],
+            "requests_per_s": s["requests_per_s"], "ttft_ms": lat["ttft_ms"], "tpot_ms": lat["tpot_ms"],
+            "peak_kv_bytes": s["peak_kv_bytes"], "weights_bytes": memory_info(engine)["weights_bytes"],
+            "cached_prompt_tokens": s["cached_prompt_tokens"], "input_tokens": s["input_tokens"],
+            "preemptions": s["preemptions"], "duration_s": s["duration_s"]}
+
+
+def static_row(engine: LLMEngine, workload: Workload, batch: int) -> dict[str, Any]:
+    set_prefix_caching(engine, False)
+    run = drive(engine, workload, batch_size=batch, desc=f"static batches of {batch}")
+    return ladder_row(f"static batching (batches of {batch})", workload, run, engine)
+
+
+def continuous_row(engine: LLMEngine, workload: Workload) -> dict[str, Any]:
+    set_prefix_caching(engine, False)
+    run = drive(engine, workload, desc="continuous batching")
+    return ladder_row("continuous batching", workload, run, engine)
+
+
+def prefix_rows(engine: LLMEngine, workload: Workload, sessions: int | None) -> list[dict[str, Any]]:
+    """The shared-prefix workload with prefix caching off, then on (same requests, same order)."""
+    rows = []
+    for on in (False, True):
+        set_prefix_caching(engine, on)
+        run = drive(engine, workload, sessions=sessions, desc=f"shared prefix, caching {'on' if on else 'off'}")
+        label = "continuous batching + prefix caching" if on else "continuous batching, prefix caching off"
+        rows.append(ladder_row(label, workload, run, engine) | {"prefix_caching": on, "sessions": sessions})
+    set_prefix_caching(engine, True)
+    return rows
+
+
+def prefix_gain(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """How much lower TTFT is with prefix caching (off / on) at p50, p90 and the mean."""
+    off, on = rows[0]["ttft_ms"], rows[1]["ttft_ms"]
+    return {f"ttft_{k}_ratio": off[k] / on[k] for k in ("p50", "p90", "mean") if on[k] > 0}
+
+
+def not_built_rows() -> list[dict[str, Any]]:
+    return [{"step": s, "not_built": True} for s in NOT_BUILT]
+
+
+def _mb(x: float) -> str:
+    return f"{x / 2**20:,.0f} MiB" if x < 2**30 else f"{x / 2**30:.2f} GiB"
+
+
+def ladder_table(rows: list[dict[str, Any]]) -> str:
+    out = ["| step | workload | requests | output tok/s | TTFT p50 / p90 (ms) | TPOT p50 (ms) | "
+           "peak KV in use | weights | prompt tokens from cache |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("not_built"):
+            out.append(f"| {r['step']} | not built yet | | | | | | | |")
+            continue
+        if "error" in r:
+            out.append(f"| {r['step']} | failed: {r['error']} | | | | | | | |")
+            continue
+        t, p = r["ttft_ms"], r["tpot_ms"]
+        share = r["cached_prompt_tokens"] / max(r["input_tokens"], 1)
+        out.append(f"| {r['step']} | {r['workload']} | {r['requests']} | {r['output_tok_per_s']:.1f} | "
+                   f"{t['p50']:.0f} / {t['p90']:.0f} | {p['p50']:.1f} | {_mb(r['peak_kv_bytes'])} | "
+                   f"{_mb(r['weights_bytes'])} | {share:.0%} |")
+    return "\n".join(out)
+
+
+def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    ap = ap or argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--max-input-len", type=int, default=256)
+    ap.add_argument("--max-output-len", type=int, default=128)
+    ap.add_argument("--static-batch", type=int, default=8)
+    ap.add_argument("--conversations", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--system-len", type=int, default=1000)
+    ap.add_argument("--max-turn-len", type=int, default=64)
+    ap.add_argument("--sessions", type=int, default=None, help="conversations open at once (default: all)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu"))
+    return ap
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    spec = spec_from_args(args)
+    tok, vocab, _ = workload_tokenizer(spec)
+    sg = sharegpt_workload(tok, args.num_prompts, args.seed, ids_vocab=vocab, max_input_len=args.max_input_len,
+                           max_output_len=args.max_output_len)
+    sp = shared_prefix_workload(tok, args.conversations, args.turns, args.seed, system_len=args.system_len,
+                                max_turn_len=args.max_turn_len, ids_vocab=vocab)
+    engine = build_engine(spec)
+    rows = [static_row(engine, sg, args.static_batch), continuous_row(engine, sg)]
+    pre = prefix_rows(engine, sp, args.sessions)
+    rows += [*pre, *not_built_rows()]
+    write_results(args.out, "ladder", {"model": spec.describe(), "rows": rows, "prefix_gain": prefix_gain(pre)},
+                  ladder_table(rows))
+    return 0
+
+
+def main() -> None:
+    raise SystemExit(run_cli(build_parser().parse_args()))
+
+
+if __name__ == "__main__":
+    main()

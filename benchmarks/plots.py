@@ -1,0 +1,208 @@
+"""PNG plots of a suite result (matplotlib, Agg backend): throughput vs request rate, latency percentiles
+per rate, the optimization ladder, and tokenmill vs the HF baseline and the published anchors.
+
+    python -m tokenmill.benchmarks.plots benchmarks/results/h200/suite.json   # (re)draws the PNGs beside it
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+PCT_COLORS = {"p50": "#4C72B0", "p90": "#DD8452", "p99": "#C44E52"}
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def title_suffix(result: dict[str, Any]) -> str:
+    dev = result.get("device", {})
+    name = dev.get("gpu") or f"CPU ({dev.get('cpu_count', '?')} cores)"
+    m = result.get("model", {})
+    return f"{m.get('model', '?')} ({m.get('load_format', '')}, {m.get('dtype', '')}) on {name}"
+
+
+def _rate_label(r: Any) -> str:
+    return "max (burst)" if r == "inf" else f"{float(r):g}"
+
+
+def _served_rates(serving: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in serving.get("rates", []) if "skipped" not in r and r.get("completed")]
+
+
+def plot_throughput_vs_rate(result: dict[str, Any], path: Path) -> Path | None:
+    rates = _served_rates(result.get("serving", {}))
+    if not rates:
+        return None
+    plt = _plt()
+    x = list(range(len(rates)))
+    labels = [_rate_label(r["rate"]) for r in rates]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    a1.plot(x, [r["requests_per_s"] for r in rates], "o-", label="achieved")
+    a1.plot(x, [r["goodput_requests_per_s"] for r in rates], "s--", label="goodput (within SLO)")
+    offered = [(i, float(r["rate"])) for i, r in enumerate(rates) if r["rate"] != "inf"]
+    if offered:
+        a1.plot([i for i, _ in offered], [v for _, v in offered], ":", color="gray", label="offered")
+    a1.set(xlabel="offered request rate (requests/s)", ylabel="requests/s", title="request throughput")
+    a2.plot(x, [r["output_tok_per_s"] for r in rates], "o-", color="#55A868")
+    a2.set(xlabel="offered request rate (requests/s)", ylabel="output tokens/s", title="output token throughput")
+    for a in (a1, a2):
+        a.set_xticks(x, labels)
+        a.set_ylim(bottom=0)
+        a.grid(alpha=0.3)
+    a1.legend()
+    fig.suptitle(f"Serving throughput vs request rate: {title_suffix(result)}", fontsize=11)
+    return _save(fig, path)
+
+
+def plot_latency_percentiles(result: dict[str, Any], path: Path) -> Path | None:
+    rates = _served_rates(result.get("serving", {}))
+    if not rates:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    labels = [_rate_label(r["rate"]) for r in rates]
+    for ax, key, name in ((axes[0], "ttft_ms", "time to first token"), (axes[1], "tpot_ms", "time per output token")):
+        _grouped_bars(ax, labels, {p: [r["latency"][key][p] for r in rates] for p in PCT_COLORS})
+        ax.set(xlabel="offered request rate (requests/s)", ylabel=f"{key.split('_')[0].upper()} (ms)",
+               title=f"{name} ({key.split('_')[0].upper()}): p50 / p90 / p99")
+        ax.legend()
+    fig.suptitle(f"Serving latency percentiles per request rate: {title_suffix(result)}", fontsize=11)
+    return _save(fig, path)
+
+
+def _grouped_bars(ax: Any, labels: list[str], series: dict[str, list[float]]) -> None:
+    width = 0.8 / max(len(series), 1)
+    for k, (name, values) in enumerate(series.items()):
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(labels))]
+        ax.bar(xs, [v if math.isfinite(v) else 0 for v in values], width, label=name, color=PCT_COLORS.get(name))
+    ax.set_xticks(range(len(labels)), labels)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def plot_ladder(result: dict[str, Any], path: Path) -> Path | None:
+    rows = [r for r in result.get("ladder", {}).get("rows", []) if not r.get("not_built") and "error" not in r]
+    if not rows:
+        return None
+    plt = _plt()
+    labels = [_wrap(r["step"]) + f"\n[{r['workload']}]" for r in rows]
+    panels = (("output_tok_per_s", "output tokens/s", 1.0), ("ttft_p50", "TTFT p50 (ms)", 1.0),
+              ("tpot_p50", "TPOT p50 (ms)", 1.0), ("peak_kv_bytes", "peak KV cache in use (MiB)", 2.0**-20))
+    fig, axes = plt.subplots(1, 4, figsize=(16, 5.2))
+    colors = ["#8172B2", "#4C72B0", "#937860", "#55A868", "#DA8BC3"]
+    for ax, (key, name, scale) in zip(axes, panels):
+        vals = [_ladder_value(r, key) * scale for r in rows]
+        bars = ax.bar(range(len(rows)), vals, color=colors[: len(rows)])
+        ax.bar_label(bars, fmt="%.3g", fontsize=8)
+        ax.set_xticks(range(len(rows)), labels, fontsize=7, rotation=0)
+        ax.set(title=name, ylabel=name)
+        ax.grid(axis="y", alpha=0.3)
+    missing = ", ".join(r["step"].split(" (")[0] for r in result.get("ladder", {}).get("rows", []) if r.get("not_built"))
+    fig.suptitle(f"Optimization ladder: {title_suffix(result)}" + (f"\nnot built yet: {missing}" if missing else ""),
+                 fontsize=11)
+    return _save(fig, path)
+
+
+def _ladder_value(r: dict[str, Any], key: str) -> float:
+    if key == "ttft_p50":
+        return float(r["ttft_ms"]["p50"])
+    if key == "tpot_p50":
+        return float(r["tpot_ms"]["p50"])
+    return float(r[key])
+
+
+def _wrap(text: str, width: int = 18) -> str:
+    words, lines, cur = text.split(), [], ""
+    for w in words:
+        if cur and len(cur) + len(w) + 1 > width:
+            lines.append(cur)
+            cur = w
+        else:
+            cur = f"{cur} {w}".strip()
+    return "\n".join([*lines, cur])
+
+
+def plot_baselines(result: dict[str, Any], path: Path) -> Path | None:
+    """tokenmill vs HF static batching on the same requests, and vs the published anchors."""
+    bars = baseline_bars(result)
+    if not bars:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(bars), figsize=(5.2 * len(bars), 4.4), squeeze=False)
+    for ax, (title, unit, items) in zip(axes[0], bars):
+        names = [n for n, _, _ in items]
+        vals = [v for _, v, _ in items]
+        b = ax.bar(range(len(items)), vals, color=[c for _, _, c in items])
+        ax.bar_label(b, fmt="%.4g", fontsize=8)
+        ax.set_xticks(range(len(items)), names, fontsize=8)
+        ax.set(title=title, ylabel=unit)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"tokenmill vs baselines and anchors: {title_suffix(result)}", fontsize=11)
+    return _save(fig, path)
+
+
+def baseline_bars(result: dict[str, Any]) -> list[tuple[str, str, list[tuple[str, float, str]]]]:
+    out = []
+    hf = result.get("hf_compare")
+    if hf and "hf" in hf:
+        n = hf["hf"]["requests"]
+        out.append((f"same {n} ShareGPT requests", "output tokens/s", [
+            (f"HF generate()\nstatic batch {hf['hf']['batch_size']}", hf["hf"]["output_tok_per_s"], "#C44E52"),
+            ("tokenmill", hf["engine"]["output_tok_per_s"], "#4C72B0")]))
+    anchors = result.get("anchors", {})
+    sg = result.get("sharegpt")
+    if sg and "requests_per_s" in sg and "vllm_sharegpt_requests_per_s" in anchors:
+        out.append((f"{sg['completed']} ShareGPT prompts (vLLM CI config)", "requests/s", [
+            ("tokenmill", sg["requests_per_s"], "#4C72B0"),
+            ("vLLM on H200\n(published)", anchors["vllm_sharegpt_requests_per_s"], "#8C8C8C")]))
+    fx = result.get("fixed")
+    if fx and "output_tok_per_s" in fx and "trtllm_fp8_fixed_output_tok_per_s" in anchors:
+        out.append((f"{fx['completed']} x (1000 in, 1000 out)", "output tokens/s", [
+            ("tokenmill bf16", fx["output_tok_per_s"], "#4C72B0"),
+            ("TensorRT-LLM FP8\non H200 (published)", anchors["trtllm_fp8_fixed_output_tok_per_s"], "#8C8C8C")]))
+    return out
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path
+
+
+PLOTS = (("serving_throughput.png", plot_throughput_vs_rate), ("serving_latency.png", plot_latency_percentiles),
+         ("ladder.png", plot_ladder), ("baselines.png", plot_baselines))
+
+
+def plot_all(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Every plot the result has data for; returns the files written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, fn in PLOTS:
+        p = fn(result, out_dir / name)
+        if p is not None:
+            written.append(p)
+    return written
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("result", type=Path, help="a suite JSON (suite.json)")
+    ap.add_argument("--out", type=Path, default=None, help="folder for the PNGs (default: beside the JSON)")
+    args = ap.parse_args()
+    result = json.loads(args.result.read_text())
+    for p in plot_all(result, args.out or args.result.parent):
+        print(p)
+
+
+if __name__ == "__main__":
+    main()

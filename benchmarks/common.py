@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import platform
@@ -41,7 +42,7 @@ def percentile(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def write_results(out_dir: Path, name: str, payload: dict[str, Any], table_md: str) -> None:
+def write_results(out_dir: Path, name: str, payload: dict[str, Any], table_md: str, echo: bool = True) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": git_commit(),
                "device": device_info(), **payload}
@@ -49,7 +50,8 @@ def write_results(out_dir: Path, name: str, payload: dict[str, Any], table_md: s
     header = (f"# {name}\n\ncommit `{payload['commit']}`, device `{payload['device']}`\n\n"
               f"command: `{payload['command']}`\n\n")
     (out_dir / f"{name}.md").write_text(header + table_md + "\n")
-    print(table_md)
+    if echo:
+        print(table_md)
 
 
 # -- per-request latency metrics (shared by the offline, ladder and serving benchmarks) ----------------
@@ -97,7 +99,7 @@ class RequestTiming:
     def itls(self) -> list[float]:
         """Gaps between consecutive chunks (vLLM's ITL: one value per chunk after the first)."""
         ts = self.chunk_times
-        return [b - a for a, b in zip(ts, ts[1:])]
+        return [b - a for a, b in itertools.pairwise(ts)]
 
 
 PCTS = (50, 90, 99)

@@ -42,13 +42,35 @@ def decode_step_times(engine: LLMEngine, batch: int, prompt_len: int, out_len: i
     while engine.has_unfinished_requests():
         decode_only = all(r.num_computed_tokens == r.num_tokens - 1 for r in engine.scheduler.running) and \
             not engine.scheduler.waiting and len(engine.scheduler.running) == batch
-        torch.cuda.synchronize()
+        # No device sync around step(): it returns once its tokens are on the host, and with async
+        # scheduling the next step is already running on the GPU; a sync here would serialize them.
         t = time.perf_counter()
         engine.step()
-        torch.cuda.synchronize()
         if decode_only:
             times.append(time.perf_counter() - t)
     return times
+
+
+def profile_decode(engine: LLMEngine, out: Path, steps: int = 20) -> None:
+    """torch.profiler over `steps` batch-1 decode steps: op tables by self CUDA time and by CPU total,
+    and a Chrome trace (shows whether the host work of step N+1 overlaps the GPU work of step N)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = random_prompts(1, 128, engine.runner.arch.vocab_size, 1)[0]
+    engine.add_request("profile", prompt_token_ids=prompt,
+                       params=SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
+    for _ in range(4):  # the prefill and the first decodes
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    ops = prof.key_averages()
+    print(ops.table(sort_by="self_device_time_total", row_limit=25))
+    print(ops.table(sort_by="cpu_time_total", row_limit=25))
+    out.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(out / "decode_b1_trace.json"))
 
 
 def latency_config(engine: LLMEngine, repeats: int) -> float:
@@ -89,11 +111,13 @@ def main() -> None:
     # 512 x 2,000 tokens is more than the KV cache of an 8B model on an H200 holds: the fill run must
     # reach the reported block count (and preempt) without running out of memory.
     ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--profile", action="store_true", help="only profile 20 batch-1 decode steps")
+    ap.add_argument("--sync-scheduling", action="store_true", help="turn async scheduling off")
     args = ap.parse_args()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=args.model, load_format="dummy", dtype="bfloat16", device="cuda",
-                                    max_model_len=4096,
+                                    max_model_len=4096, async_scheduling=not args.sync_scheduling,
                                     scheduler=SchedulerConfig(max_num_batched_tokens=8192,
                                                               max_num_seqs=args.max_num_seqs)))
     startup = time.perf_counter() - t0
@@ -109,6 +133,9 @@ def main() -> None:
         "decode": {},
     }
     engine.generate(random_prompts(4, 16, 1000, 0), SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+    if args.profile:
+        profile_decode(engine, args.out)
+        return
     for b in (int(x) for x in args.batches.split(",")):
         times = decode_step_times(engine, b, 128, 128)
         results["decode"][str(b)] = {"ms_per_step_p50": 1e3 * statistics.median(times),

@@ -4,7 +4,7 @@
    the next B), prefix caching off, ShareGPT;
 2. continuous batching: the same requests all at once, prefix caching off;
 3. the shared-prefix chat workload (~1,000-token system prompt, multi-turn), prefix caching off, then on
-   (the TTFT gain of prefix caching);
+   (the TTFT gain of prefix caching); the system prompt has been served once before each run;
 4. quantization and speculative decoding: rows kept, "not built yet".
 
 Latencies are measured from the moment a request is handed to the engine (static batching: all arrive
@@ -31,7 +31,7 @@ from tokenmill.benchmarks.throughput import (
     spec_from_args,
     workload_tokenizer,
 )
-from tokenmill.benchmarks.workloads import Workload, shared_prefix_workload, sharegpt_workload
+from tokenmill.benchmarks.workloads import BenchRequest, Workload, shared_prefix_workload, sharegpt_workload
 from tokenmill.worker.engine import LLMEngine
 
 NOT_BUILT = ("quantization (INT8/INT4 weight-only, FP8)", "speculative decoding (EAGLE draft heads)")
@@ -60,11 +60,26 @@ def continuous_row(engine: LLMEngine, workload: Workload) -> dict[str, Any]:
     return ladder_row("continuous batching", workload, run, engine)
 
 
+def common_prefix(workload: Workload) -> tuple[int, ...]:
+    """The longest prompt prefix every request of `workload` shares (the system prompt)."""
+    prompts = [r.prompt_ids for r in workload.requests]
+    n = min(len(p) for p in prompts)
+    for i in range(n):
+        if any(p[i] != prompts[0][i] for p in prompts):
+            return prompts[0][:i]
+    return prompts[0][:n]
+
+
 def prefix_rows(engine: LLMEngine, workload: Workload, sessions: int | None) -> list[dict[str, Any]]:
-    """The shared-prefix workload with prefix caching off, then on (same requests, same order)."""
+    """The shared-prefix workload with prefix caching off, then on (same requests, same order). Before
+    the cached run one request of the bare system prompt goes through, as on a server that has served it
+    before (with caching off that would leave nothing behind, so it is skipped there)."""
     rows = []
+    warm = Workload("system prompt", (BenchRequest(common_prefix(workload), 1),))
     for on in (False, True):
         set_prefix_caching(engine, on)
+        if on:
+            drive(engine, warm, desc="system prompt")
         run = drive(engine, workload, sessions=sessions, desc=f"shared prefix, caching {'on' if on else 'off'}")
         label = "continuous batching + prefix caching" if on else "continuous batching, prefix caching off"
         rows.append(ladder_row(label, workload, run, engine) | {"prefix_caching": on, "sessions": sessions})
@@ -83,7 +98,7 @@ def not_built_rows() -> list[dict[str, Any]]:
 
 
 def _mb(x: float) -> str:
-    return f"{x / 2**20:,.0f} MiB" if x < 2**30 else f"{x / 2**30:.2f} GiB"
+    return f"{x / 2**20:,.1f} MiB" if x < 2**30 else f"{x / 2**30:.2f} GiB"
 
 
 def ladder_table(rows: list[dict[str, Any]]) -> str:

@@ -73,9 +73,10 @@ def plot_latency_percentiles(result: dict[str, Any], path: Path) -> Path | None:
     labels = [_rate_label(r["rate"]) for r in rates]
     for ax, key, name in ((axes[0], "ttft_ms", "time to first token"), (axes[1], "tpot_ms", "time per output token")):
         _grouped_bars(ax, labels, {p: [r["latency"][key][p] for r in rates] for p in PCT_COLORS})
+        ax.margins(y=0.15)
         ax.set(xlabel="offered request rate (requests/s)", ylabel=f"{key.split('_')[0].upper()} (ms)",
                title=f"{name} ({key.split('_')[0].upper()}): p50 / p90 / p99")
-        ax.legend()
+        ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
     fig.suptitle(f"Serving latency percentiles per request rate: {title_suffix(result)}", fontsize=11)
     return _save(fig, path)
 
@@ -94,19 +95,22 @@ def plot_ladder(result: dict[str, Any], path: Path) -> Path | None:
     if not rows:
         return None
     plt = _plt()
-    labels = [_wrap(r["step"]) + f"\n[{r['workload']}]" for r in rows]
+    names = {"sharegpt": "ShareGPT", "shared-prefix-chat": "shared prefix"}
+    labels = [f"{short_step(r['step'])}\n[{names.get(r['workload'], r['workload'])}]" for r in rows]
     panels = (("output_tok_per_s", "output tokens/s", 1.0), ("ttft_p50", "TTFT p50 (ms)", 1.0),
               ("tpot_p50", "TPOT p50 (ms)", 1.0), ("peak_kv_bytes", "peak KV cache in use (MiB)", 2.0**-20))
-    fig, axes = plt.subplots(1, 4, figsize=(16, 5.2))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 5.2))
     colors = ["#8172B2", "#4C72B0", "#937860", "#55A868", "#DA8BC3"]
     for ax, (key, name, scale) in zip(axes, panels):
         vals = [_ladder_value(r, key) * scale for r in rows]
         bars = ax.bar(range(len(rows)), vals, color=colors[: len(rows)])
-        ax.bar_label(bars, fmt="%.3g", fontsize=8)
-        ax.set_xticks(range(len(rows)), labels, fontsize=7, rotation=0)
+        ax.bar_label(bars, fmt="%.4g", fontsize=8)
+        ax.set_xticks(range(len(rows)), labels, fontsize=7.5)
+        ax.margins(y=0.12)
         ax.set(title=name, ylabel=name)
         ax.grid(axis="y", alpha=0.3)
-    missing = ", ".join(r["step"].split(" (")[0] for r in result.get("ladder", {}).get("rows", []) if r.get("not_built"))
+    all_rows = result.get("ladder", {}).get("rows", [])
+    missing = ", ".join(r["step"].split(" (")[0] for r in all_rows if r.get("not_built"))
     fig.suptitle(f"Optimization ladder: {title_suffix(result)}" + (f"\nnot built yet: {missing}" if missing else ""),
                  fontsize=11)
     return _save(fig, path)
@@ -120,15 +124,15 @@ def _ladder_value(r: dict[str, Any], key: str) -> float:
     return float(r[key])
 
 
-def _wrap(text: str, width: int = 18) -> str:
-    words, lines, cur = text.split(), [], ""
-    for w in words:
-        if cur and len(cur) + len(w) + 1 > width:
-            lines.append(cur)
-            cur = w
-        else:
-            cur = f"{cur} {w}".strip()
-    return "\n".join([*lines, cur])
+def short_step(step: str) -> str:
+    """A two-line label for a ladder step."""
+    if step.startswith("static"):
+        return "static\nbatching"
+    if "prefix caching off" in step:
+        return "continuous,\nno prefix\ncache"
+    if "prefix caching" in step:
+        return "continuous\n+ prefix\ncache"
+    return "continuous\nbatching"
 
 
 def plot_baselines(result: dict[str, Any], path: Path) -> Path | None:
@@ -137,7 +141,7 @@ def plot_baselines(result: dict[str, Any], path: Path) -> Path | None:
     if not bars:
         return None
     plt = _plt()
-    fig, axes = plt.subplots(1, len(bars), figsize=(5.2 * len(bars), 4.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(bars), figsize=(max(8.0, 5.2 * len(bars)), 4.4), squeeze=False)
     for ax, (title, unit, items) in zip(axes[0], bars):
         names = [n for n, _, _ in items]
         vals = [v for _, v, _ in items]
@@ -145,6 +149,7 @@ def plot_baselines(result: dict[str, Any], path: Path) -> Path | None:
         ax.bar_label(b, fmt="%.4g", fontsize=8)
         ax.set_xticks(range(len(items)), names, fontsize=8)
         ax.set(title=title, ylabel=unit)
+        ax.margins(y=0.12)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"tokenmill vs baselines and anchors: {title_suffix(result)}", fontsize=11)
     return _save(fig, path)

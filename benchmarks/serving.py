@@ -29,11 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from tokenmill.benchmarks.common import RequestTiming, goodput, latency_summary, throughput_summary, write_results
 from tokenmill.benchmarks.throughput import ModelSpec, add_model_args, build_engine, spec_from_args, workload_tokenizer
 from tokenmill.benchmarks.workloads import BenchRequest, Workload, sharegpt_workload
+from tqdm import tqdm
 
 SPEC_ENV = "TOKENMILL_BENCH_SPEC"
 HOST = "127.0.0.1"
@@ -71,7 +70,8 @@ class Cluster:
         return all(p.poll() is None for p in self.procs)
 
     def tail(self, n: int = 3000) -> str:
-        return "\n".join(f"---- {f.name}\n{f.read_text(errors='replace')[-n:]}" for f in sorted(self.logs.glob("*.log")))
+        files = sorted(self.logs.glob("*.log"))
+        return "\n".join(f"---- {f.name}\n{f.read_text(errors='replace')[-n:]}" for f in files)
 
     def stop(self) -> None:
         """SIGTERM the broker (it drains) and the worker, then SIGKILL whatever is left after 20 s."""
@@ -208,6 +208,7 @@ class ServingConfig:
     seed: int = 0
     time_limit_s: float = 120.0  # per rate
     warmup_requests: int = 2
+    saturation_hint: float | None = None  # req/s the server sustains offline: sizes the burst (inf) rate
 
 
 def rate_result(timings: list[RequestTiming], duration: float, rate: float, cfg: ServingConfig) -> dict[str, Any]:
@@ -232,7 +233,7 @@ def serve_rates(spec: ModelSpec, workload: Workload, cfg: ServingConfig, prefix_
                 if limit < 5:
                     results.append({"rate": "inf" if math.isinf(rate) else rate, "skipped": "time budget"})
                     continue
-            n = _prompts_for(rate, cfg.num_prompts, limit, len(workload))
+            n = _prompts_for(rate, cfg.num_prompts, limit, len(workload), cfg.saturation_hint)
             timings, duration = asyncio.run(run_rate(c.frontend, workload.subset(n), rate, seed=cfg.seed + i,
                                                      concurrency=cfg.concurrency, time_limit_s=limit))
             results.append(rate_result(timings, duration, rate, cfg) | {"requests_sent": n})
@@ -241,10 +242,11 @@ def serve_rates(spec: ModelSpec, workload: Workload, cfg: ServingConfig, prefix_
             "rates": results}
 
 
-def _prompts_for(rate: float, n: int, limit_s: float, available: int) -> int:
-    """At a finite rate the sends alone take n/rate s: keep them within ~60% of the time limit."""
-    if not math.isinf(rate):
-        n = min(n, max(4, int(rate * limit_s * 0.6)))
+def _prompts_for(rate: float, n: int, limit_s: float, available: int, hint: float | None) -> int:
+    """Keep the sends within ~60% of the time limit: n/rate s at a finite rate, n/hint s for a burst."""
+    per_s = hint if math.isinf(rate) else rate
+    if per_s is not None:
+        n = min(n, max(4, int(per_s * limit_s * 0.6)))
     return min(n, available)
 
 

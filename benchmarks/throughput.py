@@ -20,8 +20,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from tokenmill.benchmarks.common import (
     RequestTiming,
     latency_summary,
@@ -34,6 +32,7 @@ from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.sampling_params import SamplingParams
 from tokenmill.worker.tokenizer import Tokenizer
+from tqdm import tqdm
 
 GIB = float(1 << 30)
 
@@ -55,6 +54,7 @@ class ModelSpec:
     gpu_memory_utilization: float = 0.9
     cpu_kv_bytes: int = 1 << 30
     cuda_graphs: bool = True
+    threads: int = 0  # torch CPU threads (0: torch's default); the worker process gets the same
 
     @property
     def dummy(self) -> bool:
@@ -89,7 +89,15 @@ def workload_tokenizer(spec: ModelSpec) -> tuple[Tokenizer, int | None, str]:
     return load_tokenizer(resolve_model(spec.model, spec.load_format)), None, "model"  # type: ignore[arg-type]
 
 
+def apply_threads(spec: ModelSpec) -> None:
+    if spec.threads > 0:
+        import torch
+
+        torch.set_num_threads(spec.threads)
+
+
 def build_engine(spec: ModelSpec, prefix_caching: bool = True) -> LLMEngine:
+    apply_threads(spec)
     engine = LLMEngine(spec.engine_config(prefix_caching))
     warm_up(engine)
     return engine
@@ -118,6 +126,7 @@ def free_device_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def memory_info(engine: LLMEngine) -> dict[str, Any]:
@@ -203,9 +212,10 @@ class _Releaser:
 
 
 def drive(engine: LLMEngine, workload: Workload, *, batch_size: int | None = None, sessions: int | None = None,
-          desc: str = "engine") -> EngineRun:
+          desc: str = "engine", deadline: float | None = None) -> EngineRun:
     """Run `workload` through `engine` (greedy, ignore_eos, each request's own output length), timing
-    every request from the moment it is added (see `_Releaser` for when that is)."""
+    every request from the moment it is added (see `_Releaser` for when that is). Past `deadline`
+    (time.monotonic) no new request is sent; those in flight finish and only sent ones are reported."""
     reqs = workload.requests
     rel = _Releaser(reqs, batch_size, sessions)
     timings: list[RequestTiming | None] = [None] * len(reqs)
@@ -236,7 +246,9 @@ def drive(engine: LLMEngine, workload: Workload, *, batch_size: int | None = Non
                     t.done, t.error = now, out.error
                     t.cached_tokens = out.usage.cached_tokens if out.usage else 0
                     bar.update(1)
-                    send(rel.on_finish(i))
+                    nxt = rel.on_finish(i)
+                    if deadline is None or time.monotonic() < deadline:
+                        send(nxt)
     duration = time.perf_counter() - start
     done = [t for t in timings if t is not None]
     return EngineRun(done, duration, steps, peak, engine.scheduler.num_preemptions - pre0,
@@ -246,7 +258,8 @@ def drive(engine: LLMEngine, workload: Workload, *, batch_size: int | None = Non
 def offline_throughput(engine: LLMEngine, workload: Workload, desc: str = "offline") -> dict[str, Any]:
     """All requests at once; requests/s, output tokens/s, total tokens/s, latencies and KV use."""
     run = drive(engine, workload, desc=desc)
-    return {"workload": workload.summary(), **run.summary(engine.runner.bytes_per_block)}
+    return {"workload": workload.summary(), **run.summary(engine.runner.bytes_per_block),
+            **peak_memory(engine.runner.device.type)}
 
 
 # -- the Hugging Face baseline ---------------------------------------------------------------------------
@@ -257,6 +270,7 @@ def hf_model(spec: ModelSpec) -> Any:
     shape with random weights in the spec's dtype on its device."""
     import torch
 
+    apply_threads(spec)
     if not spec.dummy:
         from tokenmill.benchmarks.engine_cpu import load_hf
 
@@ -268,18 +282,18 @@ def hf_model(spec: ModelSpec) -> Any:
 def _hf_dummy(spec: ModelSpec) -> Any:
     import torch
     import transformers
-
     from tokenmill.worker.loader.dummy import dummy_arch
 
     a = dummy_arch(spec.model)
     if a is None or a.arch != "llama" or a.rope_scaling.kind != "none":
         raise ValueError(f"the HF baseline builds plain Llama shapes only, not {spec.model!r}")
-    cfg = transformers.LlamaConfig(
+    kw: dict[str, Any] = dict(
         vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
         num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
         head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps, rope_theta=a.rope_theta,
         max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_word_embeddings,
         bos_token_id=a.bos_token_id, eos_token_id=list(a.eos_token_ids) or None, pad_token_id=0)
+    cfg = transformers.LlamaConfig(**kw)
     dtype = getattr(torch, spec.dtype)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

@@ -228,7 +228,7 @@ def shared_prefix_workload(tokenizer: Tokenizer, conversations: int, turns: int,
 
 
 def _take(it: Iterator[list[tuple[str, str]]], n: int) -> list[list[tuple[str, str]]]:
-    out = []
+    out: list[list[tuple[str, str]]] = []
     for conv in it:
         if len(out) == n:
             break

@@ -114,7 +114,12 @@ def test_sigstop_worker_declared_dead_then_reregisters(two_workers: tuple[int, i
     assert declared_after <= 3 * HB + 0.3, f"declared dead after {declared_after:.3f}s"
     assert results == expected
     assert counters["migrations"] >= 1
-    assert counters["stale_worker_messages"] >= 1  # what it sent after SIGCONT was dropped
+    # Its stale output was discarded (and `results == expected` shows none reached a stream): either the
+    # broker dropped what it sent after SIGCONT, or its IO thread noticed the silence first and the worker
+    # aborted those attempts itself before re-registering (logged as worker_reset).
+    dropped_by_broker = counters.get("stale_worker_messages", 0) + counters.get("stale_messages_dropped", 0)
+    reset_by_worker = "worker_reset" in ps.logs[1].read_text()
+    assert dropped_by_broker >= 1 or reset_by_worker
     assert counters["workers_registered"] >= 3
 
 

@@ -116,8 +116,15 @@ class LLMEngine:
         req = Request(request_id, ids, params,
                       seed=params.seed if params.seed is not None else self._seeds.getrandbits(62),
                       arrival_seq=next(self._arrivals), priority=int(priority), token_ids=ids + resume)
-        detok = IncrementalDetokenizer(self.tokenizer, ids + resume, params.skip_special_tokens)
-        self._live[request_id] = _Live(req, detok)
+        # Replaying the delivered tokens leaves the detokenizer (a half UTF-8 character) and the
+        # stop-string hold-back exactly where the earlier attempt left them, so no text is lost.
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        live = _Live(req, detok)
+        if resume:
+            delivered = detok.push(resume)
+            keep = _stop_prefix_len(delivered, params.stop) if params.stop else 0
+            live.held = delivered[len(delivered) - keep :] if keep else ""
+        self._live[request_id] = live
         self.scheduler.add(req)
 
     def _prompt_ids(self, prompt: str | None, token_ids: Sequence[int] | None,

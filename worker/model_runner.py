@@ -1,4 +1,6 @@
-"""Turns a ScheduledBatch into one varlen forward over all its tokens, then samples.
+"""Turns a ScheduledBatch into one varlen forward over all its tokens, then samples. `launch` only
+enqueues the work and returns a PendingStep (the sampled ids stay on the device, where the next step
+reads its placeholder inputs); `PendingStep.result()` waits for the tokens on the host.
 
 Owns the device state: model weights, the paged KV cache (one [num_blocks, block_size, Hkv, D] key and
 value tensor per layer) and the sampler."""
@@ -289,7 +291,6 @@ class ModelRunner:
         """Logits [T, vocab] of every scheduled token (tests compare chunked and whole prefill)."""
         hidden, _ = self.forward_hidden(batch)
         return self.model.compute_logits(hidden)
-
 
 
 class _HostInputs(NamedTuple):

@@ -176,7 +176,11 @@ class Scheduler:
     def begin_step(self, batch: ScheduledBatch) -> list[int | None]:
         """The batch is launched (the runner has read it): count its tokens as computed and append a
         placeholder to each request that samples. Returns per request the index of that placeholder in
-        `token_ids` (None: no sample). Blocks are registered for prefix reuse only at `commit`."""
+        `token_ids` (None: no sample). Blocks are registered for prefix reuse only at `commit`.
+
+        Counting in-flight tokens as computed is safe: every later step that reads or reuses these
+        blocks (a decode, a prefix hit, a block freed and handed to another request) runs after this
+        one on the device's stream."""
         slots: list[int | None] = []
         for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             if req.is_finished:  # aborted before the launch was recorded (update() callers)

@@ -15,27 +15,21 @@ from torch import Tensor
 _ALIGN = 16  # every part starts at a multiple of this many bytes, so any dtype can view it
 
 
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def ship(host: Mapping[str, Tensor], device: torch.device) -> dict[str, Tensor]:
     """Copy CPU tensors to `device` in one transfer; returns device tensors of the same names, dtypes
     and shapes (views of one buffer). On CUDA the staging buffer is pinned and the copy non_blocking.
     Each call stages into a fresh buffer: the caching host allocator keeps it alive until its copy has
     run, so a later call never overwrites bytes an earlier copy has not read yet."""
-    offsets: dict[str, int] = {}
-    total = 0
-    for name, t in host.items():
-        offsets[name] = total
-        total += -(-_nbytes(t) // _ALIGN) * _ALIGN
-    buf = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=device.type == "cuda")
-    for name, t in host.items():
-        if t.numel():
-            buf[offsets[name] : offsets[name] + _nbytes(t)].copy_(t.contiguous().view(-1).view(torch.uint8))
+    parts = [t.contiguous().view(-1).view(torch.uint8) for t in host.values()]
+    sizes = [-(-p.numel() // _ALIGN) * _ALIGN for p in parts]
+    total = sum(sizes)
+    buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=device.type == "cuda")[:total]
+    for p, piece in zip(parts, buf.split(sizes)):
+        if p.numel():
+            piece[: p.numel()].copy_(p)
     dev = buf if device.type == "cpu" else buf.to(device, non_blocking=True)
-    return {name: dev[offsets[name] : offsets[name] + _nbytes(t)].view(t.dtype).view(t.shape)
-            for name, t in host.items()}
+    return {name: piece[: p.numel()].view(t.dtype).view(t.shape)
+            for (name, t), p, piece in zip(host.items(), parts, dev.split(sizes))}
 
 
 class HostCopy:

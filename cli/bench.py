@@ -1,0 +1,59 @@
+"""`tokenmill bench ...`: the benchmark suite and its parts (see benchmarks/README.md).
+
+    tokenmill bench suite --device cpu          # the whole CPU suite -> benchmarks/results/cpu/
+    tokenmill bench throughput --num-prompts 32 # offline throughput + the HF baseline
+    tokenmill bench serving --rates 0.5,1,inf   # broker + worker + client SDK
+    tokenmill bench ladder                      # static -> continuous -> prefix caching
+    tokenmill bench plots benchmarks/results/cpu/suite.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import Any
+
+# command -> (module, help); each module has build_parser(parser) and run_cli(args) -> int. Their arguments
+# are parsed by the module's own parser when the command runs, so `tokenmill` itself never imports torch.
+COMMANDS = {
+    "suite": ("tokenmill.benchmarks.suite", "the whole suite for one device (JSON, Markdown, PNGs)"),
+    "throughput": ("tokenmill.benchmarks.throughput", "offline throughput and the HF generate() baseline"),
+    "serving": ("tokenmill.benchmarks.serving", "serving through the broker: TTFT/TPOT/ITL at request rates"),
+    "ladder": ("tokenmill.benchmarks.ladder", "the optimization ladder: static, continuous, prefix caching"),
+}
+
+
+def register(sub: Any) -> None:
+    b = sub.add_parser("bench", help="benchmarks (results under benchmarks/results/<device>/)")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    for name, (module, text) in COMMANDS.items():
+        # No option prefix: every word after the command (--help included) goes to the module's parser.
+        p = bsub.add_parser(name, help=text, add_help=False, prefix_chars="\x00")
+        p.add_argument("bench_args", nargs="*", help=f"arguments of {module} (see --help)")
+        p.set_defaults(func=_runner(module, f"tokenmill bench {name}"))
+    pl = bsub.add_parser("plots", help="draw the PNGs of a suite JSON")
+    pl.add_argument("result", help="a suite.json")
+    pl.add_argument("--out", default=None, help="folder for the PNGs (default: beside the JSON)")
+    pl.set_defaults(func=cmd_plots)
+
+
+def _runner(module: str, prog: str) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        mod = importlib.import_module(module)
+        parser = mod.build_parser(argparse.ArgumentParser(prog=prog, description=mod.__doc__,
+                                                          formatter_class=argparse.RawDescriptionHelpFormatter))
+        return int(mod.run_cli(parser.parse_args(args.bench_args)))
+
+    return run
+
+
+def cmd_plots(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from tokenmill.benchmarks.plots import plot_all
+
+    path = Path(args.result)
+    for p in plot_all(json.loads(path.read_text()), Path(args.out) if args.out else path.parent):
+        print(p)
+    return 0

@@ -1,0 +1,204 @@
+"""Benchmark plumbing: workload generators, latency/goodput math, request release order, plots, and the
+suite end to end on a tiny dummy model. Behaviour only: no timing is asserted (benchmarks record numbers)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from tokenmill.benchmarks.common import RequestTiming, goodput, latency_summary, meets_slo, throughput_summary
+from tokenmill.benchmarks.ladder import common_prefix, prefix_gain
+from tokenmill.benchmarks.serving import arrival_offsets, parse_rates
+from tokenmill.benchmarks.throughput import ModelSpec, _Releaser, workload_tokenizer
+from tokenmill.benchmarks.workloads import (
+    BenchRequest,
+    Workload,
+    random_workload,
+    shared_prefix_workload,
+    sharegpt_workload,
+)
+from tokenmill.worker.registry_fetch import embedded_model_path
+from tokenmill.worker.tokenizer import Tokenizer
+
+TINY = ModelSpec(model="tiny-llama", load_format="dummy", dtype="float32", device="cpu", max_num_seqs=16,
+                 max_num_batched_tokens=256, max_model_len=2048, cpu_kv_bytes=64 << 20, threads=1)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_gguf_file(embedded_model_path(quiet=True))
+
+
+# -- workloads ---------------------------------------------------------------------------------------------
+
+
+def test_random_workload_is_fixed_length_and_seeded() -> None:
+    a, b = random_workload(5, 12, 7, 512, seed=1), random_workload(5, 12, 7, 512, seed=1)
+    assert a == b and a != random_workload(5, 12, 7, 512, seed=2)
+    assert all(r.prompt_len == 12 and r.output_len == 7 for r in a.requests)
+    assert all(260 <= t < 512 for r in a.requests for t in r.prompt_ids)
+    s = a.summary()
+    assert (s["requests"], s["input_tokens"], s["output_tokens"]) == (5, 60, 35)
+
+
+def test_sharegpt_text_and_id_prompts_have_the_sampled_lengths(tok: Tokenizer) -> None:
+    text = sharegpt_workload(tok, 8, seed=3, max_input_len=256, max_output_len=128)
+    ids = sharegpt_workload(tok, 8, seed=3, max_input_len=256, max_output_len=128, ids_vocab=128256)
+    assert text == sharegpt_workload(tok, 8, seed=3, max_input_len=256, max_output_len=128)
+    assert [r.prompt_len for r in text.requests] == [r.prompt_len for r in ids.requests]
+    assert [r.output_len for r in text.requests] == [r.output_len for r in ids.requests]
+    for r in text.requests:
+        assert 4 <= r.prompt_len <= 256 and 4 <= r.output_len <= 128
+    assert all(1000 <= t < 128256 for r in ids.requests for t in r.prompt_ids)
+    assert text.subset(3).requests == text.requests[:3]
+
+
+@pytest.mark.parametrize("ids_vocab", [None, 49152])
+def test_shared_prefix_turns_extend_each_other(tok: Tokenizer, ids_vocab: int | None) -> None:
+    wl = shared_prefix_workload(tok, 3, 3, seed=0, system_len=300, max_turn_len=24, ids_vocab=ids_vocab)
+    assert wl == shared_prefix_workload(tok, 3, 3, seed=0, system_len=300, max_turn_len=24, ids_vocab=ids_vocab)
+    assert len(wl) == 9 and [(r.session, r.turn) for r in wl.requests[:3]] == [(0, 0), (0, 1), (0, 2)]
+    assert len(common_prefix(wl)) >= 295  # the system prompt (text mode adds the template around it)
+    by_session: dict[int, list[BenchRequest]] = {}
+    for r in wl.requests:
+        by_session.setdefault(r.session, []).append(r)
+    for turns in by_session.values():
+        for prev, nxt in itertools.pairwise(turns):
+            # text mode: the rendered template may re-tokenize the last few tokens at the boundary
+            shared = len(common_prefix(Workload("pair", (prev, nxt))))
+            assert shared >= prev.prompt_len - 3 and nxt.prompt_len > prev.prompt_len
+        assert all(4 <= r.output_len <= 24 for r in turns)
+
+
+def test_length_tokenizer_for_dummy_models() -> None:
+    tok, vocab, name = workload_tokenizer(ModelSpec(model="llama3-8b", load_format="dummy"))
+    assert vocab == 128256 and name.startswith(("smollm2", "byte"))
+    assert tok.encode("hello world")
+
+
+# -- metrics -----------------------------------------------------------------------------------------------
+
+
+def timing(sent: float, chunks: list[tuple[float, int]], done: float | None = None) -> RequestTiming:
+    t = RequestTiming(sent, prompt_len=10)
+    for at, n in chunks:
+        t.on_tokens(at, n)
+    t.done = done if done is not None else chunks[-1][0]
+    return t
+
+
+def test_request_timing_ttft_tpot_itl() -> None:
+    t = timing(1.0, [(1.5, 1), (1.6, 1), (1.8, 2), (2.0, 1)])
+    assert t.ok and t.output_len == 5
+    assert t.ttft == pytest.approx(0.5) and t.e2e == pytest.approx(1.0)
+    assert t.tpot == pytest.approx(0.5 / 4)  # (last - first chunk) / (tokens - 1)
+    assert t.itls == pytest.approx([0.1, 0.2, 0.2])
+    assert math.isnan(timing(0.0, [(0.2, 1)]).tpot)
+    assert not RequestTiming(0.0, 3).ok
+
+
+def test_summaries_goodput_and_slo() -> None:
+    fast = timing(0.0, [(0.1, 1), (0.2, 1), (0.3, 1)])  # TTFT 100 ms, TPOT 100 ms
+    slow_start = timing(0.0, [(2.0, 1), (2.1, 1)])  # TTFT 2 s
+    slow_tokens = timing(0.0, [(0.1, 1), (1.1, 1)])  # TPOT 1 s
+    failed = RequestTiming(0.0, 10, error="boom")
+    ts = [fast, slow_start, slow_tokens, failed]
+    assert [meets_slo(t, 0.5, 0.2) for t in ts] == [True, False, False, False]
+    assert goodput(ts, 2.0, 0.5, 0.2) == pytest.approx(0.5)
+    assert goodput(ts, 2.0, None, None) == pytest.approx(1.5)
+    th = throughput_summary(ts, 2.0)
+    assert (th["completed"], th["failed"], th["output_tokens"], th["input_tokens"]) == (3, 1, 7, 30)
+    assert th["requests_per_s"] == pytest.approx(1.5) and th["total_tok_per_s"] == pytest.approx(18.5)
+    lat = latency_summary(ts)
+    assert lat["ttft_ms"]["p50"] == pytest.approx(100.0) and lat["ttft_ms"]["mean"] == pytest.approx(2200 / 3)
+    assert lat["tpot_ms"]["p99"] == pytest.approx(100 + 0.98 * 900)  # linear between [100, 100, 1000]
+    assert lat["e2e_ms"]["p90"] == pytest.approx(2100 - 0.2 * 1000)
+
+
+def test_prefix_gain_ratio() -> None:
+    rows = [{"ttft_ms": {"p50": 900.0, "p90": 1200.0, "mean": 1000.0}},
+            {"ttft_ms": {"p50": 100.0, "p90": 300.0, "mean": 250.0}}]
+    assert prefix_gain(rows) == {"ttft_p50_ratio": 9.0, "ttft_p90_ratio": 4.0, "ttft_mean_ratio": 4.0}
+
+
+# -- release order and arrivals --------------------------------------------------------------------------------
+
+
+def test_releaser_static_batches_and_sessions() -> None:
+    reqs = tuple(BenchRequest((1, 2), 3) for _ in range(5))
+    rel = _Releaser(reqs, batch_size=2, sessions=None)
+    assert rel.initial() == [0, 1]
+    assert rel.on_finish(1) == [] and rel.on_finish(0) == [2, 3]
+    assert rel.on_finish(2) == [] and rel.on_finish(3) == [4] and rel.on_finish(4) == []
+    chat = tuple(BenchRequest((1,), 2, session=s, turn=t) for s in range(3) for t in range(2))
+    rel = _Releaser((*chat, BenchRequest((9,), 2)), batch_size=None, sessions=2)
+    assert rel.initial() == [6, 0, 2]  # the independent request, then turn 0 of two sessions
+    assert rel.on_finish(0) == [1]  # session 0 turn 1
+    assert rel.on_finish(1) == [4]  # session 0 done: session 2 opens
+    assert rel.on_finish(2) == [3] and rel.on_finish(3) == [] and rel.on_finish(6) == []
+
+
+def test_poisson_arrivals() -> None:
+    assert arrival_offsets(4, math.inf, 0) == [0.0] * 4
+    a = arrival_offsets(2000, 5.0, seed=1)
+    assert a == arrival_offsets(2000, 5.0, seed=1) and a[0] == 0.0 and a == sorted(a)
+    assert a[-1] / 1999 == pytest.approx(0.2, rel=0.1)  # mean gap 1/rate
+    assert parse_rates("0.5, 2,inf") == (0.5, 2.0, math.inf)
+
+
+# -- plots and the suite ------------------------------------------------------------------------------------
+
+
+def _lat(v: float) -> dict[str, dict[str, float]]:
+    d = {"mean": v, "p50": v, "p90": 1.5 * v, "p99": 2 * v}
+    return {"ttft_ms": d, "tpot_ms": d, "itl_ms": d, "e2e_ms": d}
+
+
+def test_plots_from_a_result(tmp_path: Path) -> None:
+    from tokenmill.benchmarks.plots import plot_all
+
+    rate = {"completed": 4, "requests_per_s": 1.0, "goodput_requests_per_s": 0.8, "output_tok_per_s": 50.0}
+    row = {"step": "continuous batching", "workload": "sharegpt", "output_tok_per_s": 10.0, "ttft_ms": {"p50": 5.0},
+           "tpot_ms": {"p50": 2.0}, "peak_kv_bytes": 1 << 20}
+    result = {"device": {"cpu_count": 2}, "model": {"model": "m", "load_format": "dummy", "dtype": "float32"},
+              "serving": {"rates": [rate | {"rate": 1.0, "latency": _lat(10)},
+                                    rate | {"rate": "inf", "latency": _lat(20)},
+                                    {"rate": 2.0, "skipped": "time budget"}]},
+              "ladder": {"rows": [row, {"step": "quantization", "not_built": True}]},
+              "hf_compare": {"hf": {"requests": 4, "batch_size": 2, "output_tok_per_s": 3.0},
+                             "engine": {"output_tok_per_s": 9.0}}}
+    files = plot_all(result, tmp_path)
+    assert sorted(p.name for p in files) == ["baselines.png", "ladder.png", "serving_latency.png",
+                                             "serving_throughput.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in files)
+
+
+@pytest.mark.slow
+def test_suite_smallest_config_writes_json_md_png(tmp_path: Path) -> None:
+    """Every section of the suite on tiny-llama (dummy weights), serving through real processes."""
+    from tokenmill.benchmarks.suite import CPU, SECTIONS, Suite
+
+    cfg = replace(CPU, spec=TINY, sharegpt_prompts=6, sharegpt_max_input=64, sharegpt_max_output=12, hf_batch=4,
+                  conversations=2, turns=2, system_len=64, max_turn_len=8, fixed_requests=4, fixed_in=16,
+                  fixed_out=8, serving_rates=(4.0, math.inf), serving_prompts=4, serving_time_s=60,
+                  serving_reserve_s=60, budget_s=300)
+    Suite(cfg, tmp_path, SECTIONS).run()
+    result = json.loads((tmp_path / "suite.json").read_text())
+    for name in SECTIONS:
+        assert "error" not in result[name] and "skipped" not in result[name], (name, result[name])
+    assert result["sharegpt"]["completed"] == 6 and result["fixed"]["output_tokens"] == 32
+    assert result["hf_compare"]["hf"]["requests"] == 6 and result["hf_compare"]["ratio_output_tok_s"] > 0
+    assert [r["rate"] for r in result["serving"]["rates"]] == [4.0, "inf"]
+    assert all(r["completed"] == r["requests_sent"] for r in result["serving"]["rates"])
+    on = result["prefix"]["rows"][1]
+    assert on["prefix_caching"] and on["cached_prompt_tokens"] > 0
+    assert [r["step"] for r in result["ladder"]["rows"]][-2:] == [
+        "quantization (INT8/INT4 weight-only, FP8)", "speculative decoding (EAGLE draft heads)"]
+    md = (tmp_path / "suite.md").read_text()
+    assert "## Headline" in md and "## Optimization ladder" in md and "![ladder](ladder.png)" in md
+    assert {"ladder.png", "baselines.png", "serving_latency.png", "serving_throughput.png"} <= {
+        p.name for p in tmp_path.glob("*.png")}

@@ -111,7 +111,7 @@ def main() -> None:
     # 512 x 2,000 tokens is more than the KV cache of an 8B model on an H200 holds: the fill run must
     # reach the reported block count (and preempt) without running out of memory.
     ap.add_argument("--max-num-seqs", type=int, default=512)
-    ap.add_argument("--profile", action="store_true", help="only profile 20 batch-1 decode steps")
+    ap.add_argument("--profile", action="store_true", help="first profile 20 batch-1 decode steps")
     ap.add_argument("--sync-scheduling", action="store_true", help="turn async scheduling off")
     args = ap.parse_args()
     torch.cuda.reset_peak_memory_stats()
@@ -135,7 +135,6 @@ def main() -> None:
     engine.generate(random_prompts(4, 16, 1000, 0), SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
     if args.profile:
         profile_decode(engine, args.out)
-        return
     for b in (int(x) for x in args.batches.split(",")):
         times = decode_step_times(engine, b, 128, 128)
         results["decode"][str(b)] = {"ms_per_step_p50": 1e3 * statistics.median(times),
@@ -144,7 +143,7 @@ def main() -> None:
         print(f"batch {b}: {results['decode'][str(b)]}", flush=True)
     results["latency_b8_in32_out128_s"] = latency_config(engine, 3)
     print("latency config:", results["latency_b8_in32_out128_s"], flush=True)
-    results["fill"] = fill_cache(engine, args.fill_requests, 1000, 1000)
+    results["fill"] = fill_cache(engine, args.fill_requests, 1000, 1000) if args.fill_requests else None
     results["peak_device_gib"] = torch.cuda.max_memory_allocated() / GIB
     m, d = results["memory"], results["decode"]
     rows = [
@@ -160,9 +159,10 @@ def main() -> None:
     rows.append(f"| vLLM latency config (batch 8, 32 in, 128 out) | {results['latency_b8_in32_out128_s'] * 1e3:.0f} ms"
                 f" | vLLM on H200: 833 ms |")
     f = results["fill"]
-    rows.append(f"| fill run: {f['requests']} x (1000 in, 1000 out) | peak {f['peak_blocks_in_use']} of "
-                f"{f['blocks_total']} blocks, {f['preemptions']} preemptions, {f['output_tok_s']:.0f} out tok/s | "
-                f"TRT-LLM FP8 17,744 tok/s |")
+    if f is not None:
+        rows.append(f"| fill run: {f['requests']} x (1000 in, 1000 out) | peak {f['peak_blocks_in_use']} of "
+                    f"{f['blocks_total']} blocks, {f['preemptions']} preemptions, {f['output_tok_s']:.0f} out tok/s"
+                    " | TRT-LLM FP8 17,744 tok/s |")
     write_results(args.out, f"gpu_e2e_{args.model}", results, "\n".join(rows))
 
 

@@ -70,19 +70,26 @@ def common_prefix(workload: Workload) -> tuple[int, ...]:
     return prompts[0][:n]
 
 
-def prefix_rows(engine: LLMEngine, workload: Workload, sessions: int | None) -> list[dict[str, Any]]:
+def prefix_rows(engine: LLMEngine, workload: Workload, sessions: int | None,
+                deadline: float | None = None) -> list[dict[str, Any]]:
     """The shared-prefix workload with prefix caching off, then on (same requests, same order). Before
     the cached run one request of the bare system prompt goes through, as on a server that has served it
-    before (with caching off that would leave nothing behind, so it is skipped there)."""
+    before (with caching off that would leave nothing behind, so it is skipped there). Past `deadline`
+    (time.monotonic) the uncached run sends no new turn, and the cached run gets the requests it sent."""
     rows = []
     warm = Workload("system prompt", (BenchRequest(common_prefix(workload), 1),))
     for on in (False, True):
         set_prefix_caching(engine, on)
         if on:
             drive(engine, warm, desc="system prompt")
-        run = drive(engine, workload, sessions=sessions, desc=f"shared prefix, caching {'on' if on else 'off'}")
+        run = drive(engine, workload, sessions=sessions, desc=f"shared prefix, caching {'on' if on else 'off'}",
+                    deadline=None if on else deadline)
+        if len(run.sent) < len(workload):
+            workload = Workload(workload.name, tuple(workload.requests[i] for i in run.sent),
+                                {**workload.params, "subset_of": len(workload)})
         label = "continuous batching + prefix caching" if on else "continuous batching, prefix caching off"
-        rows.append(ladder_row(label, workload, run, engine) | {"prefix_caching": on, "sessions": sessions})
+        rows.append(ladder_row(label, workload, run, engine) | {"prefix_caching": on, "sessions": sessions,
+                                                                "of_requests": workload.params.get("subset_of")})
     set_prefix_caching(engine, True)
     return rows
 

@@ -28,7 +28,9 @@ def title_suffix(result: dict[str, Any]) -> str:
     dev = result.get("device", {})
     name = dev.get("gpu") or f"CPU ({dev.get('cpu_count', '?')} cores)"
     m = result.get("model", {})
-    return f"{m.get('model', '?')} ({m.get('load_format', '')}, {m.get('dtype', '')}) on {name}"
+    if m.get("model") == "embedded":
+        return f"SmolLM2-135M-Instruct (embedded GGUF, {m.get('dtype', '')}) on {name}"
+    return f"{m.get('model', '?')} ({m.get('load_format', '')} weights, {m.get('dtype', '')}) on {name}"
 
 
 def _rate_label(r: Any) -> str:
@@ -104,7 +106,7 @@ def plot_ladder(result: dict[str, Any], path: Path) -> Path | None:
     for ax, (key, name, scale) in zip(axes, panels):
         vals = [_ladder_value(r, key) * scale for r in rows]
         bars = ax.bar(range(len(rows)), vals, color=colors[: len(rows)])
-        ax.bar_label(bars, fmt="%.4g", fontsize=8)
+        ax.bar_label(bars, labels=[value_label(v) for v in vals], fontsize=8)
         ax.set_xticks(range(len(rows)), labels, fontsize=7.5)
         ax.margins(y=0.12)
         ax.set(title=name, ylabel=name)
@@ -114,6 +116,10 @@ def plot_ladder(result: dict[str, Any], path: Path) -> Path | None:
     fig.suptitle(f"Optimization ladder: {title_suffix(result)}" + (f"\nnot built yet: {missing}" if missing else ""),
                  fontsize=11)
     return _save(fig, path)
+
+
+def value_label(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
 
 
 def _ladder_value(r: dict[str, Any], key: str) -> float:
@@ -146,7 +152,7 @@ def plot_baselines(result: dict[str, Any], path: Path) -> Path | None:
         names = [n for n, _, _ in items]
         vals = [v for _, v, _ in items]
         b = ax.bar(range(len(items)), vals, color=[c for _, _, c in items])
-        ax.bar_label(b, fmt="%.4g", fontsize=8)
+        ax.bar_label(b, labels=[value_label(v) for v in vals], fontsize=8)
         ax.set_xticks(range(len(items)), names, fontsize=8)
         ax.set(title=title, ylabel=unit)
         ax.margins(y=0.12)
@@ -163,6 +169,11 @@ def baseline_bars(result: dict[str, Any]) -> list[tuple[str, str, list[tuple[str
         out.append((f"same {n} ShareGPT requests", "output tokens/s", [
             (f"HF generate()\nstatic batch {hf['hf']['batch_size']}", hf["hf"]["output_tok_per_s"], "#C44E52"),
             ("tokenmill", hf["engine"]["output_tok_per_s"], "#4C72B0")]))
+    pre = result.get("prefix", {}).get("rows") or []
+    if len(pre) == 2:
+        out.append((f"shared-prefix chat, {pre[0]['requests']} requests: TTFT p50", "milliseconds", [
+            ("prefix caching off", pre[0]["ttft_ms"]["p50"], "#C44E52"),
+            ("prefix caching on", pre[1]["ttft_ms"]["p50"], "#4C72B0")]))
     anchors = result.get("anchors", {})
     sg = result.get("sharegpt")
     if sg and "requests_per_s" in sg and "vllm_sharegpt_requests_per_s" in anchors:

@@ -151,7 +151,8 @@ def peak_memory(device_type: str) -> dict[str, int]:
 
 @dataclass
 class EngineRun:
-    timings: list[RequestTiming]
+    timings: list[RequestTiming]  # of the requests sent, in workload order
+    sent: list[int]  # their indices in the workload
     duration_s: float
     steps: int
     peak_kv_blocks: int  # most KV blocks in use at once
@@ -214,8 +215,9 @@ class _Releaser:
 def drive(engine: LLMEngine, workload: Workload, *, batch_size: int | None = None, sessions: int | None = None,
           desc: str = "engine", deadline: float | None = None) -> EngineRun:
     """Run `workload` through `engine` (greedy, ignore_eos, each request's own output length), timing
-    every request from the moment it is added (see `_Releaser` for when that is). Past `deadline`
-    (time.monotonic) no new request is sent; those in flight finish and only sent ones are reported."""
+    every request from the moment it is added (see `_Releaser` for when that is; in static batches
+    from the start, when they all arrived). Past `deadline` (time.monotonic) no new request is sent;
+    those in flight finish and only the sent ones are reported."""
     reqs = workload.requests
     rel = _Releaser(reqs, batch_size, sessions)
     timings: list[RequestTiming | None] = [None] * len(reqs)
@@ -226,7 +228,8 @@ def drive(engine: LLMEngine, workload: Workload, *, batch_size: int | None = Non
     def send(indices: list[int]) -> None:
         for i in indices:
             r = reqs[i]
-            timings[i] = RequestTiming(time.perf_counter(), r.prompt_len)
+            # Static batches: every request arrived at the start and waits for its batch.
+            timings[i] = RequestTiming(start if batch_size else time.perf_counter(), r.prompt_len)
             engine.add_request(f"b{i}", prompt_token_ids=list(r.prompt_ids),
                                params=SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
 
@@ -250,9 +253,10 @@ def drive(engine: LLMEngine, workload: Workload, *, batch_size: int | None = Non
                     if deadline is None or time.monotonic() < deadline:
                         send(nxt)
     duration = time.perf_counter() - start
-    done = [t for t in timings if t is not None]
-    return EngineRun(done, duration, steps, peak, engine.scheduler.num_preemptions - pre0,
-                     engine.blocks.prefix_hits - hits0, engine.blocks.prefix_queries - queries0)
+    sent = [i for i, t in enumerate(timings) if t is not None]
+    return EngineRun([t for t in timings if t is not None], sent, duration, steps, peak,
+                     engine.scheduler.num_preemptions - pre0, engine.blocks.prefix_hits - hits0,
+                     engine.blocks.prefix_queries - queries0)
 
 
 def offline_throughput(engine: LLMEngine, workload: Workload, desc: str = "offline") -> dict[str, Any]:

@@ -104,11 +104,18 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((angles, angles), dim=-1)  # [max_position, head_dim]
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        # [max_position, head_dim]: cos of each pair, then sin (the fused CUDA kernel's table).
+        self.register_buffer("cos_sin_cache", torch.cat((angles.cos(), angles.sin()), dim=-1), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] int64; q: [T, Hq, D]; k: [T, Hkv, D]. Returns rotated (q, k), same dtypes."""
+        """positions: [T] int64; q: [T, Hq, D]; k: [T, Hkv, D]. Returns rotated (q, k), same dtypes.
+        On CUDA one fused kernel rotates q and k in place (they may be views of the fused qkv output)."""
+        if q.is_cuda:
+            from tokenmill.kernels.rotary import rotary_embedding
+
+            return rotary_embedding(q, k, self.cos_sin_cache, positions)
         cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin_cache[positions].unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

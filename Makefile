@@ -32,6 +32,7 @@ lint: $(STAMP)
 
 bench-cpu: $(STAMP)
 	$(PY) -m tokenmill.benchmarks.engine_cpu --out benchmarks/results/cpu
+	$(PY) -m tokenmill.benchmarks.suite --device cpu --out benchmarks/results/cpu
 
 clean:
 	rm -rf $(VENV) build *.egg-info

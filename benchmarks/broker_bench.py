@@ -27,6 +27,7 @@ from typing import Any
 
 import msgpack
 import zmq
+
 from tokenmill.client import protocol as p
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu"

@@ -1,7 +1,8 @@
 """CPU benchmark on the embedded model (issue 2, item 8).
 
-1. 32 concurrent chat requests through the engine vs Hugging Face `generate()` one request at a time,
-   same prompts and the same output lengths (forced with ignore_eos / min_new_tokens): output tokens/s.
+1. 32 concurrent ShareGPT chat requests through the engine vs Hugging Face `generate()` one request at a
+   time, same prompts and the same output lengths (each the token length of the recorded reply, capped;
+   forced with ignore_eos / min_new_tokens): output tokens/s.
 2. Time to first token of a request whose 1,000-token prefix is cached vs the same request cold.
 
     python -m tokenmill.benchmarks.engine_cpu --out benchmarks/results/cpu
@@ -18,24 +19,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
+
 from tokenmill.benchmarks.common import write_results
 from tokenmill.benchmarks.datasets import sharegpt_pairs
 from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.registry_fetch import embedded_model_path, sharegpt_path
 from tokenmill.worker.sampling_params import SamplingParams
-from tqdm import tqdm
 
 
-def chat_prompts(engine: LLMEngine, n: int, max_prompt: int) -> list[list[int]]:
-    prompts = []
-    for human, _ in sharegpt_pairs(sharegpt_path()):
+def chat_requests(engine: LLMEngine, n: int, max_prompt: int, max_output: int) -> list[tuple[list[int], int]]:
+    """ShareGPT chats as vLLM's benchmark samples them: the human turn through the chat template, and the
+    output length of the recorded reply (in tokens, capped at `max_output`)."""
+    requests = []
+    for human, reply in sharegpt_pairs(sharegpt_path()):
         text = engine.tokenizer.apply_chat_template([{"role": "user", "content": human}])
         ids = engine.tokenizer.encode(text, add_special_tokens=False)
-        if 16 <= len(ids) <= max_prompt:
-            prompts.append(ids)
-        if len(prompts) == n:
-            return prompts
+        out_len = min(len(engine.tokenizer.encode(reply, add_special_tokens=False)), max_output)
+        if 16 <= len(ids) <= max_prompt and out_len >= 16:
+            requests.append((ids, out_len))
+        if len(requests) == n:
+            return requests
     raise RuntimeError("not enough ShareGPT prompts")
 
 
@@ -49,21 +54,21 @@ def load_hf() -> Any:
 
 
 @torch.no_grad()
-def hf_one_at_a_time(model: Any, prompts: list[list[int]], out_len: int) -> float:
+def hf_one_at_a_time(model: Any, requests: list[tuple[list[int], int]]) -> float:
     start = time.perf_counter()
-    for ids in tqdm(prompts, desc="HF generate, one at a time"):
+    for ids, out_len in tqdm(requests, desc="HF generate, one at a time"):
         x = torch.tensor([ids])
         model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=out_len, min_new_tokens=out_len,
                        do_sample=False, pad_token_id=0)
     return time.perf_counter() - start
 
 
-def engine_concurrent(engine: LLMEngine, prompts: list[list[int]], out_len: int) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+def engine_concurrent(engine: LLMEngine, requests: list[tuple[list[int], int]]) -> float:
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
     start = time.perf_counter()
-    outs = engine.generate(prompts, params)
+    outs = engine.generate([ids for ids, _ in requests], params)
     elapsed = time.perf_counter() - start
-    assert all(len(o.token_ids) == out_len for o in outs)
+    assert all(len(o.token_ids) == n for o, (_, n) in zip(outs, requests))
     return elapsed
 
 
@@ -91,22 +96,23 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu"))
     ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--max-output", type=int, default=256, help="cap on the ShareGPT reply length")
     ap.add_argument("--max-prompt", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     torch.manual_seed(0)
     engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", cache=CacheConfig(cpu_kv_bytes=2 << 30),
                                     scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64)))
-    prompts = chat_prompts(engine, args.requests, args.max_prompt)
-    n_out = args.requests * args.output_len
-    engine_concurrent(engine, prompts[:2], 4)  # warm-up
-    t_engine = engine_concurrent(engine, prompts, args.output_len)
+    requests = chat_requests(engine, args.requests, args.max_prompt, args.max_output)
+    n_out = sum(n for _, n in requests)
+    engine_concurrent(engine, [(ids, 4) for ids, _ in requests[:2]])  # warm-up
+    t_engine = engine_concurrent(engine, requests)
     hf = load_hf()
-    t_hf = hf_one_at_a_time(hf, prompts, args.output_len)
+    t_hf = hf_one_at_a_time(hf, requests)
     prefix = prefix_ttft(engine, args.repeats)
     results: dict[str, Any] = {
         "config": vars(args) | {"out": str(args.out)},
+        "output_tokens": n_out,
         "throughput": {"engine_s": t_engine, "hf_s": t_hf, "engine_tok_s": n_out / t_engine,
                        "hf_tok_s": n_out / t_hf, "ratio": t_hf / t_engine},
         "prefix_ttft": prefix,
@@ -116,8 +122,8 @@ def main() -> None:
     table = "\n".join([
         "| measure | tokenmill | HF transformers | ratio |",
         "|---|---|---|---|",
-        f"| output tok/s, {args.requests} chat requests x {args.output_len} tokens "
-        f"(engine concurrent, HF one at a time) | {tp['engine_tok_s']:.1f} | {tp['hf_tok_s']:.1f} | "
+        f"| output tok/s, {args.requests} ShareGPT chats, {n_out} output tokens (reply lengths, capped at "
+        f"{args.max_output}; engine concurrent, HF one at a time) | {tp['engine_tok_s']:.1f} | {tp['hf_tok_s']:.1f} | "
         f"{tp['ratio']:.2f}x |",
         f"| TTFT, 1,000-token prefix: cached vs cold (median of {args.repeats}) | {prefix['warm_s'] * 1e3:.1f} ms"
         f" | cold {prefix['cold_s'] * 1e3:.1f} ms | {prefix['ratio']:.2f}x lower |",

@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from tokenmill.benchmarks.common import RequestTiming, goodput, latency_summary, throughput_summary, write_results
 from tokenmill.benchmarks.throughput import ModelSpec, add_model_args, build_engine, spec_from_args, workload_tokenizer
 from tokenmill.benchmarks.workloads import BenchRequest, Workload, sharegpt_workload
-from tqdm import tqdm
 
 SPEC_ENV = "TOKENMILL_BENCH_SPEC"
 HOST = "127.0.0.1"

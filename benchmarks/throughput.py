@@ -20,6 +20,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from tokenmill.benchmarks.common import (
     RequestTiming,
     latency_summary,
@@ -32,7 +34,6 @@ from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.sampling_params import SamplingParams
 from tokenmill.worker.tokenizer import Tokenizer
-from tqdm import tqdm
 
 GIB = float(1 << 30)
 
@@ -286,6 +287,7 @@ def hf_model(spec: ModelSpec) -> Any:
 def _hf_dummy(spec: ModelSpec) -> Any:
     import torch
     import transformers
+
     from tokenmill.worker.loader.dummy import dummy_arch
 
     a = dummy_arch(spec.model)

@@ -31,6 +31,7 @@ from typing import Any
 import msgpack
 import structlog
 import zmq
+
 from tokenmill.broker.jobs import Job, JobState
 from tokenmill.broker.registry import PrefixIndex, WorkerInfo, pick_worker
 from tokenmill.broker.security import ZapAuthenticator, make_curve_server

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
+
 from tokenmill.client import protocol as p
 from tokenmill.client.client import (
     DEFAULT_ADDRESS,

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+
 from tokenmill.client import protocol as p
 from tokenmill.client.errors import (
     BrokerUnavailable,

@@ -22,6 +22,7 @@ from enum import IntEnum
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import msgpack
+
 from tokenmill.client.errors import ProtocolError
 
 HEADER = b"TM1"

@@ -122,6 +122,7 @@ def reference_greedy(prompts: Sequence[str], max_tokens: int) -> list[tuple[list
     """(token ids, text) of each prompt run greedily (ignore_eos) by tiny-llama in this process, on one
     thread (on a busy 2-core machine torch's default threading is ~15x slower here)."""
     import torch
+
     from tokenmill.worker.config import EngineConfig
     from tokenmill.worker.engine import LLMEngine
     from tokenmill.worker.sampling_params import SamplingParams

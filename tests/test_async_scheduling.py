@@ -18,6 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from test_scheduler import FakeModel, Workload, check_state, make_scheduler, reference, workloads
 from tiny_hf import save_tiny_model
+
 from tokenmill.worker.block_manager import ROOT_HASH, hash_block
 from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.worker.engine import LLMEngine

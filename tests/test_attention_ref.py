@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
 from tokenmill.worker.attention.backend import AttentionMetadata
 from tokenmill.worker.attention.torch_ref import TorchRefBackend
 

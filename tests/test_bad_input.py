@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from tiny_hf import save_tiny_model
+
 from tokenmill.worker.config import CacheConfig, EngineConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.loader import ModelLoadError
@@ -72,7 +73,7 @@ def test_bad_request_fails_alone(engine: LLMEngine, case: str) -> None:
 def test_request_too_big_for_the_cache_is_rejected() -> None:
     small = LLMEngine(EngineConfig(model="tiny-llama", load_format="dummy", device="cpu", max_model_len=256,
                                    cache=CacheConfig(num_blocks=8)))  # 128 tokens of KV cache
-    bad = lambda: small.add_request("big", prompt_token_ids=[1] * 10, params={"max_tokens": 200})  # noqa: E731
+    bad = lambda: small.add_request("big", prompt_token_ids=[1] * 10, params={"max_tokens": 200})
     check_rejected_beside_neighbour(small, bad, "needs up to 210 tokens of KV cache but the cache holds 128",
                                     "good-big")
 

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
 from tokenmill.benchmarks.common import RequestTiming, goodput, latency_summary, meets_slo, throughput_summary
 from tokenmill.benchmarks.ladder import common_prefix, prefix_gain
 from tokenmill.benchmarks.serving import arrival_offsets, parse_rates

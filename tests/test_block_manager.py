@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
 from tokenmill.worker.block_manager import ROOT_HASH, BlockManager, extend_block_hashes, hash_block
 from tokenmill.worker.request import Request
 from tokenmill.worker.sampling_params import SamplingParams

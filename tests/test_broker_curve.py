@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from helpers_net import addr, free_port, procs_ctx, wait_until, wait_workers
+
 from tokenmill.client import BrokerUnavailable, Cancelled, Client, Forbidden
 from tokenmill.client.keys import generate_keypair
 

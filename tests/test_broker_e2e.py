@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import zmq
 from helpers_net import Procs, addr, free_port, procs_ctx, reference_greedy, wait_until, wait_workers
+
 from tokenmill.client import (
     AsyncClient,
     Cancelled,

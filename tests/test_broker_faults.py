@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers_net import Procs, addr, free_port, procs_ctx, reference_greedy, wait_until, wait_workers
+
 from tokenmill.client import BrokerUnavailable, Client, JobFailed, JobHandle, StreamEvent
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

@@ -14,6 +14,7 @@ import zmq
 from helpers_net import addr, free_port, procs_ctx, wait_workers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from tokenmill.client import Client
 from tokenmill.client import protocol as p
 from tokenmill.client.errors import ProtocolError

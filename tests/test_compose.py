@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 from helpers_net import REPO, addr, free_port, procs_ctx, wait_workers
+
 from tokenmill.client import Client
 
 pytestmark = pytest.mark.timeout(180)

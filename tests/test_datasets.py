@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from tokenmill.benchmarks.datasets import (
     SampledRequest,
     iter_sharegpt,

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from tokenmill.benchmarks.datasets import sharegpt_pairs
 from tokenmill.worker.detokenizer import MAX_WINDOW_TOKENS, IncrementalDetokenizer
 from tokenmill.worker.registry_fetch import embedded_model_path

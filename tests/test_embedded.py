@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from greedy_ref import compare_greedy, hf_greedy
+
 from tokenmill.worker.config import EngineConfig, SchedulerConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.registry_fetch import embedded_model_path

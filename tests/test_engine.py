@@ -11,6 +11,7 @@ import pytest
 import torch
 from greedy_ref import compare_greedy, hf_greedy
 from tiny_hf import ARCHS, load_hf, save_tiny_model
+
 from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.request import Request
@@ -46,6 +47,7 @@ def test_tiny_models_match_hf_alone_and_batched(arch: str, tmp_path: Path) -> No
         if i < 4:
             ties += not compare_greedy(alone[i], ref, ref_logits).equal
         ties += not compare_greedy(batched[i].token_ids, ref, ref_logits).equal
+    print(f"{arch}: {ties} of 36 sequences diverged at a float tie")
     assert ties <= 2, f"{ties} float ties in 36 sequences is implausibly many"
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from tokenmill.kernels.activation import silu_and_mul, silu_and_mul_ref
 from tokenmill.kernels.kv_cache import write_kv_cache, write_kv_cache_ref
 from tokenmill.kernels.paged_attention import (
@@ -666,14 +667,15 @@ def test_triton_backend_does_not_sync(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _sm90_compile_all() -> None:
     """Run in a subprocess with TRITON_INTERPRET=0 (kernels must be decorated as real JIT functions)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler import compile as triton_compile
+
     import tokenmill.kernels.activation as act
     import tokenmill.kernels.kv_cache as kvc
     import tokenmill.kernels.paged_attention as pa
     import tokenmill.kernels.rmsnorm as rn
     import tokenmill.kernels.rotary as rot
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler import compile as triton_compile
 
     target = GPUTarget("cuda", 90, 32)
 

@@ -14,13 +14,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import save_file
-from tokenmill.worker.attention.backend import AttentionMetadata
-from tokenmill.worker.attention.torch_ref import TorchRefBackend
-from tokenmill.worker.config import RopeScaling
-from tokenmill.worker.loader import ModelLoadError, ModelSource, build_model, gguf_loader, resolve_model
-from tokenmill.worker.loader.dummy import DUMMY_SHAPES
-from tokenmill.worker.models.llama import LlamaForCausalLM, expected_hf_weights
-from tokenmill.worker.registry_fetch import embedded_model_path
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -29,6 +22,14 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+
+from tokenmill.worker.attention.backend import AttentionMetadata
+from tokenmill.worker.attention.torch_ref import TorchRefBackend
+from tokenmill.worker.config import RopeScaling
+from tokenmill.worker.loader import ModelLoadError, ModelSource, build_model, gguf_loader, resolve_model
+from tokenmill.worker.loader.dummy import DUMMY_SHAPES
+from tokenmill.worker.models.llama import LlamaForCausalLM, expected_hf_weights
+from tokenmill.worker.registry_fetch import embedded_model_path
 
 CPU = torch.device("cpu")
 TINY: dict[str, Any] = dict(

@@ -8,10 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-from tokenmill.worker.attention.backend import AttentionMetadata
-from tokenmill.worker.attention.torch_ref import TorchRefBackend
-from tokenmill.worker.loader import build_model, resolve_model
-from tokenmill.worker.models.llama import LlamaForCausalLM
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -21,6 +17,11 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+
+from tokenmill.worker.attention.backend import AttentionMetadata
+from tokenmill.worker.attention.torch_ref import TorchRefBackend
+from tokenmill.worker.loader import build_model, resolve_model
+from tokenmill.worker.models.llama import LlamaForCausalLM
 
 VOCAB = 256
 COMMON: dict[str, Any] = dict(

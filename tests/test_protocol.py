@@ -11,6 +11,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from tokenmill.client import protocol as p
 from tokenmill.client.errors import ProtocolError
 

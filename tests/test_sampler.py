@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from tokenmill.worker.sampler import (
     Sampler,
     SamplingMetadata,

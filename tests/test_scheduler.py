@@ -16,6 +16,7 @@ from typing import Literal
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from tokenmill.worker.block_manager import BlockManager
 from tokenmill.worker.config import SchedulerConfig
 from tokenmill.worker.request import Request, RequestStatus

@@ -15,6 +15,7 @@ import msgpack
 import pytest
 import zmq
 from helpers_net import FAKE, TINY, Procs, addr, fake_text, free_port, procs_ctx
+
 from tokenmill.client import protocol as p
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Sequence
 
 import torch
+
 from tokenmill.worker.attention.backend import AttentionMetadata
 
 log = logging.getLogger("tokenmill.cuda_graphs")

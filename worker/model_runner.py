@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
 
 import torch
+from torch import Tensor
+
 from tokenmill.worker.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.worker.config import CacheConfig, EngineConfig, ModelArch
 from tokenmill.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
@@ -22,7 +24,6 @@ from tokenmill.worker.request import PLACEHOLDER, Request
 from tokenmill.worker.sampler import Sampler, SamplingMetadata
 from tokenmill.worker.scheduler import ScheduledBatch
 from tokenmill.worker.transfer import HostCopy, ship
-from torch import Tensor
 
 log = logging.getLogger("tokenmill.runner")
 

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import structlog
 import zmq
+
 from tokenmill.client import protocol as p
 from tokenmill.client.errors import ProtocolError
 from tokenmill.client.keys import apply_client_curve

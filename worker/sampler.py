@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from tokenmill.worker.sampling_params import SamplingParams
 from torch import Tensor
+
+from tokenmill.worker.sampling_params import SamplingParams
 
 log = logging.getLogger("tokenmill.sampler")
 

@@ -29,6 +29,7 @@ import jinja2.sandbox
 import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
+
 from tokenmill.worker.sampling_params import InvalidRequestError
 
 log = logging.getLogger(__name__)

@@ -6,6 +6,7 @@ Slow but obviously correct; it defines what the Triton backend must reproduce an
 from __future__ import annotations
 
 import torch
+
 from tokenmill.worker.attention.backend import AttentionMetadata
 
 

@@ -6,6 +6,7 @@ No host sync: launch decisions use the host ints meta.max_query_len / meta.max_s
 from __future__ import annotations
 
 import torch
+
 from tokenmill.kernels.kv_cache import write_kv_cache
 from tokenmill.kernels.paged_attention import paged_attention
 from tokenmill.worker.attention.backend import AttentionMetadata

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+
 from tokenmill.worker.attention.backend import AttentionBackend
 from tokenmill.worker.config import LoadFormat, ModelArch
 from tokenmill.worker.loader import dummy, gguf_loader, hf

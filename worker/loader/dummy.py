@@ -11,6 +11,7 @@ import zlib
 from collections.abc import Iterator
 
 import torch
+
 from tokenmill.worker.config import ModelArch, RopeScaling
 from tokenmill.worker.models.llama import expected_hf_weights
 

@@ -19,6 +19,7 @@ import gguf.quants
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+
 from tokenmill.worker.config import ModelArch, RopeScaling
 from tokenmill.worker.models.layers import ModelLoadError, rope_inv_freq
 

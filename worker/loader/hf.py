@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+
 from tokenmill.worker.config import ModelArch, RopeScaling
 from tokenmill.worker.models.layers import ModelLoadError
 

@@ -13,8 +13,9 @@ from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
-from tokenmill.worker.config import RopeScaling
 from torch import nn
+
+from tokenmill.worker.config import RopeScaling
 
 
 class ModelLoadError(RuntimeError):

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from tokenmill.worker.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.worker.config import ModelArch
 from tokenmill.worker.models.layers import (
@@ -22,7 +24,6 @@ from tokenmill.worker.models.layers import (
     SiluAndMul,
     VocabEmbedding,
 )
-from torch import nn
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
 

@@ -123,10 +123,10 @@ def decode_attention(
     if sliding_window is not None:
         mask &= pos.unsqueeze(0) > last - sliding_window
     qg = q.float().reshape(b, hkv, hq // hkv, d)  # query head h reads kv head h // group
-    # Masked slots may hold garbage (even NaN) from other requests or never-written memory: zero them,
-    # since 0 * NaN would poison the weighted sum.
-    hidden = ~mask[:, None, :, None]
-    k, v = k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0)
+    # Masked slots may hold garbage (even NaN) from other requests or never-written memory. A NaN key is
+    # harmless (its score is overwritten with -inf below), but a NaN value would poison the weighted sum
+    # as 0 * NaN, so masked values are zeroed.
+    v = v.masked_fill(~mask[:, None, :, None], 0.0)
     scores = torch.einsum("bhgd,bhsd->bhgs", qg, k) * scale
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
     return torch.einsum("bhgs,bhsd->bhgd", torch.softmax(scores, dim=-1), v).reshape(b, hq, d)

@@ -118,25 +118,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         messages = [*history, {"role": "user", "content": args.prompt}]
         return _print_stream(engine.stream(params=params, messages=messages))
-    interactive = sys.stdin.isatty()
-    while True:
-        if interactive:
-            print(">>> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if not line:
-            return 0
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line.rstrip("\n")})
+    from tokenmill.client.remote_cli import chat_loop
+
+    def answer(messages: list[dict[str, str]]) -> str:
         reply = ""
-        for out in engine.stream(params=params, messages=history):
+        for out in engine.stream(params=params, messages=messages):
             reply += out.text_delta
             sys.stdout.write(out.text_delta)
             sys.stdout.flush()
             if out.finished and out.error:
                 print(f"\nerror: {out.error}", file=sys.stderr)
         sys.stdout.write("\n")
-        history.append({"role": "assistant", "content": reply})
+        return reply
+
+    return chat_loop(history, answer)
 
 
 def cmd_models_pull(args: argparse.Namespace) -> int:

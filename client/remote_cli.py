@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from tokenmill.client.client import Client, StreamEvent
@@ -64,6 +65,13 @@ def run_remote_chat(args: argparse.Namespace) -> int:
 
 
 def _interactive(c: Client, args: argparse.Namespace, history: list[dict[str, str]]) -> int:
+    return chat_loop(history, lambda h: _print_events(c.stream(messages=h, model=args.model,
+                                                                params=_sampling(args))))
+
+
+def chat_loop(history: list[dict[str, str]], answer: Callable[[list[dict[str, str]]], str]) -> int:
+    """Interactive chat on stdin: each non-empty line is a user turn; `answer(history)` prints the reply
+    as it streams and returns its text, which joins the history. Ends at end of input."""
     interactive = sys.stdin.isatty()
     while True:
         if interactive:
@@ -74,5 +82,4 @@ def _interactive(c: Client, args: argparse.Namespace, history: list[dict[str, st
         if not line.strip():
             continue
         history.append({"role": "user", "content": line.rstrip("\n")})
-        reply = _print_events(c.stream(messages=history, model=args.model, params=_sampling(args)))
-        history.append({"role": "assistant", "content": reply})
+        history.append({"role": "assistant", "content": answer(history)})

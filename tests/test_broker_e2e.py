@@ -265,3 +265,20 @@ def test_queue_timeout_for_a_model_nobody_serves(cluster: tuple[str, Procs], tmp
         h = c.submit("x", model="no-such-model", max_tokens=2, timeout=0.5)
         with pytest.raises(DeadlineExceeded):
             h.result(timeout=10)
+
+
+def _tokenmill(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tokenmill.cli.main", *args], input=stdin, capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def test_cli_through_the_broker_prints_what_the_in_process_cli_prints(cluster: tuple[str, Procs]) -> None:
+    front, _ = cluster
+    flags = ["--model", "tiny-llama", "--max-tokens", "12", "--temperature", "0"]
+    local = _tokenmill("generate", "Hello broker", *flags, "--load-format", "dummy")
+    remote = _tokenmill("generate", "Hello broker", *flags, "--broker", front)
+    assert local.returncode == 0 and remote.returncode == 0, (local.stderr[-2000:], remote.stderr[-2000:])
+    assert remote.stdout == local.stdout and remote.stdout.strip()
+    chat = _tokenmill("chat", *flags, "--broker", front, stdin="first turn\nsecond turn\n")
+    assert chat.returncode == 0, chat.stderr[-2000:]
+    assert len(chat.stdout.splitlines()) >= 2  # one streamed reply per turn

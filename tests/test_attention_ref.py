@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from tokenmill.worker.attention.backend import AttentionMetadata
 from tokenmill.worker.attention.torch_ref import TorchRefBackend
+from tokenmill.worker.model_runner import attention_metadata
 
 HQ, HKV, D = 4, 2, 8
 
@@ -18,7 +19,7 @@ def build_meta(prefix_lens: list[int], query_lens: list[int], block_size: int) -
     """Requests get consecutive blocks from block 1 on (block 0 stays unused); slots of the new tokens."""
     seq_lens = [p + q for p, q in zip(prefix_lens, query_lens)]
     max_blocks = max(math.ceil(s / block_size) for s in seq_lens)
-    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)  # rows padded with block 0
     slots: list[int] = []
     next_block = 1
     for i, (p, s) in enumerate(zip(prefix_lens, seq_lens)):
@@ -26,20 +27,7 @@ def build_meta(prefix_lens: list[int], query_lens: list[int], block_size: int) -
         tables[i, :n] = torch.arange(next_block, next_block + n)
         next_block += n
         slots += [int(tables[i, pos // block_size]) * block_size + pos % block_size for pos in range(p, s)]
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
-    return AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_cpu=list(query_lens),
-        seq_lens_cpu=seq_lens,
-    )
-
+    return attention_metadata(list(query_lens), seq_lens, tables.tolist(), slots, torch.device("cpu"))
 
 def empty_caches(num_blocks: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Caches poisoned with NaN (one spare block at the end): attention must never let a slot it does

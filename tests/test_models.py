@@ -21,6 +21,7 @@ from transformers import (
 from tokenmill.worker.attention.backend import AttentionMetadata
 from tokenmill.worker.attention.torch_ref import TorchRefBackend
 from tokenmill.worker.loader import build_model, resolve_model
+from tokenmill.worker.model_runner import attention_metadata
 from tokenmill.worker.models.llama import LlamaForCausalLM
 
 VOCAB = 256
@@ -99,20 +100,7 @@ def step_meta(prefix_lens: list[int], query_lens: list[int], block_size: int) ->
     tables = torch.arange(len(seq_lens) * per_req, dtype=torch.int32).reshape(len(seq_lens), per_req)
     slots = [int(tables[i, pos // block_size]) * block_size + pos % block_size
              for i, (p, s) in enumerate(zip(prefix_lens, seq_lens)) for pos in range(p, s)]
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
-    return AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_cpu=list(query_lens),
-        seq_lens_cpu=seq_lens,
-    )
-
+    return attention_metadata(list(query_lens), seq_lens, tables.tolist(), slots, torch.device("cpu"))
 
 def run_step(model: LlamaForCausalLM, caches: list[tuple[torch.Tensor, torch.Tensor]],
              chunks: list[list[int]], prefix_lens: list[int], block_size: int) -> torch.Tensor:

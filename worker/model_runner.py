@@ -160,7 +160,7 @@ class ModelRunner:
         nb = -(-max(q_lens) // self.block_size)
         shape = (nb, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
         caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2 for _ in range(self.arch.num_layers)]
-        meta = self._metadata(q_lens, q_lens, [list(range(nb))] * num_seqs, [-1] * n)
+        meta = attention_metadata(q_lens, q_lens, [list(range(nb))] * num_seqs, [-1] * n, self.device)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         hidden = self.model(ids, ids, caches, meta)  # type: ignore[arg-type]
         logits = self.model.compute_logits(hidden[:num_seqs])
@@ -170,11 +170,6 @@ class ModelRunner:
     # Per-step inputs are built as CPU tensors and shipped in one pinned, non_blocking copy (`ship`), and
     # sampled ids come back through `HostCopy`: the host never waits for the stream while it prepares
     # a step, so it can prepare step N+1 while step N runs.
-    def _metadata(self, q_lens: list[int], seq_lens: list[int], tables: list[list[int]],
-                  slots: list[int]) -> AttentionMetadata:
-        dev = ship(_attention_host(q_lens, seq_lens, tables, slots), self.device)
-        return _attention_meta(dev, q_lens, seq_lens)
-
     def _host_inputs(self, batch: ScheduledBatch, prev: PendingStep | None) -> _HostInputs:
         """Token ids, positions and attention metadata of `batch` as CPU tensors. A placeholder input
         (always the last token of a chunk: placeholders trail) is left 0 and noted, with the row of
@@ -283,10 +278,6 @@ class ModelRunner:
         return PendingStep(len(batch.requests), {r: row for row, r in enumerate(reqs)}, sampling,
                            [r.params.logprobs for r in reqs], out.sampled_token_ids, HostCopy(copies))
 
-    def execute(self, batch: ScheduledBatch, eos_token_ids: tuple[int, ...]) -> StepResult:
-        """Launch and wait: the synchronous step."""
-        return self.launch(batch, eos_token_ids).result()
-
     @torch.inference_mode()
     def logits_for_all(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [T, vocab] of every scheduled token (tests compare chunked and whole prefill)."""
@@ -309,6 +300,13 @@ def _source_row(prev: PendingStep | None, req: Request) -> int:
     assert prev is not None and req in prev.rows and req.num_placeholders == 1, \
         f"{req.request_id}: a placeholder input whose sampling step is not the previous one"
     return prev.rows[req]
+
+
+def attention_metadata(q_lens: list[int], seq_lens: list[int], tables: list[list[int]], slots: list[int],
+                       device: torch.device) -> AttentionMetadata:
+    """AttentionMetadata on `device` from host lists (one shipped copy): query and context lengths per
+    request, each request's block ids, and the cache slot of every new token."""
+    return _attention_meta(ship(_attention_host(q_lens, seq_lens, tables, slots), device), q_lens, seq_lens)
 
 
 def _attention_host(q_lens: list[int], seq_lens: list[int], tables: list[list[int]],

@@ -89,11 +89,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding with a precomputed cos/sin cache.
 
-    cos_cache, sin_cache: [max_position, head_dim] float32 (each half repeated, HF layout).
+    cos_sin_cache: [max_position, head_dim] float32: cos of each frequency pair, then sin (the table the
+    fused CUDA kernel reads; the CPU path repeats each half to HF's rotate_half layout).
     Positions must lie in [0, max_position)."""
 
-    cos_cache: torch.Tensor
-    sin_cache: torch.Tensor
+    cos_sin_cache: torch.Tensor
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling) -> None:
         super().__init__()
@@ -102,10 +102,6 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling)  # on the default device, like all tensors here
         positions = torch.arange(max_position, dtype=torch.float32)
         angles = torch.outer(positions, inv_freq)  # [max_position, head_dim // 2]
-        emb = torch.cat((angles, angles), dim=-1)  # [max_position, head_dim]
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
-        # [max_position, head_dim]: cos of each pair, then sin (the fused CUDA kernel's table).
         self.register_buffer("cos_sin_cache", torch.cat((angles.cos(), angles.sin()), dim=-1), persistent=False)
 
     def forward(
@@ -117,8 +113,8 @@ class RotaryEmbedding(nn.Module):
             from tokenmill.kernels.rotary import rotary_embedding
 
             return rotary_embedding(q, k, self.cos_sin_cache, positions)
-        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin_cache[positions].unsqueeze(1)
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # [T, 1, D]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     @staticmethod

@@ -127,3 +127,22 @@ def test_output_keeps_query_dtype() -> None:
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     expected = sdpa_reference(q.float(), k.float(), k.float(), None, 0.35)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_forward_rope_equals_rotary_then_forward() -> None:
+    # the fused entry point of the torch backend is exactly RotaryEmbedding followed by forward()
+    from tokenmill.worker.config import RopeScaling
+    from tokenmill.worker.models.layers import RotaryEmbedding
+
+    torch.manual_seed(3)
+    rope = RotaryEmbedding(8, 64, 10000.0, RopeScaling())
+    q, k, v = torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    positions = torch.tensor([5, 6, 7])
+    meta = attention_metadata([3], [8], [[0, 1]], [5, 6, 7], torch.device("cpu"))
+    caches_a = tuple(c.normal_() for c in empty_caches(2, 4))  # positions 0..4 are the cached prefix
+    caches_b = tuple(c.clone() for c in caches_a)
+    qr, kr = rope(positions, q, k)
+    want = TorchRefBackend().forward(qr, kr, v, *caches_a, meta, 0.3, None)
+    got = TorchRefBackend().forward_rope(q, k, v, *caches_b, meta, 0.3, None, rope.cos_sin_cache, positions)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(caches_b[0], caches_a[0])

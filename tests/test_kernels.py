@@ -331,6 +331,19 @@ def test_attention_strided_q() -> None:
     check_attention(batch, config=SMALL)
 
 
+def test_heuristic_splits_short_and_long_context() -> None:
+    # A CUDA graph launches for max_model_len: max_seq_len far above the real lengths. The short request
+    # fits one segment (its split-0 program writes out directly and the reduce kernel skips it); the long
+    # one is split into >= 2 segments of >= 256 keys and reduced.
+    batch = make_batch([1, 1, 1], [20, 600, 257], 4, 2, 32, 16, torch.float32)
+    scale = 32**-0.5
+    assert choose_num_splits(3 * 2, 4096, 4, 64) > 1 or DEV == "cuda"
+    out = torch.full_like(batch.q, float("nan"))
+    paged_attention(*batch.args(), scale, max_query_len=1, max_seq_len=4096, out=out)
+    ref = paged_attention_ref(*batch.args(), scale)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-3)
+
+
 def test_choose_num_splits() -> None:
     assert choose_num_splits(8, 32768, 132, 64) > 16  # batch 1 at 32k with 8 kv heads fills the GPU
     assert choose_num_splits(64 * 8, 4096, 132, 64) == 1  # enough programs already

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from tokenmill.worker.sampler import (
     apply_penalties,
     apply_top_k_top_p,
     gumbel_noise,
+    min_p_race,
     random_bits,
     vocab_counters,
 )
@@ -523,3 +525,24 @@ def test_empty_batch_and_shape_check() -> None:
     assert out.sampled_token_ids.shape == (0,)
     with pytest.raises(ValueError):
         SAMPLER(torch.zeros(2, 10), build([SamplingParams()] * 2, [0, 1], 9))
+
+
+
+class _RecordingSampler(Sampler):
+    def __init__(self, use_compile: bool) -> None:
+        super().__init__(use_compile)
+        self.rows: list[int] = []
+
+    def _run_race(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        self.rows.append(x.shape[0])
+        return super()._run_race(x, *args)
+
+
+def test_warm_up_runs_the_compiled_race_for_one_and_several_rows() -> None:
+    eager = _RecordingSampler(use_compile=False)
+    eager.warm_up(50, torch.device("cpu"))
+    assert eager.rows == []  # nothing to compile
+    compiled = _RecordingSampler(use_compile=True)
+    compiled._compiled = min_p_race  # stands in for torch.compile's result: the test needs no compiler
+    compiled.warm_up(50, torch.device("cpu"))
+    assert compiled.rows == [1, 2]  # torch specialises size 1: both shapes are compiled at start-up

@@ -100,6 +100,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.model = build_model(source, self.backend, self.device, self.dtype)
         self.sampler = Sampler()
+        self.sampler.warm_up(self.arch.vocab_size, self.device)
         self.num_blocks = self._size_kv_cache(config.cache)
         shape = (self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
         # Zeroed so that padding rows of a graph replay read finite values.

@@ -263,20 +263,36 @@ class Sampler:
 
     def _race(self, x: Tensor, meta: SamplingMetadata) -> Tensor:
         """Min-p, then the exponential race, compiled when enabled: [N, V] -> [N] i64."""
+        return self._run_race(x, meta.min_p, meta.seeds, meta.positions, meta.no_min_p)
+
+    def _uses_compile(self, device: torch.device) -> bool:
+        return self._compile is True or (self._compile is None and device.type == "cuda")
+
+    def _run_race(self, x: Tensor, min_p: Tensor, seeds: Tensor, positions: Tensor, no_min_p: bool) -> Tensor:
         key = (x.device, x.shape[1])
         if key not in self._counters:
             self._counters[key] = vocab_counters(x.shape[1], x.device)
         counters = self._counters[key]
-        if self._compile is False or (self._compile is None and not x.is_cuda):
-            return min_p_race(x, meta.min_p, meta.seeds, meta.positions, counters, meta.no_min_p)
+        if not self._uses_compile(x.device):
+            return min_p_race(x, min_p, seeds, positions, counters, no_min_p)
         if self._compiled is None:
             self._compiled = torch.compile(min_p_race, dynamic=True)
         try:
-            return self._compiled(x, meta.min_p, meta.seeds, meta.positions, counters)
+            return self._compiled(x, min_p, seeds, positions, counters)
         except Exception:  # a compiler failure must not fail the step: eager gives the same tokens
             log.exception("torch.compile of the sampler failed; sampling eagerly from now on")
             self._compile = False
-            return self._race(x, meta)
+            return self._run_race(x, min_p, seeds, positions, no_min_p)
+
+    def warm_up(self, vocab_size: int, device: torch.device) -> None:
+        """Compile the race now (engine start-up) for one row and for several (torch specialises
+        size 1), so that no request's first sampled token waits for the compiler."""
+        if not self._uses_compile(device):
+            return
+        for n in (1, 2):
+            x = torch.zeros((n, vocab_size), dtype=torch.float32, device=device)
+            zeros = torch.zeros(n, dtype=torch.int64, device=device)
+            self._run_race(x, torch.zeros(n, device=device), zeros, zeros, False)
 
 
 def _id_mask(ids: Tensor, vocab_size: int) -> Tensor:

@@ -41,6 +41,7 @@ class AttentionBackend(Protocol):
     Returns [T, Hq, D] in q's dtype. Must write k, v into the caches at meta.slot_mapping first."""
 
     name: str
+    fuses_rope: bool  # forward_rope does rotary + cache write + attention in fewer passes than the model would
 
     def forward(
         self,
@@ -53,3 +54,20 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor: ...
+
+    def forward_rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        cos_sin_cache: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """forward() of q and k rotated by positions [T] (cos_sin_cache [max_pos, D] = [cos | sin] per
+        frequency pair, NeoX layout); q and k may be rotated in place."""
+        ...

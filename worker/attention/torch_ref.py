@@ -61,6 +61,7 @@ class TorchRefBackend:
     """AttentionBackend over the paged cache, looping over the requests of the batch."""
 
     name = "torch"
+    fuses_rope = False  # the model rotates q and k itself and calls forward()
 
     def forward(
         self,
@@ -97,6 +98,29 @@ class TorchRefBackend:
             span = slice(starts[i], starts[i + 1])
             out[span] = dense_attention(q[span], flat_k[slots], flat_v[slots], mask, scale).to(q.dtype)
         return out
+
+    def forward_rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        cos_sin_cache: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """forward() after rotating q and k out of place (HF rotate_half layout, fp32 math)."""
+        half = q.shape[-1] // 2
+        cos, sin = cos_sin_cache[positions.long()].float()[:, None].split(half, dim=-1)  # [T, 1, D/2] each
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            x1, x2 = x[..., :half].float(), x[..., half:].float()
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+        return self.forward(rotate(q), rotate(k), v, k_cache, v_cache, meta, scale, sliding_window)
 
 
 def decode_attention(

@@ -9,6 +9,7 @@ import torch
 
 from tokenmill.kernels.kv_cache import write_kv_cache
 from tokenmill.kernels.paged_attention import paged_attention
+from tokenmill.kernels.rotary import rotary_and_cache
 from tokenmill.worker.attention.backend import AttentionMetadata
 
 
@@ -16,6 +17,7 @@ class TritonBackend:
     """AttentionBackend: q [T, Hq, D]; k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]."""
 
     name = "triton"
+    fuses_rope = True
 
     def forward(
         self,
@@ -30,6 +32,34 @@ class TritonBackend:
     ) -> torch.Tensor:
         """Returns [T, Hq, D] in q's dtype (a new contiguous tensor)."""
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, k_cache, v_cache, meta, scale, sliding_window)
+
+    def forward_rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        cos_sin_cache: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """One kernel rotates q and k in place and writes the rotated k and v into the cache."""
+        rotary_and_cache(q, k, v, cos_sin_cache, positions, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, k_cache, v_cache, meta, scale, sliding_window)
+
+    @staticmethod
+    def _attend(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
         return paged_attention(
             q,
             k_cache,

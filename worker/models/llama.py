@@ -70,8 +70,12 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        if self.backend.fuses_rope and q.is_cuda:
+            out = self.backend.forward_rope(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                                            self.sliding_window, self.rotary.cos_sin_cache, positions)
+        else:
+            q, k = self.rotary(positions, q, k)
+            out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -1,18 +1,34 @@
 #!/usr/bin/env bash
-# One device call on the lent H200: GPU tests, then the kernel benchmark, then the engine e2e benchmark.
-# Device call: run(command="bash benchmarks/gpu_check.sh [tests|kernels|e2e ...]", carry=[".whl"])
-# Results land in $OUT (logs, JSON, Markdown).
+# One device call on the lent H200: GPU tests, kernel benchmark, decode-GEMV tuning, engine e2e benchmark
+# (with a profile of batch-1 decode steps and the full-cache fill run).
+# Device call: run(command="bash benchmarks/gpu_check.sh [tests kernels gemv e2e]", carry=[".whl"])
+# Everything lands in $OUT/gpu_check.tgz (a call returns at most 8 files); the short logs are printed.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install -q --no-deps --no-build-isolation -e .
 export PYTHONUNBUFFERED=1 TOKENMILL_CACHE=/tmp/tmcache
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
-sections=${*:-tests kernels e2e}
+OUT=${OUT:-/tmp/out}; R="$OUT/gpu_check"; mkdir -p "$R"
+nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm --format=csv | tee "$R/gpu.txt"
+git rev-parse --short HEAD 2>/dev/null | tee "$R/commit.txt"
+sections=${*:-tests kernels gemv e2e}
 for s in $sections; do
+  t0=$SECONDS
   case $s in
-    tests)   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
-    kernels) timeout 300 python3 benchmarks/gpu_kernels.py --out "$OUT/kernels" 2>&1 | tee "$OUT/kernels.log" | tail -60 ;;
-    e2e)     timeout 420 python3 -m tokenmill.benchmarks.gpu_e2e --model llama3-8b --out "$OUT/e2e" 2>&1 | tee "$OUT/e2e.log" | tail -40 ;;
+    tests)   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$R/gpu_tests.log" \
+               | grep -E "passed|failed|^FAILED|^E " | head -40 ;;
+    kernels) timeout 240 python3 benchmarks/gpu_kernels.py --budget-s 200 --out "$R/kernels" > "$R/kernels.log" 2>&1
+             tail -80 "$R/kernels.log" ;;
+    gemv)    timeout 120 python3 -c "
+import json, sys
+sys.path.insert(0, 'benchmarks')
+from gpu_kernels import bench_gemv
+rows = bench_gemv(tune=True)
+json.dump(rows, open('$R/gemv.json', 'w'), indent=1, default=str)
+for r in rows: print(r)
+" > "$R/gemv.log" 2>&1; tail -40 "$R/gemv.log" ;;
+    e2e)     timeout 300 python3 -m tokenmill.benchmarks.gpu_e2e --model llama3-8b --profile --out "$R/e2e" \
+               > "$R/e2e.log" 2>&1; gzip -f "$R"/e2e/*trace*.json; tail -12 "$R/e2e.log" ;;
   esac
+  echo "== $s took $(( SECONDS - t0 )) s"
 done
+tar czf "$OUT/gpu_check.tgz" -C "$OUT" gpu_check && rm -rf "$R"

@@ -546,3 +546,21 @@ def test_warm_up_runs_the_compiled_race_for_one_and_several_rows() -> None:
     compiled._compiled = min_p_race  # stands in for torch.compile's result: the test needs no compiler
     compiled.warm_up(50, torch.device("cpu"))
     assert compiled.rows == [1, 2]  # torch specialises size 1: both shapes are compiled at start-up
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_two_stage_greedy_argmax_matches_torch(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from tokenmill.worker.sampler import greedy_argmax
+
+    g = torch.Generator(device=device).manual_seed(0)
+    for v in (128256, 40000, 4096 * 8):
+        x = torch.randn((5, v), generator=g, device=device)
+        x[1, 7] = x[1, v - 3] = x[1].max() + 1.0  # a tie: the first index wins, as in torch.argmax
+        x[2, -1] = 1e9  # the maximum in the last (partial) chunk
+        x[3] = -torch.inf
+        x[3, 9000] = 0.0
+        want = x.argmax(dim=-1)
+        assert want[1] == 7
+        torch.testing.assert_close(greedy_argmax(x, two_stage=True), want, rtol=0, atol=0)

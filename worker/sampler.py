@@ -257,9 +257,9 @@ class Sampler:
     def _sample(self, x: Tensor, meta: SamplingMetadata) -> Tensor:
         """[N, V] penalised logits -> [N] i64 token ids."""
         if meta.all_greedy:  # also the empty batch
-            return x.argmax(dim=-1)
+            return greedy_argmax(x)
         random = self._race(apply_top_k_top_p(x / meta.temperature[:, None], meta), meta)
-        return random if meta.all_random else torch.where(meta.is_greedy, x.argmax(dim=-1), random)
+        return random if meta.all_random else torch.where(meta.is_greedy, greedy_argmax(x), random)
 
     def _race(self, x: Tensor, meta: SamplingMetadata) -> Tensor:
         """Min-p, then the exponential race, compiled when enabled: [N, V] -> [N] i64."""
@@ -318,6 +318,25 @@ def apply_penalties(x: Tensor, meta: SamplingMetadata) -> Tensor:
         x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
     x = x - meta.frequency_penalty[:, None] * counts
     return x - meta.presence_penalty[:, None] * (counts > 0).to(x.dtype)
+
+
+_ARGMAX_CHUNK = 4096
+
+
+def greedy_argmax(x: Tensor, two_stage: bool | None = None) -> Tensor:
+    """x.argmax(-1) of [N, V] -> [N] i64 (first index of the maximum), in two stages for a large
+    vocabulary on CUDA: torch reduces a whole row in one thread block (~28 us for V=128k on an H200),
+    while [N, V/C, C] chunk maxima then a max over chunks spread the row over many blocks."""
+    n, v = x.shape
+    if two_stage is None:
+        two_stage = x.is_cuda and v >= 8 * _ARGMAX_CHUNK
+    if not two_stage or n == 0:
+        return x.argmax(dim=-1)
+    chunks = -(-v // _ARGMAX_CHUNK)
+    padded = torch.nn.functional.pad(x, (0, chunks * _ARGMAX_CHUNK - v), value=float("-inf"))
+    best, where = padded.view(n, chunks, _ARGMAX_CHUNK).max(dim=-1)  # [N, chunks] each
+    chunk = best.argmax(dim=-1, keepdim=True)  # first chunk holding the row maximum
+    return (chunk * _ARGMAX_CHUNK + where.gather(1, chunk)).squeeze(1)
 
 
 def min_p_race(

@@ -26,6 +26,7 @@ from tokenmill.worker.models.layers import (
 )
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
+SKINNY_MAX_TOKENS = 16  # steps of at most this many tokens use the fused decode GEMMs (kernels/gemv.py)
 
 # HF names that may appear in checkpoints but carry nothing we need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -63,8 +64,15 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         """positions: [T]; x: [T, hidden] -> [T, hidden]."""
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attend(positions, self.qkv_proj(x), kv_cache, meta))
+
+    def attend(
+        self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """qkv: [T, q_size + 2 kv_size] (the fused projection's output) -> attention output [T, q_size],
+        before o_proj. Writes this step's keys and values into kv_cache."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -76,7 +84,7 @@ class LlamaAttention(nn.Module):
         else:
             q, k = self.rotary(positions, q, k)
             out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out.reshape(num_tokens, self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -105,6 +113,10 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(arch, backend, rotary, linear_method, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype)
         self.mlp = LlamaMLP(arch, linear_method, dtype)
+        # Few-token steps (decode) on CUDA with the Triton backend and dense weights go through the fused
+        # skinny-GEMM kernels: each reads its weight once and computes its input on the fly (the norm,
+        # the SwiGLU product), so four projections replace seven kernels per layer.
+        self.skinny_decode = backend.name == "triton" and linear_method is None
 
     def forward(
         self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
@@ -112,6 +124,8 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream is carried as (h, residual) with stream = h + residual (residual None in
         the first layer), so each residual add fuses into the following norm. Shapes [T, hidden]."""
+        if self.skinny_decode and h.is_cuda and h.shape[0] <= SKINNY_MAX_TOKENS:
+            return self._forward_skinny(positions, h, residual, kv_cache, meta)
         if residual is None:
             residual, x = h, self.input_layernorm(h)
         else:
@@ -119,6 +133,20 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(positions, x, kv_cache, meta)
         x, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(x), residual
+
+    def _forward_skinny(
+        self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() for T <= SKINNY_MAX_TOKENS with the fused kernels; same numerics."""
+        from tokenmill.kernels.gemv import add_rmsnorm_matmul, silu_mul_matmul, skinny_matmul
+
+        attn, mlp, ln1, ln2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+        qkv, residual = add_rmsnorm_matmul(h, residual, ln1.weight, ln1.eps, attn.qkv_proj.weight,
+                                           attn.qkv_proj.bias)
+        o = skinny_matmul(attn.attend(positions, qkv, kv_cache, meta), attn.o_proj.weight)
+        gate_up, residual = add_rmsnorm_matmul(o, residual, ln2.weight, ln2.eps, mlp.gate_up_proj.weight)
+        return silu_mul_matmul(gate_up, mlp.down_proj.weight), residual
 
 
 class LlamaModel(nn.Module):

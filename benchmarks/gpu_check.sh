@@ -18,14 +18,13 @@ for s in $sections; do
                | grep -E "passed|failed|^FAILED|^E " | head -40 ;;
     kernels) timeout 240 python3 benchmarks/gpu_kernels.py --budget-s 200 --out "$R/kernels" > "$R/kernels.log" 2>&1
              tail -80 "$R/kernels.log" ;;
-    gemv)    timeout 120 python3 -c "
-import json, sys
-sys.path.insert(0, 'benchmarks')
-from gpu_kernels import bench_gemv
-rows = bench_gemv(tune=True)
+    gemv)    timeout 150 python3 -c "
+import json
+from tokenmill.benchmarks.gpu_kernels import bench_gemv
+rows = bench_gemv(ms=(1, 8), tune=True, budget_s=110)
 json.dump(rows, open('$R/gemv.json', 'w'), indent=1, default=str)
-for r in rows: print(r)
-" > "$R/gemv.log" 2>&1; tail -40 "$R/gemv.log" ;;
+for r in rows: print({k: v for k, v in r.items() if k != 'sweep'})
+" > "$R/gemv.log" 2>&1; tail -30 "$R/gemv.log" ;;
     e2e)     timeout 300 python3 -m tokenmill.benchmarks.gpu_e2e --model llama3-8b --profile --out "$R/e2e" \
                > "$R/e2e.log" 2>&1; gzip -f "$R"/e2e/*trace*.json; tail -12 "$R/e2e.log" ;;
   esac

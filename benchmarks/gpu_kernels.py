@@ -634,5 +634,191 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------
+# (e) skinny decode matmuls (kernels/gemv.py) vs cuBLAS + the separate norm / SwiGLU kernels
+# ---------------------------------------------------------------------------------------------------
+
+
+def bench_gemv(
+    ms: tuple[int, ...] = (1, 8),
+    *,
+    tune: bool = False,
+    projections: tuple[str, ...] = ("qkv", "o", "gate_up", "down"),
+    rep_ms: int = 20,
+    budget_s: float = 420.0,
+    smoke: bool = False,
+) -> list[Row]:
+    """Llama-3-8B decode projections (bf16) at M tokens: cuBLAS F.linear, preceded by the kernel the fused op
+    absorbs (qkv / gate_up: add_rmsnorm; down: silu_and_mul; o: nothing), vs the one fused skinny kernel.
+
+    Timing: triton.testing.do_bench_cudagraph (median), i.e. inside a CUDA graph like the decode step, so the
+    baseline's launch bubbles count. Each timed call runs the op over n_sets weight copies (>= 4x L2 in all)
+    and the time is divided by n_sets: every weight comes from HBM, as in a real step where each layer has
+    its own weights. Each variant is checked against the unfused bf16 reference first (relative error < 1e-2).
+
+    tune=True also sweeps a few SkinnyConfigs per shape (correctness-checked; configs that fail to compile
+    are skipped) and reports the best; `budget_s` stops the sweep when time runs out (the untuned rows are
+    always produced). smoke=True: tiny shapes in fp16 on CPU under the Triton interpreter (timings meaningless).
+
+    Returns one row per (projection, M): us / weight GB/s of both variants, speedup, the fused config, and with
+    tune the best config, its timing and the whole sweep ([config, us] pairs)."""
+    import torch.nn.functional as F
+
+    from tokenmill.kernels.activation import silu_and_mul
+    from tokenmill.kernels.gemv import (
+        SkinnyConfig,
+        _num_sms,
+        add_rmsnorm_matmul,
+        add_rmsnorm_matmul_ref,
+        default_config,
+        silu_mul_matmul,
+        silu_mul_matmul_ref,
+        skinny_matmul,
+        skinny_matmul_ref,
+    )
+    from tokenmill.kernels.rmsnorm import add_rmsnorm
+
+    t_end = time.perf_counter() + budget_s
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not smoke and dev.type != "cuda":
+        raise RuntimeError("bench_gemv needs a CUDA device (or smoke=True)")
+    dtype = torch.float16 if smoke else torch.bfloat16
+    hidden, inter = (64, 112) if smoke else (4096, 14336)
+    qkv_out = 96 if smoke else 6144
+    # name -> (N, K, prologue)
+    shapes = {"qkv": (qkv_out, hidden, "norm"), "o": (hidden, hidden, "plain"),
+              "gate_up": (2 * inter, hidden, "norm"), "down": (hidden, inter, "silu")}  # fmt: skip
+    l2 = 50 << 20
+    if dev.type == "cuda":
+        l2 = int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or l2)
+    eps = 1e-5
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen, device=dev) * scale).to(dtype)
+
+    def time_us(fn: Callable[[], object], n_calls: int) -> float:
+        if smoke:
+            fn()
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e6 / n_calls
+        from triton.testing import do_bench_cudagraph
+
+        return float(do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")) * 1e3 / n_calls
+
+    def candidates(m: int, default: SkinnyConfig) -> list[SkinnyConfig]:
+        shapes_ = [(16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3), (32, 128, 4, 4), (32, 256, 4, 4),
+                   (64, 64, 4, 5), (64, 128, 4, 4), (16, 256, 4, 6), (32, 128, 8, 4), (64, 128, 8, 3),
+                   (16, 256, 4, 1), (32, 256, 8, 3)]  # fmt: skip
+        out = [default]
+        for bn, bk, nw, ns in shapes_:
+            for use_dot in (False, True) if m == 1 else (True,):
+                cfg = SkinnyConfig(bn, bk, nw, ns, use_dot=use_dot)
+                if cfg not in out:
+                    out.append(cfg)
+        return out
+
+    def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+        return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+    def case(name: str, n: int, k: int, prologue: str, weights: list[torch.Tensor], m: int) -> Row:
+        weight_bytes = n * k * dtype.itemsize
+        n_sets = len(weights)
+        h, res = randn(m, k), randn(m, k, scale=4.0)
+        nw = (1 + 0.1 * torch.randn(k, generator=gen, device=dev)).to(dtype)
+        gu = randn(m, 2 * k, scale=2.0)
+
+        def fused(w: torch.Tensor, cfg: SkinnyConfig | None) -> torch.Tensor:
+            if prologue == "norm":
+                return add_rmsnorm_matmul(h, res, nw, eps, w, config=cfg)[0]
+            if prologue == "silu":
+                return silu_mul_matmul(gu, w, config=cfg)
+            return skinny_matmul(h, w, config=cfg)
+
+        def unfused(w: torch.Tensor) -> torch.Tensor:
+            if prologue == "norm":
+                return F.linear(add_rmsnorm(h, res, nw, eps)[0], w)
+            if prologue == "silu":
+                return F.linear(silu_and_mul(gu), w)
+            return F.linear(h, w)
+
+        def reference(w: torch.Tensor) -> torch.Tensor:
+            if prologue == "norm":
+                return add_rmsnorm_matmul_ref(h, res, nw, eps, w)[0]
+            if prologue == "silu":
+                return silu_mul_matmul_ref(gu, w)
+            return skinny_matmul_ref(h, w)
+
+        ref = reference(weights[0])
+
+        def run_fused(cfg: SkinnyConfig | None) -> tuple[float, float]:
+            """(relative error vs the reference, us per call)"""
+            err = rel(fused(weights[0], cfg), ref)
+            if not err < 1e-2:  # also catches NaN
+                raise AssertionError(f"{name} M={m} {cfg}: relative error {err:.3e}")
+
+            def fn() -> None:
+                for w in weights:
+                    fused(w, cfg)
+
+            return err, time_us(fn, n_sets)
+
+        def fn_base() -> None:
+            for w in weights:
+                unfused(w)
+
+        def gbps(us: float) -> float:
+            return weight_bytes / (us * 1e-6) / 1e9
+
+        base_err = rel(unfused(weights[0]), ref)
+        base_us = time_us(fn_base, n_sets)
+        cfg0 = default_config(m, n, k, dtype.itemsize, _num_sms(dev))
+        fused_err, fused_us = run_fused(None)
+        row: Row = {
+            "proj": name, "m": m, "n": n, "k": k, "weight_mb": weight_bytes / 1e6, "n_sets": n_sets,
+            "base": "cuBLAS" + {"norm": " + add_rmsnorm", "silu": " + silu_and_mul", "plain": ""}[prologue],
+            "base_us": base_us, "base_gbps": gbps(base_us), "fused_us": fused_us, "fused_gbps": gbps(fused_us),
+            "speedup": base_us / fused_us, "config": str(cfg0), "rel_err": fused_err, "base_rel_err": base_err,
+        }  # fmt: skip
+        if tune:
+            sweep: list[list[Any]] = []
+            best_cfg, best_us = cfg0, fused_us
+            for cfg in candidates(m, cfg0):
+                if time.perf_counter() > t_end:
+                    row["tune_note"] = "sweep cut short (budget_s)"
+                    break
+                try:
+                    us = fused_us if cfg == cfg0 else run_fused(cfg)[1]
+                except Exception as exc:  # e.g. out of shared memory: skip the config
+                    print(f"gemv {name} M={m} {cfg} failed: {exc!r}"[:400], file=sys.stderr)
+                    sweep.append([str(cfg), None])
+                    continue
+                sweep.append([str(cfg), us])
+                if us < best_us:
+                    best_cfg, best_us = cfg, us
+            row.update(best_config=str(best_cfg), best_us=best_us, best_gbps=gbps(best_us),
+                       best_speedup=base_us / best_us, tune=sweep)  # fmt: skip
+        print(
+            f"gemv {name:8s} M={m:2d} N={n} K={k}: {row['base']} {base_us:7.1f} us ({gbps(base_us):5.0f} GB/s)"
+            f" | fused {fused_us:7.1f} us ({gbps(fused_us):5.0f} GB/s) x{base_us / fused_us:.2f} {cfg0}"
+            + (f" | best {row['best_us']:.1f} us {row['best_config']}" if tune else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+        return row
+
+    rows: list[Row] = []
+    for name in projections:
+        n, k, prologue = shapes[name]
+        n_sets = 2 if smoke else max(2, min(16, math.ceil(4 * l2 / (n * k * dtype.itemsize))))
+        weights = [randn(n, k, scale=k**-0.5) for _ in range(n_sets)]
+        rows += [case(name, n, k, prologue, weights, m) for m in ms]
+        del weights
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,6 +8,7 @@ for `import tokenmill.kernels.rmsnorm as m`):
     tokenmill.kernels.rotary            rotary_embedding, rotary_and_cache (+ _ref), cos_sin_cache_from_inv_freq
     tokenmill.kernels.rmsnorm           rmsnorm, add_rmsnorm (+ _ref)
     tokenmill.kernels.activation        silu_and_mul, silu_and_mul_ref
+    tokenmill.kernels.gemv              skinny_matmul, add_rmsnorm_matmul, silu_mul_matmul (+ _ref), SkinnyConfig
 
 Each launcher checks shapes, dtypes, devices and strides (ValueError) and has a plain-torch `*_ref` twin.
 Importing this package does not import Triton (the optional `gpu` extra); the submodules do.

@@ -42,3 +42,41 @@ def test_add_rmsnorm_and_silu_kernels_match_the_cpu_path() -> None:
     torch.testing.assert_close(got_out, want_out, atol=1e-5, rtol=1e-5)
     gate_up = torch.randn(5, 96)
     torch.testing.assert_close(silu_and_mul(gate_up), SiluAndMul()(gate_up), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("arch_name", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("first_layer", [True, False])
+def test_skinny_decode_layer_matches_the_unfused_layer(arch_name: str, first_layer: bool) -> None:
+    # The decoder layer's fused few-token path (norm -> qkv, o_proj, norm -> gate_up, SwiGLU -> down in
+    # kernels/gemv.py) computes what its unfused path computes, KV-cache writes included.
+    from tokenmill.kernels.gemv import MAX_TOKENS
+    from tokenmill.worker.attention.triton_backend import TritonBackend
+    from tokenmill.worker.loader.dummy import dummy_arch
+    from tokenmill.worker.model_runner import attention_metadata
+    from tokenmill.worker.models.llama import SKINNY_MAX_TOKENS, LlamaDecoderLayer
+
+    assert SKINNY_MAX_TOKENS == MAX_TOKENS
+    arch = dummy_arch(arch_name)
+    assert arch is not None
+    torch.manual_seed(2)
+    rope = RotaryEmbedding(arch.head_dim, 256, arch.rope_theta, arch.rope_scaling)
+    layer = LlamaDecoderLayer(arch, TritonBackend(), rope, None, torch.float32)
+    for p in layer.parameters():
+        p.data.normal_(0.0, 0.3)
+    assert layer.skinny_decode
+    # three decoding requests with 5, 17 and 33 tokens of context (the new one included)
+    seq_lens, block = [5, 17, 33], 16
+    tables = [[0], [1, 2], [3, 4, 5]]
+    slots = [t[(s - 1) // block] * block + (s - 1) % block for t, s in zip(tables, seq_lens)]
+    meta = attention_metadata([1, 1, 1], seq_lens, tables, slots, torch.device("cpu"))
+    positions = torch.tensor([s - 1 for s in seq_lens])
+    h = torch.randn(3, arch.hidden_size)
+    residual = None if first_layer else torch.randn(3, arch.hidden_size)
+    shape = (6, block, arch.num_kv_heads, arch.head_dim)
+    caches_a = (torch.randn(shape), torch.randn(shape))
+    caches_b = (caches_a[0].clone(), caches_a[1].clone())
+    want_out, want_res = layer(positions, h, residual, caches_a, meta)  # CPU tensors: the unfused path
+    got_out, got_res = layer._forward_skinny(positions, h, residual, caches_b, meta)
+    torch.testing.assert_close(got_res, want_res)
+    torch.testing.assert_close(caches_b, caches_a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_out, want_out, atol=1e-4, rtol=1e-4)

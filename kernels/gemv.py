@@ -122,7 +122,14 @@ def _num_sms(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=256)
 def default_config(m: int, n: int, k: int, itemsize: int, num_sms: int) -> SkinnyConfig:
-    """The rule-based launch shape for y [m, n] = x [m, k] @ w [n, k].T with elements of `itemsize` bytes."""
+    """The rule-based launch shape for y [m, n] = x [m, k] @ w [n, k].T with elements of `itemsize` bytes.
+
+    M == 1 (batch-1 decode): the measured best family on the H200 for all four Llama-3-8B projections
+    (bench_gemv(tune=True)): 16 weight rows per program, 256-wide K steps (512 for K >= 8192), FMA variant."""
+    if m == 1:
+        wide = k >= 8192
+        return SkinnyConfig(16, max(16, min(512 if wide else 256, _next_pow2(k))), 4, 3 if wide else 4,
+                            use_dot=False)
     block_n = _MAX_BLOCK_N
     while block_n > _MIN_BLOCK_N and triton.cdiv(n, block_n) < _PROGRAMS_PER_SM * num_sms:
         block_n //= 2

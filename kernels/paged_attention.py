@@ -70,7 +70,8 @@ class PagedAttentionConfig:
 # Defaults (tunable with benchmarks/gpu_kernels.py). Decode tiles are small (one token x its group);
 # prefill tiles are FlashAttention-sized.
 DECODE_CONFIG = PagedAttentionConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
-PREFILL_CONFIG = PagedAttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)  # best measured on H200
+# prefill: best of 9 configs on the H200 at 8k tokens (benchmarks/results/h200/gpu_kernels.md)
+PREFILL_CONFIG = PagedAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 
 # Split heuristic knobs: aim for this many programs per SM, never give a split fewer keys than
 # _MIN_KEYS_PER_SPLIT, never more than _MAX_SPLITS splits.
@@ -82,10 +83,6 @@ _MAX_SPLITS = 64
 # part_m of split 0 for a row the attention kernel normalised and wrote itself (a real running max is a
 # finite score or -1e30, never this).
 _DONE_MARK = 3.0e38
-
-
-def _min_seg(block_n: int) -> int:
-    return -(-_MIN_KEYS_PER_SPLIT // block_n) * block_n
 
 
 def _next_pow2(x: int) -> int:
@@ -214,7 +211,6 @@ def _paged_attn_kernel(
     ONE_TILE_PER_SEQ: tl.constexpr,  # every request has <= BLOCK_Q query tokens: program i -> request i
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    MIN_SEG: tl.constexpr,  # fewest keys per split segment (a multiple of BLOCK_N)
     DONE_MARK: tl.constexpr,  # part_m value of split 0 for a row written directly to out
 ):
     kvh = tl.program_id(1)
@@ -263,10 +259,11 @@ def _paged_attn_kernel(
         seg_lo = kv_lo
         seg_hi = kv_hi
     else:
-        # Segments are whole BLOCK_N multiples of at least MIN_SEG keys, so a short context (a decode in a
-        # CUDA graph sized for max_model_len, say) uses fewer splits than launched; with a single one the
-        # split-0 program writes `out` directly and marks the row done for the reduce kernel.
-        seg = tl.maximum(tl.cdiv(tl.cdiv(kv_hi - kv_lo, num_splits), BLOCK_N) * BLOCK_N, MIN_SEG)
+        # Segments are whole BLOCK_N multiples, so a short context (a decode in a CUDA graph sized for
+        # max_model_len, say) may use fewer splits than launched; with a single one the split-0 program
+        # writes `out` directly and marks the row done for the reduce kernel. (A floor of 256 keys per
+        # segment made batch-1 decode at ~200 tokens slower on the H200: 8.8 us vs 5.2 + 1.6 us reduce.)
+        seg = tl.cdiv(tl.cdiv(kv_hi - kv_lo, num_splits), BLOCK_N) * BLOCK_N
         direct = kv_hi - kv_lo <= seg
         if direct and split > 0:
             return
@@ -460,8 +457,6 @@ def paged_attention(
     one_tile = max_query_len <= block_q
     num_tile_slots = num_seqs if one_tile else num_tokens // block_q + num_seqs
 
-    # A forced split count is honoured exactly (tests, tuning); heuristic splits keep >= MIN_KEYS per segment.
-    min_seg = config.block_n if num_splits is not None else _min_seg(config.block_n)
     if num_splits is None:
         kv_span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + max_query_len)
         num_splits = choose_num_splits(num_tile_slots * num_kv_heads, kv_span, _num_sms(device), config.block_n)
@@ -487,7 +482,7 @@ def paged_attention(
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=num_splits > 1,
         ONE_TILE_PER_SEQ=one_tile, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        MIN_SEG=min_seg, DONE_MARK=_DONE_MARK,
+        DONE_MARK=_DONE_MARK,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if num_splits > 1:

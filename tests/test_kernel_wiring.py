@@ -55,7 +55,7 @@ def test_skinny_decode_layer_matches_the_unfused_layer(arch_name: str, first_lay
     from tokenmill.worker.model_runner import attention_metadata
     from tokenmill.worker.models.llama import SKINNY_MAX_TOKENS, LlamaDecoderLayer
 
-    assert SKINNY_MAX_TOKENS == MAX_TOKENS
+    assert 1 <= SKINNY_MAX_TOKENS <= MAX_TOKENS
     arch = dummy_arch(arch_name)
     assert arch is not None
     torch.manual_seed(2)

@@ -14,7 +14,7 @@ sections=${*:-tests e2e kernels gemv}
 for s in $sections; do
   t0=$SECONDS
   case $s in
-    tests)   timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$R/gpu_tests.log" \
+    tests)   timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/} 2>&1 | tee "$R/gpu_tests.log" \
                | grep -E "passed|failed|^FAILED|^E " | head -40 ;;
     kernels) timeout 330 python3 benchmarks/gpu_kernels.py --budget-s 290 --out "$R/kernels" > "$R/kernels.log" 2>&1
              tail -80 "$R/kernels.log" ;;

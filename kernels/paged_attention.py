@@ -73,6 +73,25 @@ DECODE_CONFIG = PagedAttentionConfig(block_m=16, block_n=64, num_warps=4, num_st
 # prefill: best of 9 configs on the H200 at 8k tokens (benchmarks/results/h200/gpu_kernels.md)
 PREFILL_CONFIG = PagedAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 
+# Mixed batches (many short query runs, e.g. decodes beside a few prefill chunks) waste most of a 128-row
+# tile per short request; fp32 cannot fit the large tile's shared memory (262 KB > 227 KB on the H200).
+MIXED_CONFIG = PagedAttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+FP32_PREFILL_CONFIG = PagedAttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+_LONG_QUERY = 128  # mean query tokens per request from which the large prefill tile pays
+
+
+def default_config(max_query_len: int, num_tokens: int, num_seqs: int, group_pad: int,
+                   itemsize: int) -> PagedAttentionConfig:
+    """The launch shape for a batch, from host ints only: decode tiles when every request fits one
+    (max_query_len x group rows <= decode block_m), else the large prefill tile for long query runs, the
+    medium tile for mixed batches, and a small-footprint tile in fp32."""
+    if max_query_len * group_pad <= max(DECODE_CONFIG.block_m, group_pad):
+        return DECODE_CONFIG
+    if itemsize >= 4:
+        return FP32_PREFILL_CONFIG
+    return PREFILL_CONFIG if num_tokens >= _LONG_QUERY * num_seqs else MIXED_CONFIG
+
+
 # Split heuristic knobs: aim for this many programs per SM, never give a split fewer keys than
 # _MIN_KEYS_PER_SPLIT, never more than _MAX_SPLITS splits.
 _PROGRAMS_PER_SM = 3
@@ -450,8 +469,7 @@ def paged_attention(
     group = num_q_heads // num_kv_heads
     group_pad = _next_pow2(group)
     if config is None:
-        decode_rows = max(DECODE_CONFIG.block_m, group_pad)
-        config = DECODE_CONFIG if max_query_len * group_pad <= decode_rows else PREFILL_CONFIG
+        config = default_config(max_query_len, num_tokens, num_seqs, group_pad, q.element_size())
     block_m = max(config.block_m, group_pad)
     block_q = block_m // group_pad
     one_tile = max_query_len <= block_q

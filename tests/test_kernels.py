@@ -857,3 +857,18 @@ def test_gpu_small_kernels_bf16() -> None:
 def test_gpu_triton_backend_matches_torch_ref(window: int | None) -> None:
     case = _backend_case([1] * 30 + [512, 100], [1500] * 30 + [2560, 100], 32, 8, 128, 16, torch.bfloat16)
     _compare_backends(case, window, GPU_TOL)
+
+
+def test_default_config_by_batch_shape() -> None:
+    from tokenmill.kernels.paged_attention import (
+        DECODE_CONFIG,
+        FP32_PREFILL_CONFIG,
+        MIXED_CONFIG,
+        PREFILL_CONFIG,
+        default_config,
+    )
+
+    assert default_config(1, 64, 64, 4, 2) is DECODE_CONFIG  # decode-only
+    assert default_config(8192, 8192, 1, 4, 2) is PREFILL_CONFIG  # one long prompt
+    assert default_config(1000, 1500, 501, 4, 2) is MIXED_CONFIG  # 500 decodes beside one prompt
+    assert default_config(8192, 8192, 1, 4, 4) is FP32_PREFILL_CONFIG  # the large tile does not fit in fp32

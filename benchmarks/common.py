@@ -42,13 +42,17 @@ def percentile(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def write_results(out_dir: Path, name: str, payload: dict[str, Any], table_md: str, echo: bool = True) -> None:
+def write_results(out_dir: Path, name: str, payload: dict[str, Any], table_md: str, echo: bool = True,
+                  stamp: bool = True) -> None:
+    """<name>.json and <name>.md in `out_dir`. `stamp`: record this process's command, commit and device
+    (off for results measured elsewhere, e.g. merged ones, which carry their own)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    payload = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": git_commit(),
-               "device": device_info(), **payload}
+    if stamp:
+        payload = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": git_commit(),
+                   "device": device_info(), **payload}
     (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
-    header = (f"# {name}\n\ncommit `{payload['commit']}`, device `{payload['device']}`\n\n"
-              f"command: `{payload['command']}`\n\n")
+    header = (f"# {name}\n\ncommit `{payload.get('commit')}`, device `{payload.get('device')}`\n\n"
+              f"command: `{payload.get('command')}`\n\n")
     (out_dir / f"{name}.md").write_text(header + table_md + "\n")
     if echo:
         print(table_md)

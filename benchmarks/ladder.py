@@ -17,22 +17,29 @@ at the peak of the run (blocks x bytes per block) on top of the weights.
 from __future__ import annotations
 
 import argparse
+import random
+import statistics
+import time
 from pathlib import Path
 from typing import Any
 
-from tokenmill.benchmarks.common import write_results
+from tokenmill.benchmarks.common import dist, write_results
 from tokenmill.benchmarks.throughput import (
     EngineRun,
+    StepTrace,
+    _sync,
     add_model_args,
     build_engine,
     drive,
     memory_info,
+    recording_schedule,
     set_prefix_caching,
     spec_from_args,
     workload_tokenizer,
 )
 from tokenmill.benchmarks.workloads import BenchRequest, Workload, shared_prefix_workload, sharegpt_workload
 from tokenmill.worker.engine import LLMEngine
+from tokenmill.worker.sampling_params import SamplingParams
 
 NOT_BUILT = ("quantization (INT8/INT4 weight-only, FP8)", "speculative decoding (EAGLE draft heads)")
 
@@ -45,7 +52,8 @@ def ladder_row(step: str, workload: Workload, run: EngineRun, engine: LLMEngine)
             "requests_per_s": s["requests_per_s"], "ttft_ms": lat["ttft_ms"], "tpot_ms": lat["tpot_ms"],
             "peak_kv_bytes": s["peak_kv_bytes"], "weights_bytes": memory_info(engine)["weights_bytes"],
             "cached_prompt_tokens": s["cached_prompt_tokens"], "input_tokens": s["input_tokens"],
-            "preemptions": s["preemptions"], "duration_s": s["duration_s"]}
+            "preemptions": s["preemptions"], "duration_s": s["duration_s"],
+            "first_token": s.get("first_token", {}), "step_ms": s.get("step_ms", {})}
 
 
 def static_row(engine: LLMEngine, workload: Workload, batch: int) -> dict[str, Any]:
@@ -71,27 +79,128 @@ def common_prefix(workload: Workload) -> tuple[int, ...]:
 
 
 def prefix_rows(engine: LLMEngine, workload: Workload, sessions: int | None,
-                deadline: float | None = None) -> list[dict[str, Any]]:
+                deadline: float | None = None, *, ramp: bool = False) -> list[dict[str, Any]]:
     """The shared-prefix workload with prefix caching off, then on (same requests, same order). Before
     the cached run one request of the bare system prompt goes through, as on a server that has served it
-    before (with caching off that would leave nothing behind, so it is skipped there). Past `deadline`
-    (time.monotonic) the uncached run sends no new turn, and the cached run gets the requests it sent."""
+    before (with caching off that would leave nothing behind, so it is skipped there). `sessions`
+    conversations are open at once (None: all), opened together or, with `ramp`, one per engine step.
+    Past `deadline` (time.monotonic) the uncached run sends no new turn, and the cached run gets the
+    requests it sent. Each row records the steps from arrival to first token and the step times
+    (`drive`'s StepTrace), so what TTFT is made of can be read from the JSON."""
     rows = []
-    warm = Workload("system prompt", (BenchRequest(common_prefix(workload), 1),))
+    system = common_prefix(workload)
+    warm = Workload("system prompt", (BenchRequest(system, 1),))
     for on in (False, True):
         set_prefix_caching(engine, on)
         if on:
             drive(engine, warm, desc="system prompt")
-        run = drive(engine, workload, sessions=sessions, desc=f"shared prefix, caching {'on' if on else 'off'}",
-                    deadline=None if on else deadline)
+        run = drive(engine, workload, sessions=sessions, ramp=ramp,
+                    desc=f"shared prefix, caching {'on' if on else 'off'}", deadline=None if on else deadline)
         if len(run.sent) < len(workload):
             workload = Workload(workload.name, tuple(workload.requests[i] for i in run.sent),
                                 {**workload.params, "subset_of": len(workload)})
         label = "continuous batching + prefix caching" if on else "continuous batching, prefix caching off"
-        rows.append(ladder_row(label, workload, run, engine) | {"prefix_caching": on, "sessions": sessions,
-                                                                "of_requests": workload.params.get("subset_of")})
+        uncached = [t.prompt_len - t.cached_tokens for t in run.timings if t.ok]
+        rows.append(ladder_row(label, workload, run, engine) | {
+            "prefix_caching": on, "sessions": sessions, "session_ramp": ramp,
+            "of_requests": workload.params.get("subset_of"), "system_prompt_tokens": len(system),
+            "conversations": workload.params.get("conversations"), "turns": workload.params.get("turns"),
+            "max_turn_len": workload.params.get("max_turn_len"),
+            "uncached_prompt_tokens": dist([float(u) for u in uncached], 1.0)})
     set_prefix_caching(engine, True)
     return rows
+
+
+def step_anatomy(engine: LLMEngine, workload: Workload, running: int, new_tokens: int, repeats: int = 3,
+                 ) -> dict[str, Any]:
+    """Single steps timed apart, with async scheduling off for the measurement and a device sync after
+    each launch: `host_ms` is the time the host takes to launch the step (schedule excluded), `device_ms`
+    what the device still needs after that, `step_ms` the whole step() call. Three kinds of step, each
+    beside `running` requests that decode (the shared-prefix workload's prompts, cache on):
+    decode-only; plus one new request of the system prompt (cached) + `new_tokens` new tokens; plus one
+    of the same length that shares nothing (what prefix caching saves). On CPU the launch computes the
+    step, so host_ms is all of it."""
+    assert not engine.has_unfinished_requests()
+    system = common_prefix(workload)
+    vocab = engine.runner.arch.vocab_size
+    rng = random.Random(0)
+
+    def fresh(n: int) -> list[int]:
+        return [rng.randrange(260, vocab) for _ in range(n)]
+
+    sessions = {r.session: r for r in workload.requests if r.turn == 0}
+    background = [list(r.prompt_ids) for r in list(sessions.values())[:running]]
+    longest = max(len(p) for p in background) + 1
+    decode = SamplingParams(temperature=0.0, max_tokens=max(1, engine.max_model_len - longest), ignore_eos=True)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    records: list[tuple[float, float]] = []
+    was_async = engine.async_scheduling
+    engine.async_scheduling = False
+    set_prefix_caching(engine, True)
+    runner = engine.runner
+    launch = runner.launch
+
+    def timed(*args: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        pending = launch(*args, **kw)
+        t1 = time.perf_counter()
+        _sync(runner.device.type)
+        records.append((t1 - t0, time.perf_counter() - t1))
+        return pending
+
+    kinds: dict[str, list[dict[str, float]]] = {"decode-only": [], "new request, system prompt cached": [],
+                                                 "new request, nothing cached": []}
+    try:
+        engine.generate([list(system)], one)  # the system prompt is in the cache, as on a warm server
+        for k, p in enumerate(background):
+            engine.add_request(f"anatomy-bg{k}", prompt_token_ids=p, params=decode)
+        while _prefilling(engine):
+            engine.step()  # the background prefills (not measured)
+        setattr(runner, "launch", timed)  # noqa: B010
+        trace = StepTrace(async_scheduling=False)
+        with recording_schedule(engine, trace):
+            for rep in range(repeats):
+                for kind, prompt in (("decode-only", None), ("new request, system prompt cached",
+                                                             [*system, *fresh(new_tokens)]),
+                                     ("new request, nothing cached", fresh(len(system) + new_tokens))):
+                    if prompt is not None:
+                        engine.add_request(f"anatomy-{rep}-{len(kinds[kind])}-{kind[:12]}", prompt_token_ids=prompt,
+                                           params=one)
+                    t = time.perf_counter()
+                    engine.step()
+                    trace.on_call(time.perf_counter() - t)
+                    host, dev = records[-1]
+                    prompt_tokens, decodes = trace.launched[-1]
+                    kinds[kind].append({"host_ms": host * 1e3, "device_ms": dev * 1e3, "step_ms": trace.wall[-1] * 1e3,
+                                        "prompt_tokens": prompt_tokens, "decodes": decodes})
+                    while _prefilling(engine):  # what a small token budget left of the prompt (not measured)
+                        engine.step()
+    finally:
+        if "launch" in vars(runner):
+            delattr(runner, "launch")
+        for rid in [r.request_id for r in (*engine.scheduler.running, *engine.scheduler.waiting)]:
+            engine.abort_request(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.async_scheduling = was_async
+        set_prefix_caching(engine, True)
+    return {"running": len(background), "new_tokens": new_tokens, "system_prompt_tokens": len(system),
+            "repeats": repeats, "device": runner.device.type,
+            "kinds": {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in kinds.items() if v}}
+
+
+def _prefilling(engine: LLMEngine) -> bool:
+    s = engine.scheduler
+    return bool(s.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens for r in s.running)
+
+
+def anatomy_table(a: dict[str, Any]) -> str:
+    out = ["| step | decodes | prompt tokens | host: launch ms | device: after launch ms | step() ms |",
+           "|---|---|---|---|---|---|"]
+    for kind, m in a["kinds"].items():
+        out.append(f"| {kind} | {m['decodes']:.0f} | {m['prompt_tokens']:.0f} | {m['host_ms']:.1f} | "
+                   f"{m['device_ms']:.1f} | {m['step_ms']:.1f} |")
+    return "\n".join(out)
 
 
 def prefix_gain(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -138,6 +247,7 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--system-len", type=int, default=1000)
     ap.add_argument("--max-turn-len", type=int, default=64)
     ap.add_argument("--sessions", type=int, default=None, help="conversations open at once (default: all)")
+    ap.add_argument("--session-ramp", action="store_true", help="open the sessions one per engine step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu"))
     return ap
@@ -152,7 +262,7 @@ def run_cli(args: argparse.Namespace) -> int:
                                 max_turn_len=args.max_turn_len, ids_vocab=vocab)
     engine = build_engine(spec)
     rows = [static_row(engine, sg, args.static_batch), continuous_row(engine, sg)]
-    pre = prefix_rows(engine, sp, args.sessions)
+    pre = prefix_rows(engine, sp, args.sessions, ramp=args.session_ramp)
     rows += [*pre, *not_built_rows()]
     write_results(args.out, "ladder", {"model": spec.describe(), "rows": rows, "prefix_gain": prefix_gain(pre)},
                   ladder_table(rows))

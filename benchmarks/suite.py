@@ -20,6 +20,7 @@ the serving section. Results: suite.json, suite.md and PNGs under --out, rewritt
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import signal
 import sys
@@ -31,7 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.benchmarks.common import device_info, write_results
-from tokenmill.benchmarks.ladder import ladder_row, ladder_table, not_built_rows, prefix_gain, prefix_rows
+from tokenmill.benchmarks.ladder import (
+    anatomy_table,
+    ladder_row,
+    ladder_table,
+    not_built_rows,
+    prefix_gain,
+    prefix_rows,
+    step_anatomy,
+)
 from tokenmill.benchmarks.serving import ServingConfig, serve_rates, serving_table
 from tokenmill.benchmarks.throughput import (
     ModelSpec,
@@ -42,10 +51,17 @@ from tokenmill.benchmarks.throughput import (
     hf_static,
     memory_info,
     offline_throughput,
+    peak_memory,
     set_prefix_caching,
     workload_tokenizer,
 )
-from tokenmill.benchmarks.workloads import Workload, random_workload, shared_prefix_workload, sharegpt_workload
+from tokenmill.benchmarks.workloads import (
+    BenchRequest,
+    Workload,
+    random_workload,
+    shared_prefix_workload,
+    sharegpt_workload,
+)
 from tokenmill.worker.engine import LLMEngine
 
 SECTIONS = ("hf", "engine", "sharegpt", "hf_compare", "prefix", "fixed", "static", "serving")
@@ -64,7 +80,10 @@ class SuiteConfig:
     turns: int = 2
     system_len: int = 1000
     max_turn_len: int = 64
-    sessions: int | None = None
+    sessions: int | None = None  # conversations open at once (None: all)
+    session_ramp: bool = False  # open them one per engine step (True) or all at the start
+    more_system_lens: tuple[int, ...] = ()  # the shared-prefix run again with these system prompt lengths
+    step_anatomy: bool = False  # time single steps with and without a cached prompt apart (host vs device)
     fixed_requests: int = 16
     fixed_in: int = 128
     fixed_out: int = 64
@@ -94,7 +113,8 @@ GPU = SuiteConfig(
     spec=ModelSpec(model="llama3-8b", load_format="dummy", dtype="bfloat16", device="cuda", max_num_seqs=256,
                    max_num_batched_tokens=8192, max_model_len=4096, gpu_memory_utilization=0.9),
     sharegpt_prompts=200, hf_batch=64, hf_time_s=75.0,
-    conversations=32, turns=4, max_turn_len=128, sessions=16,
+    conversations=32, turns=4, max_turn_len=128, sessions=16, session_ramp=True, more_system_lens=(2048,),
+    step_anatomy=True,
     fixed_requests=1000, fixed_in=1000, fixed_out=1000,
     serving_rates=(), serving_rate_fractions=(0.25, 0.5, 0.75, math.inf), serving_prompts=200,
     serving_time_s=25.0, serving_reserve_s=170.0, ttft_slo_ms=500.0, tpot_slo_ms=50.0, budget_s=450.0,
@@ -114,6 +134,8 @@ class Suite:
         self.start = time.monotonic()
         self.deadline = self.start + cfg.budget_s
         self.engine: LLMEngine | None = None
+        self.current: str | None = None  # the section running
+        self.current_start = self.start
         self.workloads: dict[str, Workload] = {}
         self.result: dict[str, Any] = {"command": " ".join(["python -m tokenmill.benchmarks.suite", *sys.argv[1:]]),
                                        "device": device_info(), "model": cfg.spec.describe(),
@@ -132,7 +154,8 @@ class Suite:
             self.save()
             return
         print(f"== {name} ({self.left():.0f} s of budget left)", flush=True)
-        t = time.monotonic()
+        t = self.current_start = time.monotonic()
+        self.current = name
         try:
             self.result[name] = fn()
         except Skip as e:
@@ -141,6 +164,7 @@ class Suite:
         except Exception as e:
             traceback.print_exc()
             self.result[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        self.current = None
         self.result["sections_s"][name] = round(time.monotonic() - t, 1)
         self.save()
 
@@ -158,9 +182,10 @@ class Suite:
         self.workloads["sharegpt"] = sharegpt_workload(tok, c.sharegpt_prompts, c.seed, ids_vocab=vocab,
                                                        max_input_len=c.sharegpt_max_input,
                                                        max_output_len=c.sharegpt_max_output)
-        self.workloads["prefix"] = shared_prefix_workload(tok, c.conversations, c.turns, c.seed,
-                                                          system_len=c.system_len, max_turn_len=c.max_turn_len,
-                                                          ids_vocab=vocab)
+        for n in (c.system_len, *c.more_system_lens):
+            self.workloads[prefix_key(n, c)] = shared_prefix_workload(tok, c.conversations, c.turns, c.seed,
+                                                                      system_len=n, max_turn_len=c.max_turn_len,
+                                                                      ids_vocab=vocab)
         fixed_vocab = vocab or tok.vocab_size
         self.workloads["fixed"] = random_workload(c.fixed_requests, c.fixed_in, c.fixed_out, fixed_vocab, c.seed)
         return {"length_tokenizer": tok_name, **{k: w.summary() for k, w in self.workloads.items()}}
@@ -168,7 +193,7 @@ class Suite:
     def hf(self) -> dict[str, Any]:
         model = hf_model(self.cfg.spec)
         try:
-            limit = min(self.cfg.hf_time_s, self.left(self.cfg.serving_reserve_s + 120))
+            limit = min(self.cfg.hf_time_s, self.left(self._serving_reserve() + 120))
             return hf_static(model, self.workloads["sharegpt"], self.cfg.hf_batch, self.cfg.spec.device,
                              time_limit_s=max(limit, 1.0))
         finally:
@@ -208,29 +233,58 @@ class Suite:
                 "ratio_requests_s": mine["requests_per_s"] / hf["requests_per_s"]}
 
     def prefix(self) -> dict[str, Any]:
-        # The uncached run is the slow one: it may use 60% of what is left before the kept-back time.
-        deadline = time.monotonic() + 0.6 * self.left(self.cfg.serving_reserve_s + 15)
-        rows = prefix_rows(self._engine(), self.workloads["prefix"], self.cfg.sessions, deadline)
-        return {"rows": rows, "gain": prefix_gain(rows)}
+        """The shared-prefix runs (caching off, then on), first with `system_len`, then with each of
+        `more_system_lens` while the budget lasts. `rows`/`gain` are the first one's (the ladder's)."""
+        c = self.cfg
+        lens = (c.system_len, *c.more_system_lens)
+        variants: list[dict[str, Any]] = []
+        for k, n in enumerate(lens):
+            left = self.left(self._serving_reserve() + 15)
+            if k and left < 30:
+                variants.append({"system_len": n, "skipped": f"time budget ({left:.0f} s left)"})
+                continue
+            # The uncached run is the slow one: it may use 60% of this variant's share of what is left.
+            deadline = time.monotonic() + 0.6 * left / (len(lens) - k)
+            rows = prefix_rows(self._engine(), self.workloads[prefix_key(n, c)], c.sessions, deadline,
+                               ramp=c.session_ramp)
+            variants.append({"system_len": n, "rows": rows, "gain": prefix_gain(rows)})
+        first = variants[0]
+        out = {"rows": first["rows"], "gain": first["gain"], "variants": variants}
+        if c.step_anatomy and self.left(self._serving_reserve() + 15) > 20:
+            new = first["rows"][1].get("uncached_prompt_tokens", {}).get("p50") or c.max_turn_len
+            out["anatomy"] = step_anatomy(self._engine(), self.workloads["prefix"], c.sessions or c.conversations,
+                                          round(new))
+        return out
 
     def fixed(self) -> dict[str, Any]:
-        wl = self.workloads["fixed"]
-        rate = self.result.get("sharegpt", {}).get("output_tok_per_s")
-        # The ShareGPT rate is a conservative guess (bigger batches here); without it, one full batch.
-        fit = self.cfg.spec.max_num_seqs
-        if rate:
-            fit = int(self.left(self.cfg.serving_reserve_s + 15) * rate / wl.requests[0].output_len)
-        n = max(1, min(len(wl), fit))
-        set_prefix_caching(self._engine(), False)
-        res = offline_throughput(self._engine(), wl.subset(n), desc=f"fixed {wl.name}")
-        return res | {"requests_planned": len(wl), "shrunk_for_budget": n < len(wl)}
+        """Fixed input/output lengths. At most 2 x max_num_seqs requests are handed over and unfinished
+        at a time (the engine always has more waiting than it can admit, as when all arrive at once;
+        TTFT counts from the hand-over); the next is sent only while it can still finish within the
+        budget (at the longest end-to-end time so far), so the run shrinks itself when time is short."""
+        wl, eng = self.workloads["fixed"], self._engine()
+        set_prefix_caching(eng, False)
+        if "output_tok_per_s" not in self.result.get("sharegpt", {}):
+            self._warm_prefill(wl)  # a fresh engine: compile the full-budget prefill shapes untimed
+        window = 2 * self.cfg.spec.max_num_seqs
+        deadline = time.monotonic() + self.left(self._serving_reserve() + 15)
+        run = drive(eng, wl, window=window, deadline=deadline, desc=f"fixed {wl.name}")
+        n = len(run.sent)  # the first n: a window sends in workload order
+        return {"workload": wl.subset(n).summary(), **run.summary(eng.runner.bytes_per_block),
+                **peak_memory(eng.runner.device.type), "requests_planned": len(wl), "window": window,
+                "shrunk_for_budget": n < len(wl)}
+
+    def _warm_prefill(self, wl: Workload) -> None:
+        budget = self.cfg.spec.max_num_batched_tokens
+        k = min(len(wl), budget // max(wl.requests[0].prompt_len, 1) + 1)  # more prompt tokens than one step takes
+        warm = Workload("warm-up", tuple(BenchRequest(r.prompt_ids, 2) for r in wl.requests[:k]))
+        drive(self._engine(), warm, desc="warm-up")
 
     def static(self) -> dict[str, Any]:
         """Static batches of the HF batch size on the requests HF served (all ShareGPT ones without HF)."""
         served = self.hf_served() or self.workloads["sharegpt"]
         eng = self._engine()
         set_prefix_caching(eng, False)
-        deadline = time.monotonic() + self.left(self.cfg.serving_reserve_s + 10)
+        deadline = time.monotonic() + self.left(self._serving_reserve() + 10)
         run = drive(eng, served, batch_size=self.cfg.hf_batch, desc=f"static batches of {self.cfg.hf_batch}",
                     deadline=deadline)
         return ladder_row(f"static batching (batches of {self.cfg.hf_batch})", served.subset(len(run.timings)),
@@ -246,6 +300,10 @@ class Suite:
                             saturation_hint=hint)
         return serve_rates(c.spec, self.workloads["sharegpt"], cfg, prefix_caching=False, deadline=self.deadline)
 
+    def _serving_reserve(self) -> float:
+        """Budget kept back for the serving section: none when it is not among the sections."""
+        return self.cfg.serving_reserve_s if "serving" in self.sections else 0.0
+
     def _rates_from_offline(self) -> tuple[float, ...]:
         r = self.result.get("sharegpt", {}).get("requests_per_s")
         if not r:
@@ -257,7 +315,7 @@ class Suite:
         if "sharegpt" not in self.workloads:
             self.save(plots=False)
             return
-        res = self.cfg.serving_reserve_s
+        res = self._serving_reserve()
         self.section("hf", self.hf, reserve=res + 120)
         self.section("engine", self.build, reserve=res)
         self.section("sharegpt", self.sharegpt, reserve=res)
@@ -265,10 +323,28 @@ class Suite:
         self.section("prefix", self.prefix, reserve=res)
         self.section("fixed", self.fixed, reserve=res + 15)
         self.section("static", self.static, reserve=res + 10)
-        self.result["ladder"] = {"rows": ladder_rows(self.result), "prefix_gain": self.result.get("prefix", {})
-                                 .get("gain")}
+        self.set_ladder()
         self.section("serving", self.serving, need=20.0)
         self.save(plots=True)
+
+    def set_ladder(self) -> None:
+        self.result["ladder"] = {"rows": ladder_rows(self.result),
+                                 "prefix_gain": self.result.get("prefix", {}).get("gain")}
+
+    def interrupted(self, why: str) -> None:
+        """Stopped from outside (SIGTERM from `timeout`, Ctrl-C): record it with the section that was
+        running, and write what the finished sections measured."""
+        self.result["interrupted"] = why
+        if self.current:
+            self.result[self.current] = {"error": f"interrupted ({why}) after "
+                                                  f"{time.monotonic() - self.current_start:.0f} s"}
+        self.set_ladder()
+        self.save()
+
+
+def prefix_key(system_len: int, cfg: SuiteConfig) -> str:
+    """Workload name of the shared-prefix chat with this system prompt length ("prefix": the main one)."""
+    return "prefix" if system_len == cfg.system_len else f"prefix_{system_len}"
 
 
 def ladder_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -305,9 +381,20 @@ def suite_markdown(r: dict[str, Any]) -> str:
         s = r["serving"]["config"]
         parts += [f"## Serving (broker + worker + client SDK; SLO: TTFT <= {s['ttft_slo_ms']:.0f} ms, "
                   f"TPOT <= {s['tpot_slo_ms']:.0f} ms)", serving_table(r["serving"])]
+    if prefix_variants(r):
+        parts += ["## Prefix caching: what TTFT is made of", prefix_table(r)]
+    an = r.get("prefix", {}).get("anatomy")
+    if an:
+        parts += [f"Single steps timed apart (async scheduling off, device synced after each launch; "
+                  f"{an['running']} requests decoding, the new one has the {an['system_prompt_tokens']}-token "
+                  f"system prompt + {an['new_tokens']} tokens; median of {an['repeats']}):", anatomy_table(an)]
     rows = r.get("ladder", {}).get("rows")
     if rows:
         parts += ["## Optimization ladder", ladder_table(rows)]
+    if r.get("merged"):
+        parts += ["## Runs merged here", "\n".join(
+            f"- `{m['command']}` (commit `{m['commit']}`): {', '.join(m['sections']) or 'nothing kept'}"
+            for m in r["merged"])]
     skipped = {k: v.get("skipped") or v.get("error") for k, v in r.items()
                if isinstance(v, dict) and ("skipped" in v or "error" in v)}
     if skipped:
@@ -369,14 +456,76 @@ def _fixed_row(r: dict[str, Any], a: dict[str, float], g: dict[str, float]) -> l
                  f"{fx['output_tok_per_s'] / anchor:.2f}x" if anchor else "", "")]
 
 
-def _prefix_row(r: dict[str, Any], a: dict[str, float], g: dict[str, float]) -> list[str]:
+def prefix_variants(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """The shared-prefix runs that have both rows (results written before variants existed: the one)."""
     pg = r.get("prefix", {})
-    if "gain" not in pg or len(pg.get("rows", [])) < 2:
-        return []
-    off, on = pg["rows"][0]["ttft_ms"], pg["rows"][1]["ttft_ms"]
-    return [_row("shared-prefix chat TTFT p50 (ms), prefix caching on vs off", f"{on['p50']:.0f}",
-                 f"off: {off['p50']:.0f}", f"{pg['gain'].get('ttft_p50_ratio', float('nan')):.2f}x lower",
-                 _goal(g, "prefix_ttft_ratio", ">= {}x lower"))]
+    variants = pg.get("variants") or ([{"rows": pg["rows"], "gain": pg.get("gain", {})}] if "rows" in pg else [])
+    return [v for v in variants if len(v.get("rows", [])) == 2]
+
+
+def prefix_setup(row: dict[str, Any]) -> str:
+    """'system prompt 1000 tok, 32 x 4 turns, 16 sessions opened one per step' from a prefix row."""
+    parts = []
+    if row.get("system_prompt_tokens"):
+        parts.append(f"system prompt {row['system_prompt_tokens']} tok")
+    if row.get("conversations"):
+        parts.append(f"{row['conversations']} conversations x {row['turns']} turns")
+    n = row.get("sessions")
+    ramp = " (opened one per step)" if row.get("session_ramp") else ""
+    parts.append(f"{n} open at once{ramp}" if n else "all open at once")
+    return ", ".join(parts)
+
+
+def _prefix_row(r: dict[str, Any], a: dict[str, float], g: dict[str, float]) -> list[str]:
+    out = []
+    for v in prefix_variants(r):
+        off, on = v["rows"][0]["ttft_ms"], v["rows"][1]["ttft_ms"]
+        gain = v.get("gain", {})
+        out.append(_row(f"shared-prefix chat ({prefix_setup(v['rows'][1])}): TTFT p50 / p90 (ms), prefix caching "
+                        "on vs off", f"{on['p50']:.0f} / {on['p90']:.0f}", f"off: {off['p50']:.0f} / {off['p90']:.0f}",
+                        f"{gain.get('ttft_p50_ratio', math.nan):.2f}x / {gain.get('ttft_p90_ratio', math.nan):.2f}x "
+                        "lower", _goal(g, "prefix_ttft_ratio", ">= {}x lower")))
+    return out
+
+
+def prefix_table(r: dict[str, Any]) -> str:
+    """Per shared-prefix run: TTFT, the engine steps from arrival to first token, and the step times."""
+    out = ["| setup | prefix caching | requests | TTFT p50 / p90 (ms) | steps to first token p50 / max | step() ms "
+           "p50: decode-only / launching prompt tokens / returning them | prompt tokens per such step (p50) | "
+           "uncached prompt tokens per request (p50) | prompt tokens from cache |", "|---" * 9 + "|"]
+    notes = [f"- system prompt {v['system_len']} tok: skipped ({v['skipped']})"
+             for v in r.get("prefix", {}).get("variants", []) if "skipped" in v]
+    for v in prefix_variants(r):
+        for row in v["rows"]:
+            t, ft, st = row["ttft_ms"], row.get("first_token") or {}, row.get("step_ms") or {}
+            steps = ft.get("steps", {})
+            share = row["cached_prompt_tokens"] / max(row["input_tokens"], 1)
+            on = "on" if row.get("prefix_caching") else "off"
+            out.append(f"| {prefix_setup(row)} | {on} | {row['requests']} | {t['p50']:.0f} / {t['p90']:.0f} | "
+                       f"{_num(steps.get('p50'))} / {_num(steps.get('max'))} | "
+                       f"{_num(st.get('decode_only_ms', {}).get('p50'), '.1f')} / "
+                       f"{_num(st.get('launching_prompt_tokens_ms', {}).get('p50'), '.1f')} / "
+                       f"{_num(st.get('returning_prompt_tokens_ms', {}).get('p50'), '.1f')} | "
+                       f"{_num(st.get('prompt_tokens_per_step', {}).get('p50'))} | "
+                       f"{_num(row.get('uncached_prompt_tokens', {}).get('p50'))} | {share:.0%} |")
+            ex = ft.get("examples", {}).get("p50")
+            if ex:
+                calls = "; ".join(f"{c['ms']:.1f} ms (launched {c['launched'][0]} prompt tok + {c['launched'][1]} "
+                                  f"decodes, returned {c['completed'][0]} + {c['completed'][1]})" for c in ex["calls"])
+                n = len(ex["calls"])
+                notes.append(f"- {prefix_setup(row)}, caching {on}: the request at the TTFT p50 rank "
+                             f"({ex['ttft_ms']:.0f} ms) got its first token {n} step() call{'s'[:n != 1]} after it "
+                             f"arrived: {calls}")
+    if not notes:
+        return "\n".join(out)
+    asy = next((row.get("step_ms", {}).get("async_scheduling") for v in prefix_variants(r) for row in v["rows"]), None)
+    head = [] if asy is None else [f"Async scheduling {'on' if asy else 'off'}: a step() call launches one step and "
+                                   + ("returns the tokens of the one before." if asy else "returns its tokens.")]
+    return "\n\n".join(["\n".join(out), *head, "\n".join(notes)])
+
+
+def _num(x: Any, fmt: str = ".0f") -> str:
+    return "" if x is None else format(x, fmt)
 
 
 def _goal(goals: dict[str, float], key: str, fmt: str) -> str:
@@ -400,6 +549,52 @@ def make_plots(result: dict[str, Any], out: Path) -> list[str]:
     except ImportError as e:
         print(f"plots skipped ({e}); draw them elsewhere: python -m tokenmill.benchmarks.plots {out}/suite.json")
         return []
+
+
+def merge_results(results: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """One suite result from several runs on the same device (e.g. the whole suite, then a second call
+    of `--sections engine,fixed` at full size): each section comes from the last run in which it ran
+    (neither skipped nor failed; else from the last one that has it). Run-level fields (device, model,
+    config, anchors, goals) are the first run's; `merged` says which run each section came from."""
+    gpus = {r.get("device", {}).get("gpu") for r in results}
+    if len(gpus) > 1:
+        raise SystemExit(f"these results come from different devices: {sorted(map(str, gpus))}")
+    merged = dict(results[0])
+    merged["sections_s"] = {}
+    sources: dict[str, int] = {}
+    workloads: dict[str, Any] = {}
+    for k, r in enumerate(results):
+        for name in SECTIONS:
+            sec = r.get(name)
+            if not isinstance(sec, dict):
+                continue
+            ran = "skipped" not in sec and "error" not in sec
+            if ran or name not in sources:
+                merged[name] = sec
+                sources[name] = k
+                if name in r.get("sections_s", {}):
+                    merged["sections_s"][name] = r["sections_s"][name]
+        w = r.get("workloads") or {}
+        if "error" not in w and "skipped" not in w:
+            workloads |= w  # the workload summaries of every run (seeded: the same workloads)
+    merged["workloads"] = workloads
+    merged.pop("interrupted", None)
+    merged["merged"] = [{"file": n, "command": r.get("command"), "commit": r.get("commit"),
+                         "elapsed_s": r.get("elapsed_s"), "interrupted": r.get("interrupted"),
+                         "sections": [s for s, k in sources.items() if k == i]}
+                        for i, (n, r) in enumerate(zip(names, results))]
+    merged["ladder"] = {"rows": ladder_rows(merged), "prefix_gain": merged.get("prefix", {}).get("gain")}
+    return merged
+
+
+def merge_files(paths: list[Path], out: Path) -> dict[str, Any]:
+    """`merge_results` of suite JSONs, written as suite.json / suite.md (+ PNGs when matplotlib is here)."""
+    merged = merge_results([json.loads(p.read_text()) for p in paths], [str(p) for p in paths])
+    merged.pop("plots", None)
+    write_results(out, "suite", _plain(merged), suite_markdown(merged), echo=False, stamp=False)
+    merged["plots"] = make_plots(merged, out)
+    write_results(out, "suite", _plain(merged), suite_markdown(merged), stamp=False)
+    return merged
 
 
 def _plain(x: Any) -> Any:
@@ -426,6 +621,9 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--hf-batch", type=int, default=None, help="HF generate() static batch size")
     ap.add_argument("--hf-time-s", type=float, default=None, help="time limit of the HF baseline")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                    help="run nothing: merge these suite JSONs (later runs' sections win) into --out "
+                         "(default: the first one's folder)")
     return ap
 
 
@@ -444,6 +642,11 @@ def config_from_args(args: argparse.Namespace) -> SuiteConfig:
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    if args.merge:
+        out = args.out or args.merge[0].parent
+        merge_files(args.merge, out)
+        print(f"merged {len(args.merge)} results into {out}/suite.json")
+        return 0
     cfg = config_from_args(args)
     out = args.out or Path("benchmarks/results") / ("h200" if args.device == "gpu" else "cpu")
     sections = tuple(s.strip() for s in args.sections.split(",") if s.strip())
@@ -453,7 +656,11 @@ def run_cli(args: argparse.Namespace) -> int:
     # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C, so the serving processes are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     suite = Suite(cfg, out, sections)
-    suite.run()
+    try:
+        suite.run()
+    except BaseException as e:  # SystemExit(143) from SIGTERM, KeyboardInterrupt
+        suite.interrupted(f"{type(e).__name__}({e})")
+        raise
     print(f"suite finished in {time.monotonic() - suite.start:.0f} s; results in {out}/", flush=True)
     return 0
 

@@ -15,8 +15,9 @@ import argparse
 import gc
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from tqdm import tqdm
 
 from tokenmill.benchmarks.common import (
     RequestTiming,
+    dist,
     latency_summary,
     peak_rss_bytes,
     throughput_summary,
@@ -33,6 +35,7 @@ from tokenmill.benchmarks.workloads import BenchRequest, Workload, length_tokeni
 from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.sampling_params import SamplingParams
+from tokenmill.worker.scheduler import ScheduledBatch
 from tokenmill.worker.tokenizer import Tokenizer
 
 GIB = float(1 << 30)
@@ -56,6 +59,7 @@ class ModelSpec:
     cpu_kv_bytes: int = 1 << 30
     cuda_graphs: bool = True
     threads: int = 0  # torch CPU threads (0: torch's default); the worker process gets the same
+    async_scheduling: bool | None = None  # None: the engine's default (on for CUDA only)
 
     @property
     def dummy(self) -> bool:
@@ -64,7 +68,7 @@ class ModelSpec:
     def engine_config(self, prefix_caching: bool = True) -> EngineConfig:
         return EngineConfig(
             model=self.model, load_format=self.load_format, dtype=self.dtype, device=self.device,  # type: ignore[arg-type]
-            max_model_len=self.max_model_len, cuda_graphs=self.cuda_graphs,
+            max_model_len=self.max_model_len, cuda_graphs=self.cuda_graphs, async_scheduling=self.async_scheduling,
             cache=CacheConfig(gpu_memory_utilization=self.gpu_memory_utilization, cpu_kv_bytes=self.cpu_kv_bytes,
                               enable_prefix_caching=prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
@@ -150,6 +154,120 @@ def peak_memory(device_type: str) -> dict[str, int]:
 # -- driving the engine ------------------------------------------------------------------------------------
 
 
+Composition = tuple[int, int]  # (prompt tokens computed, decodes) of one scheduled batch
+_NONE: Composition = (0, 0)
+
+
+@dataclass
+class StepTrace:
+    """What each `engine.step()` call of a run did, and where every request's first token came from.
+
+    Calls are numbered from 1. `launched[k]` is the batch call k scheduled and launched, `completed[k]`
+    the batch whose tokens call k returned: the same batch without async scheduling, the one launched
+    in the call before with it (one step stays in flight). A request added after call k returned and
+    whose first token came back from call f waited f - k calls; their wall times add up to its TTFT,
+    less the driver's own work between calls."""
+
+    async_scheduling: bool
+    wall: list[float] = field(default_factory=list)  # seconds of each call
+    launched: list[Composition] = field(default_factory=list)
+    completed: list[Composition] = field(default_factory=list)
+    added: dict[int, int] = field(default_factory=dict)  # request -> calls done when it was added
+    first_scheduled: dict[int, int] = field(default_factory=dict)  # request -> call that first scheduled it
+    first_token: dict[int, int] = field(default_factory=dict)  # request -> call that returned its first token
+    prefill_chunks: dict[int, int] = field(default_factory=dict)  # request -> steps that computed its prompt
+    _in_flight: Composition | None = None
+    _launch: Composition | None = None
+
+    @property
+    def calls(self) -> int:
+        return len(self.wall)
+
+    def on_schedule(self, batch: ScheduledBatch) -> None:
+        """The scheduler's batch of the call in progress (the recording wrapper calls this)."""
+        prompt = decodes = 0
+        call = self.calls + 1
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            if n == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
+                decodes += 1
+                continue
+            prompt += n
+            if req.request_id.startswith("b"):
+                i = int(req.request_id[1:])
+                self.first_scheduled.setdefault(i, call)
+                self.prefill_chunks[i] = self.prefill_chunks.get(i, 0) + 1
+        self._launch = (prompt, decodes) if batch.requests else None
+
+    def on_call(self, seconds: float) -> None:
+        """A step() call has returned after `seconds`."""
+        launch, self._launch = self._launch, None
+        self.wall.append(seconds)
+        self.launched.append(launch or _NONE)
+        if not self.async_scheduling:
+            done = launch
+        else:  # a launch keeps one step in flight; without one the engine drains it
+            done, self._in_flight = self._in_flight, launch
+        self.completed.append(done or _NONE)
+
+    def path(self, i: int) -> list[dict[str, Any]]:
+        """The calls from request i's arrival to its first token: wall ms and what was launched/completed."""
+        return [{"call": k, "ms": self.wall[k - 1] * 1e3, "launched": self.launched[k - 1],
+                 "completed": self.completed[k - 1]} for k in range(self.added[i] + 1, self.first_token[i] + 1)]
+
+    def first_token_summary(self, ttft: dict[int, float]) -> dict[str, Any]:
+        """Steps (calls) to the first token, how many waited in the queue or were chunked, the wall time of
+        the calls on the way (vs TTFT), and the whole path of the requests at the TTFT p50 and p90."""
+        got = [i for i in self.first_token if i in self.added]
+        if not got:
+            return {}
+        steps = [float(self.first_token[i] - self.added[i]) for i in got]
+        path_s = [sum(self.wall[self.added[i]:self.first_token[i]]) for i in got]
+        by_ttft = sorted((i for i in got if i in ttft), key=lambda i: ttft[i])
+        examples = {}
+        for q in (50, 90):
+            if by_ttft:
+                i = by_ttft[(len(by_ttft) - 1) * q // 100]  # the rank at or below the percentile
+                examples[f"p{q}"] = {"request": i, "ttft_ms": ttft[i] * 1e3, "calls": self.path(i)}
+        return {"steps": dist(steps, 1.0) | {"max": max(steps)},
+                "not_scheduled_next_step": sum(self.first_scheduled.get(i, 0) > self.added[i] + 1 for i in got),
+                "prefill_in_several_chunks": sum(self.prefill_chunks.get(i, 0) > 1 for i in got),
+                "calls_ms": dist(path_s), "examples": examples}
+
+    def step_summary(self) -> dict[str, Any]:
+        """Wall time of the calls by what they did: decode-only calls (nothing with prompt tokens launched
+        or returned), calls that launched prompt tokens and calls that returned them (the same calls
+        without async scheduling; with it, the launching call pays the host work of the step and the
+        returning one waits for the device to finish it)."""
+        calls = list(zip(self.wall, self.launched, self.completed))
+        decode = [w for w, la, co in calls if la[0] == 0 and co[0] == 0 and (la[1] or co[1])]
+        launching = [w for w, la, _ in calls if la[0] > 0]
+        returning = [w for w, _, co in calls if co[0] > 0]
+        return {"calls": self.calls, "async_scheduling": self.async_scheduling, "decode_only": len(decode),
+                "with_prompt_tokens": len(launching), "decode_only_ms": dist(decode),
+                "launching_prompt_tokens_ms": dist(launching), "returning_prompt_tokens_ms": dist(returning),
+                "prompt_tokens_per_step": dist([float(la[0]) for la in self.launched if la[0] > 0], 1.0),
+                "decodes_per_step": dist([float(la[1]) for la in self.launched if la[1] > 0], 1.0)}
+
+
+@contextmanager
+def recording_schedule(engine: LLMEngine, trace: StepTrace) -> Iterator[None]:
+    """Show every batch this engine's scheduler makes to `trace` (an instance attribute shadows the
+    method for the run; nothing in the engine changes)."""
+    sched = engine.scheduler
+    schedule = sched.schedule
+
+    def recorded() -> ScheduledBatch:
+        batch = schedule()
+        trace.on_schedule(batch)
+        return batch
+
+    setattr(sched, "schedule", recorded)  # noqa: B010 (mypy: a method cannot be assigned directly)
+    try:
+        yield
+    finally:
+        delattr(sched, "schedule")
+
+
 @dataclass
 class EngineRun:
     timings: list[RequestTiming]  # of the requests sent, in workload order
@@ -160,22 +278,29 @@ class EngineRun:
     preemptions: int
     prefix_hit_blocks: int
     prefix_query_blocks: int
+    trace: StepTrace | None = None
 
     def summary(self, bytes_per_block: int) -> dict[str, Any]:
-        return {**throughput_summary(self.timings, self.duration_s), "latency": latency_summary(self.timings),
-                "steps": self.steps, "peak_kv_blocks": self.peak_kv_blocks,
-                "peak_kv_bytes": self.peak_kv_blocks * bytes_per_block, "preemptions": self.preemptions,
-                "prefix_hit_blocks": self.prefix_hit_blocks, "prefix_query_blocks": self.prefix_query_blocks,
-                "cached_prompt_tokens": sum(t.cached_tokens for t in self.timings)}
+        out = {**throughput_summary(self.timings, self.duration_s), "latency": latency_summary(self.timings),
+               "steps": self.steps, "peak_kv_blocks": self.peak_kv_blocks,
+               "peak_kv_bytes": self.peak_kv_blocks * bytes_per_block, "preemptions": self.preemptions,
+               "prefix_hit_blocks": self.prefix_hit_blocks, "prefix_query_blocks": self.prefix_query_blocks,
+               "cached_prompt_tokens": sum(t.cached_tokens for t in self.timings)}
+        if self.trace is not None:
+            ttft = {i: t.ttft for i, t in zip(self.sent, self.timings) if t.ok}
+            out |= {"first_token": self.trace.first_token_summary(ttft), "step_ms": self.trace.step_summary()}
+        return out
 
 
 class _Releaser:
-    """Decides when each request is sent: all at once, in static batches of `batch_size` (the next batch
-    when the previous one has finished), or turn by turn within a session (turn t+1 after turn t), with
-    at most `sessions` conversations open at once (None: all)."""
+    """Decides when each request is sent: all at once (or at most `window` unfinished at a time), in
+    static batches of `batch_size` (the next batch when the previous one has finished), or turn by turn
+    within a session (turn t+1 after turn t), with at most `sessions` conversations open at once (None:
+    all). `ramp` opens those sessions one per engine step instead of all at the start."""
 
-    def __init__(self, reqs: tuple[BenchRequest, ...], batch_size: int | None, sessions: int | None) -> None:
-        self.reqs, self.batch_size, self.sessions = reqs, batch_size, sessions
+    def __init__(self, reqs: tuple[BenchRequest, ...], batch_size: int | None, sessions: int | None, *,
+                 window: int | None = None, ramp: bool = False) -> None:
+        self.reqs, self.batch_size, self.window, self.ramp = reqs, batch_size, window, ramp
         self.next_batch = 0
         self.in_batch = 0
         self.turns: dict[int, deque[int]] = {}  # session -> its request indices in turn order
@@ -183,14 +308,19 @@ class _Releaser:
             if r.session >= 0:
                 self.turns.setdefault(r.session, deque()).append(i)
         self.unopened = deque(self.turns)
+        self.limit = sessions or len(self.unopened)
+        self.open = 0  # sessions opened and not finished
+        self.single = deque(i for i, r in enumerate(reqs) if r.session < 0)  # independent requests not sent
 
     def initial(self) -> list[int]:
         if self.batch_size:
             return self._batch()
-        first = [i for i, r in enumerate(self.reqs) if r.session < 0]
-        for _ in range(min(self.sessions or len(self.unopened), len(self.unopened))):
-            first.append(self._open())
-        return first
+        first = self._singles(self.window or len(self.single))
+        return first + self._open_sessions(1 if self.ramp else self.limit)
+
+    def on_step(self) -> list[int]:
+        """After every engine step: the next session while ramping up."""
+        return self._open_sessions(1) if self.ramp else []
 
     def on_finish(self, i: int) -> list[int]:
         if self.batch_size:
@@ -198,13 +328,21 @@ class _Releaser:
             return self._batch() if self.in_batch == 0 else []
         session = self.reqs[i].session
         if session < 0:
-            return []
+            return self._singles(1) if self.window else []
         if self.turns[session]:
             return [self.turns[session].popleft()]
-        return [self._open()] if self.unopened else []
+        self.open -= 1
+        return self._open_sessions(1)
 
-    def _open(self) -> int:
-        return self.turns[self.unopened.popleft()].popleft()
+    def _singles(self, n: int) -> list[int]:
+        return [self.single.popleft() for _ in range(min(n, len(self.single)))]
+
+    def _open_sessions(self, n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n and self.unopened and self.open < self.limit:
+            self.open += 1
+            out.append(self.turns[self.unopened.popleft()].popleft())
+        return out
 
     def _batch(self) -> list[int]:
         start = self.next_batch
@@ -214,50 +352,61 @@ class _Releaser:
 
 
 def drive(engine: LLMEngine, workload: Workload, *, batch_size: int | None = None, sessions: int | None = None,
-          desc: str = "engine", deadline: float | None = None) -> EngineRun:
+          window: int | None = None, ramp: bool = False, desc: str = "engine",
+          deadline: float | None = None) -> EngineRun:
     """Run `workload` through `engine` (greedy, ignore_eos, each request's own output length), timing
     every request from the moment it is added (see `_Releaser` for when that is; in static batches
-    from the start, when they all arrived). Past `deadline` (time.monotonic) no new request is sent;
-    those in flight finish and only the sent ones are reported."""
+    from the start, when they all arrived). Past `deadline` (time.monotonic) no new request is sent,
+    nor one that would not finish by then at the longest end-to-end time seen so far; those in flight
+    finish and only the sent ones are reported. Every step is traced (`StepTrace`)."""
     reqs = workload.requests
-    rel = _Releaser(reqs, batch_size, sessions)
+    rel = _Releaser(reqs, batch_size, sessions, window=window, ramp=ramp)
     timings: list[RequestTiming | None] = [None] * len(reqs)
+    trace = StepTrace(engine.async_scheduling)
     hits0, queries0, pre0 = engine.blocks.prefix_hits, engine.blocks.prefix_queries, engine.scheduler.num_preemptions
-    steps, peak = 0, 0
+    peak, longest = 0, 0.0  # longest: hand-over to finish, the most any request took so far
+    handed: dict[int, float] = {}
     start = time.perf_counter()
 
     def send(indices: list[int]) -> None:
+        if deadline is not None and time.monotonic() + longest >= deadline:
+            return
         for i in indices:
             r = reqs[i]
+            handed[i] = time.perf_counter()
             # Static batches: every request arrived at the start and waits for its batch.
-            timings[i] = RequestTiming(start if batch_size else time.perf_counter(), r.prompt_len)
+            timings[i] = RequestTiming(start if batch_size else handed[i], r.prompt_len)
+            trace.added[i] = trace.calls
             engine.add_request(f"b{i}", prompt_token_ids=list(r.prompt_ids),
                                params=SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
 
     send(rel.initial())
-    with tqdm(total=len(reqs), desc=desc, unit="req", leave=False) as bar:
+    with tqdm(total=len(reqs), desc=desc, unit="req", leave=False) as bar, recording_schedule(engine, trace):
         while engine.has_unfinished_requests():
+            before = time.perf_counter()
             outs = engine.step()
             now = time.perf_counter()
-            steps += 1
+            trace.on_call(now - before)
             peak = max(peak, engine.blocks.num_in_use)
             for out in outs:
                 i = int(out.request_id[1:])
                 t = timings[i]
                 assert t is not None
+                if out.new_token_ids and not t.chunk_times:
+                    trace.first_token[i] = trace.calls
                 t.on_tokens(now, len(out.new_token_ids))
                 if out.finished:
                     t.done, t.error = now, out.error
                     t.cached_tokens = out.usage.cached_tokens if out.usage else 0
+                    longest = max(longest, now - handed[i])
                     bar.update(1)
-                    nxt = rel.on_finish(i)
-                    if deadline is None or time.monotonic() < deadline:
-                        send(nxt)
+                    send(rel.on_finish(i))
+            send(rel.on_step())
     duration = time.perf_counter() - start
     sent = [i for i, t in enumerate(timings) if t is not None]
-    return EngineRun([t for t in timings if t is not None], sent, duration, steps, peak,
+    return EngineRun([t for t in timings if t is not None], sent, duration, trace.calls, peak,
                      engine.scheduler.num_preemptions - pre0, engine.blocks.prefix_hits - hits0,
-                     engine.blocks.prefix_queries - queries0)
+                     engine.blocks.prefix_queries - queries0, trace)
 
 
 def offline_throughput(engine: LLMEngine, workload: Workload, desc: str = "offline") -> dict[str, Any]:
@@ -389,13 +538,16 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     ap.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     ap.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    ap.add_argument("--async-scheduling", type=int, choices=[0, 1], default=None,
+                    help="force async scheduling off (0) or on (1; e.g. on CPU to count the steps a GPU takes)")
 
 
 def spec_from_args(args: argparse.Namespace) -> ModelSpec:
     return replace(ModelSpec(), model=args.model, load_format=args.load_format, dtype=args.dtype,
                    device=args.device, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens,
-                   gpu_memory_utilization=args.gpu_memory_utilization)
+                   gpu_memory_utilization=args.gpu_memory_utilization,
+                   async_scheduling=None if args.async_scheduling is None else bool(args.async_scheduling))
 
 
 def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

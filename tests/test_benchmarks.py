@@ -8,13 +8,14 @@ import json
 import math
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from tokenmill.benchmarks.common import RequestTiming, goodput, latency_summary, meets_slo, throughput_summary
-from tokenmill.benchmarks.ladder import common_prefix, prefix_gain
+from tokenmill.benchmarks.ladder import common_prefix, prefix_gain, prefix_rows, step_anatomy
 from tokenmill.benchmarks.serving import arrival_offsets, parse_rates
-from tokenmill.benchmarks.throughput import ModelSpec, _Releaser, workload_tokenizer
+from tokenmill.benchmarks.throughput import ModelSpec, StepTrace, _Releaser, build_engine, workload_tokenizer
 from tokenmill.benchmarks.workloads import (
     BenchRequest,
     Workload,
@@ -23,6 +24,7 @@ from tokenmill.benchmarks.workloads import (
     sharegpt_workload,
 )
 from tokenmill.worker.registry_fetch import embedded_model_path
+from tokenmill.worker.scheduler import ScheduledBatch
 from tokenmill.worker.tokenizer import Tokenizer
 
 TINY = ModelSpec(model="tiny-llama", load_format="dummy", dtype="float32", device="cpu", max_num_seqs=16,
@@ -143,6 +145,82 @@ def test_releaser_static_batches_and_sessions() -> None:
     assert rel.on_finish(2) == [3] and rel.on_finish(3) == [] and rel.on_finish(6) == []
 
 
+def test_releaser_window_and_session_ramp() -> None:
+    singles = tuple(BenchRequest((1,), 2) for _ in range(5))
+    rel = _Releaser(singles, batch_size=None, sessions=None, window=2)
+    assert rel.initial() == [0, 1]
+    assert rel.on_finish(1) == [2] and rel.on_finish(0) == [3] and rel.on_finish(2) == [4]
+    assert rel.on_finish(3) == [] and rel.on_step() == []
+    chat = tuple(BenchRequest((1,), 2, session=s, turn=t) for s in range(3) for t in range(2))
+    rel = _Releaser(chat, batch_size=None, sessions=2, ramp=True)
+    assert rel.initial() == [0]  # one session at the start, the next one a step later
+    assert rel.on_step() == [2] and rel.on_step() == []  # two open: the limit
+    assert rel.on_finish(0) == [1] and rel.on_finish(1) == [4]  # session 0 done: session 2 opens
+    assert rel.on_step() == [] and rel.on_finish(2) == [3] and rel.on_finish(3) == [] and rel.on_finish(4) == [5]
+
+
+def _batch(*items: tuple[str, int, int, int]) -> ScheduledBatch:
+    """(request id, computed tokens, prompt tokens, new tokens) per scheduled request."""
+    reqs = [SimpleNamespace(request_id=rid, num_computed_tokens=c, num_prompt_tokens=p) for rid, c, p, _ in items]
+    return ScheduledBatch(reqs, [n for *_, n in items], [], [])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_step_trace_counts_steps_to_first_token(async_scheduling: bool) -> None:
+    """b0 arrives with a 10-token prompt that takes two chunks while b1 decodes; then b0 decodes."""
+    trace = StepTrace(async_scheduling)
+    trace.added[0] = 0
+    calls = [_batch(("b0", 0, 10, 6), ("b1", 5, 4, 1)), _batch(("b0", 6, 10, 4), ("b1", 6, 4, 1)),
+             _batch(("b0", 10, 10, 1)), _batch()]
+    first = 3 if async_scheduling else 2  # the second chunk samples; async returns it one call later
+    for k, b in enumerate(calls, 1):
+        trace.on_schedule(b)
+        trace.on_call(0.01 * k)
+        if k == first:
+            trace.first_token[0] = k
+    assert trace.launched == [(6, 1), (4, 1), (0, 1), (0, 0)]
+    if async_scheduling:
+        assert trace.completed == [(0, 0), (6, 1), (4, 1), (0, 1)]
+    else:
+        assert trace.completed == trace.launched
+    ft = trace.first_token_summary({0: 0.5})
+    assert ft["steps"]["p50"] == first and ft["prefill_in_several_chunks"] == 1 and ft["not_scheduled_next_step"] == 0
+    assert ft["calls_ms"]["p50"] == pytest.approx(10 * sum(range(1, first + 1)))
+    assert [c["call"] for c in ft["examples"]["p50"]["calls"]] == list(range(1, first + 1))
+    st = trace.step_summary()
+    assert st["with_prompt_tokens"] == 2 and st["prompt_tokens_per_step"]["p50"] == 5
+    assert st["decode_only"] == 1  # sync: call 3; async: call 4, which drains call 3's decode
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_cached_turns_get_their_first_token_after_one_step_or_two_async(async_scheduling: bool) -> None:
+    """Engine behaviour the TTFT analysis rests on: with the system prompt and history cached, a new turn
+    is scheduled in the very next step, in one chunk, and its first token comes back from that step
+    (async scheduling: from the step() call after, since one step is in flight when it arrives)."""
+    spec = replace(TINY, async_scheduling=async_scheduling)
+    engine = build_engine(spec)
+    assert engine.async_scheduling is async_scheduling
+    tok, vocab, _ = workload_tokenizer(spec)
+    wl = shared_prefix_workload(tok, 3, 2, seed=0, system_len=64, max_turn_len=8, ids_vocab=vocab)
+    off, on = prefix_rows(engine, wl, sessions=2, ramp=True)
+    for row in (off, on):
+        assert row["requests"] == 6 and row["step_ms"]["async_scheduling"] is async_scheduling
+        assert row["first_token"]["not_scheduled_next_step"] == 0
+    ft = on["first_token"]
+    assert ft["steps"]["max"] == ft["steps"]["p50"] == (2 if async_scheduling else 1)
+    assert ft["prefill_in_several_chunks"] == 0
+    assert on["uncached_prompt_tokens"]["p50"] < off["uncached_prompt_tokens"]["p50"]
+    assert on["cached_prompt_tokens"] > 0 and on["system_prompt_tokens"] == 64
+    an = step_anatomy(engine, wl, running=2, new_tokens=10, repeats=2)
+    k = an["kinds"]
+    assert [m["decodes"] for m in k.values()] == [2, 2, 2] and k["decode-only"]["prompt_tokens"] == 0
+    # the cached request computes only its new tokens (the last block boundary: at most one block more)
+    assert 10 <= k["new request, system prompt cached"]["prompt_tokens"] <= 10 + 16
+    assert k["new request, nothing cached"]["prompt_tokens"] == 64 + 10
+    assert engine.async_scheduling is async_scheduling and not engine.has_unfinished_requests()
+
+
 def test_poisson_arrivals() -> None:
     assert arrival_offsets(4, math.inf, 0) == [0.0] * 4
     a = arrival_offsets(2000, 5.0, seed=1)
@@ -178,6 +256,46 @@ def test_plots_from_a_result(tmp_path: Path) -> None:
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in files)
 
 
+def test_merge_takes_each_section_from_the_last_run_where_it_ran(tmp_path: Path) -> None:
+    from tokenmill.benchmarks.suite import merge_files, merge_results, suite_markdown
+
+    dev = {"gpu": "NVIDIA H200"}
+    full = {"command": "suite", "commit": "a", "device": dev, "model": {"model": "llama3-8b"},
+            "workloads": {"sharegpt": {"requests": 200}}, "hf": {"requests": 64},
+            "sharegpt": {"requests_per_s": 20.0, "completed": 200, "output_tok_per_s": 6000.0},
+            "fixed": {"skipped": "time budget"}, "sections_s": {"hf": 80.0}}
+    part = {"command": "suite --sections engine,fixed", "commit": "b", "device": dev, "interrupted": None,
+            "workloads": {"fixed": {"requests": 1000}}, "hf": {"error": "boom"},
+            "fixed": {"output_tok_per_s": 8000.0, "completed": 1000,
+                      "workload": {"input_len": 1000, "output_len": 1000}}, "sections_s": {"fixed": 150.0}}
+    m = merge_results([full, part], ["full.json", "part.json"])
+    assert m["sharegpt"] == full["sharegpt"] and m["hf"] == full["hf"] and m["fixed"] == part["fixed"]
+    assert m["sections_s"] == {"hf": 80.0, "fixed": 150.0} and set(m["workloads"]) == {"sharegpt", "fixed"}
+    assert [x["sections"] for x in m["merged"]] == [["hf", "sharegpt"], ["fixed"]]
+    assert m["device"] == dev and m["command"] == "suite"
+    assert "## Runs merged here" in suite_markdown(m)
+    with pytest.raises(SystemExit):
+        merge_results([full, part | {"device": {}}], ["a", "b"])
+    (tmp_path / "a.json").write_text(json.dumps(full))
+    (tmp_path / "b.json").write_text(json.dumps(part))
+    merge_files([tmp_path / "a.json", tmp_path / "b.json"], tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "suite.json").read_text())
+    assert written["fixed"] == part["fixed"] and written["device"] == dev  # not this machine's
+
+
+def test_interrupted_suite_writes_what_it_has(tmp_path: Path) -> None:
+    from tokenmill.benchmarks.suite import CPU, Suite
+
+    suite = Suite(replace(CPU, spec=TINY), tmp_path, ("engine", "fixed"))
+    suite.result["engine"] = {"startup_s": 1.0}
+    suite.current = "fixed"
+    suite.interrupted("SystemExit(143)")
+    result = json.loads((tmp_path / "suite.json").read_text())
+    assert result["interrupted"] == "SystemExit(143)" and result["engine"] == {"startup_s": 1.0}
+    assert result["fixed"]["error"].startswith("interrupted (SystemExit(143))")
+    assert "- fixed: interrupted" in (tmp_path / "suite.md").read_text()
+
+
 @pytest.mark.slow
 def test_suite_smallest_config_writes_json_md_png(tmp_path: Path) -> None:
     """Every section of the suite on tiny-llama (dummy weights), serving through real processes."""
@@ -186,7 +304,7 @@ def test_suite_smallest_config_writes_json_md_png(tmp_path: Path) -> None:
     cfg = replace(CPU, spec=TINY, sharegpt_prompts=6, sharegpt_max_input=64, sharegpt_max_output=12, hf_batch=4,
                   conversations=2, turns=2, system_len=64, max_turn_len=8, fixed_requests=4, fixed_in=16,
                   fixed_out=8, serving_rates=(4.0, math.inf), serving_prompts=4, serving_time_s=60,
-                  serving_reserve_s=60, budget_s=300)
+                  serving_reserve_s=60, budget_s=300, more_system_lens=(96,))
     Suite(cfg, tmp_path, SECTIONS).run()
     result = json.loads((tmp_path / "suite.json").read_text())
     for name in SECTIONS:
@@ -197,9 +315,32 @@ def test_suite_smallest_config_writes_json_md_png(tmp_path: Path) -> None:
     assert all(r["completed"] == r["requests_sent"] for r in result["serving"]["rates"])
     on = result["prefix"]["rows"][1]
     assert on["prefix_caching"] and on["cached_prompt_tokens"] > 0
+    assert on["first_token"]["steps"]["max"] == 1  # CPU: no async scheduling; cached turns in one step
+    assert [v["system_len"] for v in result["prefix"]["variants"]] == [64, 96]
+    assert result["fixed"]["requests_planned"] == 4 and not result["fixed"]["shrunk_for_budget"]
     assert [r["step"] for r in result["ladder"]["rows"]][-2:] == [
         "quantization (INT8/INT4 weight-only, FP8)", "speculative decoding (EAGLE draft heads)"]
     md = (tmp_path / "suite.md").read_text()
     assert "## Headline" in md and "## Optimization ladder" in md and "![ladder](ladder.png)" in md
     assert {"ladder.png", "baselines.png", "serving_latency.png", "serving_throughput.png"} <= {
         p.name for p in tmp_path.glob("*.png")}
+    assert "## Prefix caching: what TTFT is made of" in md and "system prompt 96 tok" in md
+
+
+@pytest.mark.slow
+def test_fixed_section_alone_at_full_size_then_merged(tmp_path: Path) -> None:
+    """The second GPU call: `--sections engine,fixed` keeps nothing back for serving, runs every planned
+    request, and its JSON merges into the whole suite's and plots."""
+    from tokenmill.benchmarks.suite import CPU, Suite, merge_files
+
+    cfg = replace(CPU, spec=TINY, sharegpt_prompts=6, sharegpt_max_input=64, sharegpt_max_output=12,
+                  conversations=2, turns=2, system_len=64, max_turn_len=8, fixed_requests=40, fixed_in=16,
+                  fixed_out=4, serving_reserve_s=10_000, budget_s=200)
+    Suite(cfg, tmp_path / "full", ("engine", "sharegpt", "prefix")).run()
+    Suite(cfg, tmp_path / "fixed", ("engine", "fixed")).run()  # reserve > budget: serving is not run here
+    fixed = json.loads((tmp_path / "fixed" / "suite.json").read_text())["fixed"]
+    assert fixed["completed"] == fixed["requests_planned"] == 40 and fixed["window"] == 2 * TINY.max_num_seqs
+    merged = merge_files([tmp_path / "full" / "suite.json", tmp_path / "fixed" / "suite.json"], tmp_path / "m")
+    assert merged["fixed"]["completed"] == 40 and "output_tok_per_s" in merged["sharegpt"]
+    assert len(merged["prefix"]["rows"]) == 2 and "ladder.png" in merged["plots"]
+    assert "fixed 16 in / 4 out x 40" in (tmp_path / "m" / "suite.md").read_text()

@@ -20,11 +20,12 @@ gone (workers: their jobs migrate; clients: their jobs are cancelled).
 from __future__ import annotations
 
 import contextlib
+import gc
 import heapq
 import itertools
 import time
 from collections import Counter, defaultdict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,33 @@ from tokenmill.worker.sampling_params import InvalidRequestError, SamplingParams
 log = structlog.get_logger("tokenmill.broker")
 
 _STREAM_HEAD = [p.HEADER, bytes((p.Cmd.STREAM,))]
+_W_TOKENS = bytes((p.Cmd.W_TOKENS,))
+_array_header = msgpack.Packer(use_bin_type=True).pack_array_header
+_SEQ_END = 1 << 63
+
+
+def _plain_chunks(obj: Any) -> list[list[Any]] | None:
+    """The chunks of an unpacked TOKENS body if every one has the common plain shape (no logprobs,
+    valid fields) that TokenChunk.from_wire accepts on its fast path, i.e. exactly when p.decode would
+    accept the message as it is; else None (the caller then decodes strictly, which says what is wrong).
+    The relay hot path: it builds no objects per chunk."""
+    if type(obj) is not list:
+        return None
+    max_id, max_attempt, max_token = p.MAX_ID_LEN, p.MAX_ATTEMPT, p.MAX_TOKEN_ID
+    for c in obj:
+        if type(c) is not list or len(c) != 6:
+            return None
+        job_id, attempt, seq, ids, text, lps = c
+        if not (type(job_id) is str and 0 < len(job_id) <= max_id and type(attempt) is int
+                and 0 <= attempt <= max_attempt and type(seq) is int and 0 <= seq < _SEQ_END
+                and type(text) is str and lps is None and type(ids) is list):
+            return None
+        if len(ids) == 1:
+            if type(t := ids[0]) is not int or not 0 <= t <= max_token:
+                return None
+        elif ids and (not all(type(t) is int for t in ids) or min(ids) < 0 or max(ids) > max_token):
+            return None
+    return obj
 
 
 @dataclass(frozen=True)
@@ -69,6 +97,7 @@ class BrokerConfig:
     curve_secret_file: str | None = None  # broker's NAME.key_secret: enables CURVE on both sockets
     curve_allow_dir: str | None = None  # *.key public keys of the clients and workers admitted
     max_batch: int = 2000  # messages handled per socket per loop turn (fairness between sockets)
+    gc_tuning: bool = True  # freeze the start-up heap; full collections at idle moments (see _collect)
 
 
 class Broker:
@@ -91,6 +120,9 @@ class Broker:
         self._retired: deque[tuple[float, str]] = deque()
         self._lagging: set[str] = set()
         self._reregister_sent: dict[bytes, float] = {}
+        self._next_client_check = 0.0
+        self._gc_threshold: tuple[int, int, int] | None = None  # automatic GC's thresholds before run()
+        self._gc_due_since: float | None = None
         self._active = 0  # jobs not yet terminal
         self._need_dispatch = False
         self._job_seconds = 1.0  # EWMA of job durations, for retry-after hints
@@ -154,6 +186,8 @@ class Broker:
         poller = zmq.Poller()
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.backend, zmq.POLLIN)
+        if self.cfg.gc_tuning:
+            self._tune_gc()
         try:
             while not self._stop:
                 events = dict(poller.poll(self._poll_timeout_ms()))
@@ -161,9 +195,49 @@ class Broker:
                     self._drain_socket(self.frontend, self._on_client_frames)
                 if self.backend in events:
                     self._drain_socket(self.backend, self._on_worker_frames)
-                self._tick(time.monotonic())
+                now = time.monotonic()
+                self._tick(now)
+                if self._gc_threshold is not None and gc.get_count()[2] >= max(1, self._gc_threshold[2]):
+                    self._collect(now)
         finally:
+            if self._gc_threshold is not None:
+                gc.set_threshold(*self._gc_threshold)
+                self._gc_threshold = None
             self._shutdown()
+
+    # ---- garbage collection -----------------------------------------------------------------------
+    #
+    # CPython's cyclic GC stops the loop for as long as a collection takes, at whatever allocation
+    # happens to trigger it: a full (generation 2) collection walks every tracked object, i.e. pauses in
+    # proportion to the heap. Three measures keep those pauses off the relay path (the broker makes
+    # almost no reference cycles; refcounting frees nearly everything at once):
+    # - token logs hold no Python objects per chunk (jobs.py), so the heap is a few objects per job;
+    # - what exists after start-up (modules, ~30k objects) is frozen: never walked again;
+    # - young collections (cheap: few survivors) stay automatic, but full ones are taken over: they run
+    #   after a loop turn when they are due (as many young collections as CPython waits for) and both
+    #   sockets are empty, i.e. between bursts, or at the latest `_GC_MAX_DEFER` s after becoming due.
+
+    _GC_MAX_DEFER = 1.0
+
+    def _tune_gc(self) -> None:
+        gc.collect()
+        gc.freeze()
+        threshold = gc.get_threshold()
+        if gc.isenabled() and threshold[0] > 0:  # (the embedding process did not turn automatic GC off)
+            self._gc_threshold = threshold
+            gc.set_threshold(threshold[0], threshold[1], 1 << 30)  # no automatic full collection; see run()
+
+    def _collect(self, now: float) -> None:
+        """Run the due full collection if nothing is waiting on either socket (or it waited too long)."""
+        assert self.frontend is not None and self.backend is not None
+        if self._gc_due_since is None:
+            self._gc_due_since = now
+        busy = (int(self.frontend.get(zmq.EVENTS)) | int(self.backend.get(zmq.EVENTS))) & zmq.POLLIN
+        if busy and now - self._gc_due_since < self._GC_MAX_DEFER:
+            return
+        gc.collect(2)
+        self._gc_due_since = None
+        self.counters["gc_full_collections" if not busy else "gc_full_collections_busy"] += 1
 
     def _shutdown(self) -> None:
         for w in list(self.workers.values()):
@@ -203,7 +277,9 @@ class Broker:
     def _tick(self, now: float) -> None:
         self._run_timers(now)
         self._check_workers(now)
-        self._check_clients(now)
+        if now >= self._next_client_check:  # O(clients): a few times a second, not every loop turn
+            self._next_client_check = now + min(0.1, self.cfg.client_timeout / 10)
+            self._check_clients(now)
         self._gc_retired(now)
         if self._lagging:
             lagging, self._lagging = self._lagging, set()
@@ -415,32 +491,48 @@ class Broker:
 
     def _flush(self, jobs: Iterable[Job]) -> None:
         """Send every subscriber of `jobs` the chunks it lacks (one STREAM per client), then the
-        terminal reply to those who have all chunks. Unsent data stays behind the cursors."""
-        jobs = list(jobs)
-        entries: dict[bytes, list[list[Any]]] = defaultdict(list)
-        moves: dict[bytes, list[Job]] = defaultdict(list)
+        terminal reply to those who have all chunks. Unsent data stays behind the cursors. A STREAM
+        body is an array header plus the jobs' already-encoded log entries: nothing is re-encoded."""
+        jobs = list(dict.fromkeys(jobs))  # a job touched twice is flushed once
+        behind: dict[bytes, list[Job]] = {}  # client -> jobs it lacks chunks of
         for job in jobs:
-            n = len(job.chunks)
+            n = len(job.ends)
             for cid, cursor in job.subscribers.items():
                 if cursor < n:
-                    if cursor == n - 1:
-                        entries[cid].append(job.chunks[cursor])
+                    if (js := behind.get(cid)) is None:
+                        behind[cid] = [job]
                     else:
-                        entries[cid].extend(job.chunks[cursor:])
-                    moves[cid].append(job)
-        for cid, batch in entries.items():
-            if self._send_client_frames(cid, [*_STREAM_HEAD, msgpack.packb(batch, use_bin_type=True)]):
-                self.counters["tokens_out"] += sum([len(e[2]) for e in batch])
-                for job in moves[cid]:
+                        js.append(job)
+        for cid, js in behind.items():
+            # Cursors are read here, not above: a send that failed for an earlier client can have
+            # flushed some of these jobs already (its jobs cancelled -> terminal -> _flush).
+            parts: list[bytes | bytearray] = [b""]
+            sent: list[Job] = []
+            count = tokens = 0
+            for job in js:
+                cursor = job.subscribers.get(cid)
+                n = len(job.ends)
+                if cursor is None or cursor >= n:
+                    continue
+                parts.append(job.entries(cursor))
+                count += n - cursor
+                tokens += job.tokens_from(cursor)
+                sent.append(job)
+            if not sent:
+                continue
+            parts[0] = _array_header(count)
+            if self._send_client_frames(cid, [*_STREAM_HEAD, b"".join(parts)]):
+                self.counters["tokens_out"] += tokens
+                for job in sent:
                     if cid in job.subscribers:
-                        job.subscribers[cid] = len(job.chunks)
+                        job.subscribers[cid] = len(job.ends)
             else:
-                self._lagging.update(j.job_id for j in moves[cid])
+                self._lagging.update(j.job_id for j in sent)
         for job in jobs:
             if job.terminal is None:
                 continue
             for cid, cursor in list(job.subscribers.items()):
-                if cursor < len(job.chunks):
+                if cursor < len(job.ends):
                     continue
                 if self._send_client(cid, job.terminal):
                     job.subscribers.pop(cid, None)
@@ -452,6 +544,18 @@ class Broker:
 
     def _on_worker_frames(self, frames: list[bytes]) -> None:
         ident = frames[0]
+        if (len(frames) == 4 and frames[2] == _W_TOKENS and frames[1] == p.HEADER
+                and (w := self.workers.get(ident)) is not None):
+            # The relay hot path: a plain TOKENS batch from a registered worker is checked and relayed
+            # without building a message object per chunk. Anything else takes the strict decode below.
+            try:
+                chunks = _plain_chunks(p.unpack_body(frames[3], self.cfg.max_body_bytes))
+            except ProtocolError:
+                chunks = None
+            if chunks is not None:
+                w.last_seen = time.monotonic()
+                self._on_tokens(w, chunks)
+                return
         try:
             msg = p.decode(frames[1:], p.WORKER_TO_BROKER, self.cfg.max_body_bytes)
         except ProtocolError as e:
@@ -468,7 +572,7 @@ class Broker:
             return
         w.last_seen = now
         if isinstance(msg, p.Tokens):
-            self._on_tokens(w, msg)
+            self._on_tokens(w, msg.chunks)
         elif isinstance(msg, p.Finished):
             self._on_finished(w, msg)
         elif isinstance(msg, p.JobError):
@@ -515,25 +619,57 @@ class Broker:
             return None
         return job
 
-    def _on_tokens(self, w: WorkerInfo, msg: p.Tokens) -> None:
-        touched: list[Job] = []
+    def _on_tokens(self, w: WorkerInfo, chunks: Iterable[Sequence[Any]]) -> None:
+        """Append each chunk ([job_id, attempt, seq, token_ids, text, logprobs], validated) of a TOKENS
+        batch to its job's log and relay the new chunks to the jobs' subscribers.
+
+        The common case is served here directly: a job whose one subscriber had every earlier chunk
+        needs just the entry appended now, so the entries go straight into that client's STREAM body.
+        Other jobs (several or lagging subscribers, or a second chunk of one job in the batch) go
+        through _flush, after those sends, which reads the cursors as they are then."""
+        fresh: dict[bytes, tuple[list[bytes], list[Job], list[int]]] = {}  # cid -> (parts, jobs, [tokens])
+        rest: list[Job] = []
         n_in = 0
         jobs, running, ident = self.jobs, JobState.RUNNING, w.ident
-        for c in msg.chunks:
-            job = jobs.get(c.job_id)
-            if job is None or job.state is not running or job.worker != ident or job.attempt != c.attempt:
+        for job_id, attempt, seq, token_ids, text, logprobs in chunks:
+            job = jobs.get(job_id)
+            if job is None or job.state is not running or job.worker != ident or job.attempt != attempt:
                 self.counters["stale_messages_dropped"] += 1  # an older attempt's (or unknown) output
-                self.counters["stale_tokens_dropped"] += len(c.token_ids)
+                self.counters["stale_tokens_dropped"] += len(token_ids)
                 continue
-            if c.seq != job.num_tokens:  # never accept a gap or a duplicate into the log
+            if seq != job.num_tokens:  # never accept a gap or a duplicate into the log
                 self.counters["seq_mismatch"] += 1
-                log.warning("seq_mismatch", job=c.job_id, got=c.seq, expected=job.num_tokens)
+                log.warning("seq_mismatch", job=job_id, got=seq, expected=job.num_tokens)
                 continue
-            job.append(c.seq, c.token_ids, c.text, c.logprobs)
-            n_in += len(c.token_ids)
-            touched.append(job)
+            index = len(job.ends)
+            entry = job.append(seq, token_ids, text, logprobs)
+            n = len(token_ids)
+            n_in += n
+            subs = job.subscribers
+            if len(subs) == 1:
+                [(cid, cursor)] = subs.items()
+                if cursor == index:
+                    if (b := fresh.get(cid)) is None:
+                        fresh[cid] = ([b"", entry], [job], [n])
+                    else:
+                        b[0].append(entry)
+                        b[1].append(job)
+                        b[2][0] += n
+                    continue
+            if subs:
+                rest.append(job)
         self.counters["tokens_in"] += n_in
-        self._flush(touched)
+        for cid, (parts, moved, tokens) in fresh.items():
+            parts[0] = _array_header(len(moved))
+            if self._send_client_frames(cid, [*_STREAM_HEAD, b"".join(parts)]):
+                self.counters["tokens_out"] += tokens[0]
+                for job in moved:  # each was sent exactly the one entry at its cursor
+                    if cid in job.subscribers:
+                        job.subscribers[cid] += 1
+            else:
+                self._lagging.update(j.job_id for j in moved)
+        if rest:
+            self._flush(rest)
 
     def _on_finished(self, w: WorkerInfo, msg: p.Finished) -> None:
         for f in msg.jobs:
@@ -620,7 +756,7 @@ class Broker:
         w.dispatched += 1
         self.prefix.record(job.prefix_hashes, w.ident)
         self.counters["dispatches"] += 1
-        self._send_worker(w, p.WorkerSubmit(job.job_id, job.attempt, job.input, job.params, list(job.tokens),
+        self._send_worker(w, p.WorkerSubmit(job.job_id, job.attempt, job.input, job.params, job.tokens,
                                             job.priority))
 
     def _finish(self, job: Job, terminal: p.Done | p.Fail, cancel_worker: bool = False) -> None:

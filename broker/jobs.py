@@ -1,9 +1,11 @@
 """A job as the broker tracks it: its request, where it runs, and its token log.
 
 Invariants:
-- `chunks` is the token log: wire-ready STREAM entries [job_id, seq, token_ids, text, logprobs] in
-  order, gap-free: chunks[i+1].seq == chunks[i].seq + len(chunks[i].token_ids); `num_tokens` is the
-  end of the last one and `tokens` their concatenation (what a migrated attempt resumes from).
+- The token log is the job's STREAM entries [job_id, seq, token_ids, text, logprobs], each msgpack-encoded
+  once on arrival and stored back to back in `log` (entry i ends at byte `ends[i]`; its first token is
+  output position `seqs[i]`), in order and gap-free: seqs[i+1] == seqs[i] + len(token_ids of entry i);
+  `num_tokens` is the end of the last one. Relaying copies these bytes into a STREAM body; nothing is
+  re-encoded, and the log holds no Python object per chunk (so the cyclic GC never walks it).
 - `subscribers` maps a client routing id to the index of the next chunk that client has not been sent;
   a subscriber leaves once it has been sent every chunk and the terminal reply.
 - Exactly one terminal reply (`terminal`) is set, once; after that the job never changes again and is
@@ -13,10 +15,15 @@ Invariants:
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 from tokenmill.client.protocol import Done, Fail, RequestInput
+
+_pack = msgpack.Packer(use_bin_type=True).pack  # the broker is single-threaded; one Packer serves it
 
 
 class JobState(enum.Enum):
@@ -25,7 +32,7 @@ class JobState(enum.Enum):
     DONE = "done"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Job:
     job_id: str
     owner: str
@@ -44,8 +51,9 @@ class Job:
     attempt: int = 0
     failures: int = 0  # workers that died while running it
     queued_at: float = 0.0
-    chunks: list[list[Any]] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
+    log: bytearray = field(default_factory=bytearray)
+    ends: array[int] = field(default_factory=lambda: array("Q"))
+    seqs: array[int] = field(default_factory=lambda: array("q"))
     num_tokens: int = 0
     subscribers: dict[bytes, int] = field(default_factory=dict)
     terminal: Done | Fail | None = None
@@ -55,16 +63,51 @@ class Job:
     def is_terminal(self) -> bool:
         return self.terminal is not None
 
-    def append(self, seq: int, token_ids: list[int], text: str, logprobs: Any) -> None:
-        """Append one chunk; the caller checked seq == num_tokens (the gap-free invariant)."""
-        self.chunks.append([self.job_id, seq, token_ids, text, logprobs])
-        self.tokens.extend(token_ids)
+    @property
+    def num_chunks(self) -> int:
+        return len(self.ends)
+
+    def append(self, seq: int, token_ids: list[int], text: str, logprobs: Any) -> bytes:
+        """Append one chunk (the caller checked seq == num_tokens: the gap-free invariant); returns its
+        encoded STREAM entry."""
+        entry: bytes = _pack((self.job_id, seq, token_ids, text, logprobs))
+        log = self.log
+        log += entry  # in place
+        self.ends.append(len(log))
+        self.seqs.append(seq)
         self.num_tokens += len(token_ids)
+        return entry
+
+    def entries(self, start: int) -> bytearray:
+        """The encoded STREAM entries of chunks start.. (concatenated; an array header makes a body)."""
+        return self.log[self.ends[start - 1]:] if start else self.log[:]
+
+    def tokens_from(self, start: int) -> int:
+        """How many tokens chunks start.. hold (start < num_chunks)."""
+        return self.num_tokens - self.seqs[start]
+
+    def chunks(self) -> list[list[Any]]:
+        """The token log decoded: [job_id, seq, token_ids, text, logprobs] per chunk (not the hot path)."""
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(self.log), 1 << 20))
+        unpacker.feed(self.log)
+        return list(unpacker)
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every output token so far (what a migrated attempt resumes from)."""
+        return [t for c in self.chunks() for t in c[2]]
 
     def chunk_index(self, from_seq: int) -> int:
         """Index of the first chunk a subscriber starting at output position `from_seq` needs (the
-        chunk containing from_seq, so a mid-chunk start replays that whole chunk)."""
-        for i, c in enumerate(self.chunks):
-            if c[1] + len(c[2]) > from_seq or (c[1] >= from_seq):
-                return i
-        return len(self.chunks)
+        chunk containing from_seq, so a mid-chunk start replays that whole chunk; an empty chunk at
+        from_seq is included)."""
+        seqs, n = self.seqs, len(self.seqs)
+        lo, hi = 0, n
+        while lo < hi:  # first i with end(i) > from_seq or seqs[i] >= from_seq (monotone in i)
+            mid = (lo + hi) // 2
+            end = seqs[mid + 1] if mid + 1 < n else self.num_tokens
+            if end > from_seq or seqs[mid] >= from_seq:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo

@@ -1,0 +1,317 @@
+"""The broker's relay hot path (issue 3, item 10): the token log kept as encoded STREAM entries, the
+TOKENS fast path (accepts exactly what the strict decoder accepts), the direct relay to caught-up
+subscribers next to the general flush (no chunk lost or duplicated, whatever sends fail), and the GC
+tuning. In-process: a Broker whose sends are recorded instead of going to sockets."""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenmill.broker.broker import Broker, BrokerConfig, _plain_chunks
+from tokenmill.broker.jobs import Job
+from tokenmill.broker.registry import WorkerInfo
+from tokenmill.client import protocol as p
+from tokenmill.client.errors import ProtocolError
+
+W = b"worker-1"
+
+
+# ---- the token log --------------------------------------------------------------------------------
+
+
+def _job() -> Job:
+    return Job("j", "", "m", p.RequestInput(prompt="x"), {}, 100, 0, b"c", True, 0.0, None, [])
+
+
+def _old_chunk_index(chunks: list[list[Any]], from_seq: int) -> int:
+    """The list-based implementation the log replaced (the reference)."""
+    for i, c in enumerate(chunks):
+        if c[1] + len(c[2]) > from_seq or (c[1] >= from_seq):
+            return i
+    return len(chunks)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(0, 4), max_size=12), lps=st.booleans())
+def test_log_holds_the_stream_entries(sizes: list[int], lps: bool) -> None:
+    job, ref, seq = _job(), [], 0
+    for k, n in enumerate(sizes):
+        ids = list(range(seq, seq + n))
+        logprobs = [[[t, -0.5]] for t in ids] if lps else None
+        entry = job.append(seq, ids, f"t{k}", logprobs)
+        ref.append(["j", seq, ids, f"t{k}", logprobs])
+        assert msgpack.unpackb(entry) == ref[-1]
+        seq += n
+    assert job.chunks() == ref and job.num_chunks == len(ref) and job.num_tokens == seq
+    assert job.tokens == list(range(seq))
+    for start in range(len(ref)):
+        body = msgpack.Packer().pack_array_header(len(ref) - start) + bytes(job.entries(start))
+        assert msgpack.unpackb(body) == ref[start:]
+        assert job.tokens_from(start) == seq - ref[start][1]
+    for from_seq in range(seq + 3):
+        assert job.chunk_index(from_seq) == _old_chunk_index(ref, from_seq)
+
+
+# ---- the TOKENS fast path accepts exactly what the decoder accepts ----------------------------------
+
+_field = st.one_of(st.none(), st.booleans(), st.integers(-3, 2**64 - 1), st.floats(allow_nan=False),
+                   st.text(max_size=3), st.binary(max_size=2), st.lists(st.integers(-2, 3), max_size=3))
+_good_chunk = st.tuples(st.text(min_size=1, max_size=8), st.integers(0, p.MAX_ATTEMPT),
+                        st.integers(0, 2**63 - 1), st.lists(st.integers(0, p.MAX_TOKEN_ID), max_size=4),
+                        st.text(max_size=5), st.none()).map(list)
+
+
+def _mutate(chunk: list[Any], i: int, v: Any) -> list[Any]:
+    return [*chunk[:i], v, *chunk[i + 1:]]
+
+
+_chunk = st.one_of(
+    _good_chunk,
+    st.builds(_mutate, _good_chunk, st.integers(0, 5), _field),  # one field of any type or value
+    st.lists(_field, max_size=7),  # wrong arity
+    st.just(["a" * (p.MAX_ID_LEN + 1), 0, 0, [1], "", None]),
+    st.just(["j", p.MAX_ATTEMPT + 1, 0, [1], "", None]),
+    st.just(["j", 0, 0, [p.MAX_TOKEN_ID + 1], "", None]),
+    st.just(["j", 0, 0, [1, -1], "", None]),
+    st.just(["j", 0, 0, [1], "", [[[1, -0.1]]]]),  # logprobs: valid, but not the plain shape
+)
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
+@given(chunks=st.lists(_chunk, max_size=4))
+def test_plain_chunks_accepts_only_what_decode_accepts(chunks: list[Any]) -> None:
+    obj = msgpack.unpackb(msgpack.packb(chunks))  # what the unpacker hands over (lists, no tuples)
+    try:
+        decoded: list[Any] | None = [list(c) for c in p.Tokens.from_wire(obj).chunks]
+    except ProtocolError:
+        decoded = None
+    fast = _plain_chunks(obj)
+    if fast is not None:
+        assert decoded == fast
+    plain = all(type(c) is list and len(c) == 6 and c[5] is None for c in obj)
+    if decoded is not None and plain:
+        assert fast is not None, "a valid plain batch must take the fast path"
+
+
+# ---- relaying through an in-process broker -----------------------------------------------------------
+
+
+class Harness:
+    """A Broker with one registered worker whose sends are recorded (and can be made to fail)."""
+
+    def __init__(self) -> None:
+        self.b = Broker(BrokerConfig())
+        self.failing: set[bytes] = set()
+        self.vanishing: set[bytes] = set()  # the next send to these finds the client gone
+        self.got: dict[tuple[bytes, str], list[tuple[int, list[int]]]] = {}  # (client, job) -> (seq, ids)
+        self.terminal: dict[tuple[bytes, str], list[str]] = {}
+        self.b._send_client_frames = self._send  # type: ignore[method-assign]
+        self.b._send_worker = lambda *a, **k: True  # type: ignore[method-assign]
+        now = time.monotonic()
+        self.b.workers[W] = WorkerInfo(W, "w", frozenset({"m"}), 1 << 20, 1, 16, 1 << 20, 60.0, now, now + 60)
+        self.seq: dict[str, int] = {}
+
+    def _send(self, cid: bytes, frames: list[bytes]) -> bool:
+        if cid in self.vanishing:  # what Broker._send_client_frames does on EHOSTUNREACH
+            self.vanishing.discard(cid)
+            self.b._client_gone(cid, "unreachable")
+            return False
+        if cid in self.failing:
+            return False
+        msg = p.decode(frames, p.BROKER_TO_CLIENT)
+        if isinstance(msg, p.Stream):
+            for c in msg.chunks:
+                self.got.setdefault((cid, c.job_id), []).append((c.seq, c.token_ids))
+        elif isinstance(msg, p.Done | p.Fail) and msg.job_id:
+            self.terminal.setdefault((cid, msg.job_id), []).append(type(msg).__name__)
+        return True
+
+    def submit(self, cid: bytes, job_id: str) -> None:
+        self.b._on_submit(cid, "", p.Submit(job_id, "m", p.RequestInput(prompt="x"), {"max_tokens": 1000}))
+        assert self.b.jobs[job_id].worker == W
+        self.seq[job_id] = 0
+
+    def tokens(self, job_ids: list[str], n: int = 1, logprobs: bool = False) -> None:
+        chunks = []
+        for j in job_ids:
+            ids = list(range(self.seq[j], self.seq[j] + n))
+            chunks.append([j, 0, self.seq[j], ids, "x", [[[t, -1.0]] for t in ids] if logprobs else None])
+            self.seq[j] += n
+        self.b._on_worker_frames([W, p.HEADER, bytes((p.Cmd.W_TOKENS,)), msgpack.packb(chunks)])
+
+    def finish(self, job_id: str) -> None:
+        body = msgpack.packb([[job_id, 0, "length", None, [1, self.seq[job_id], 0]]])
+        self.b._on_worker_frames([W, p.HEADER, bytes((p.Cmd.W_FINISHED,)), body])
+
+    def settle(self) -> None:
+        self.failing.clear()
+        for _ in range(3):
+            self.b._tick(time.monotonic())
+        assert not self.b._lagging
+
+
+@pytest.fixture
+def h() -> Iterator[Harness]:
+    harness = Harness()
+    yield harness
+    harness.b.ctx.term()
+
+
+def test_caught_up_and_lagging_subscribers_get_every_chunk_once(h: Harness) -> None:
+    h.submit(b"a", "j1")
+    h.submit(b"a", "j2")
+    h.submit(b"b", "j3")
+    h.tokens(["j1", "j2", "j3"])
+    assert h.got[(b"a", "j1")] == [(0, [0])] and h.got[(b"b", "j3")] == [(0, [0])]
+    h.failing.add(b"a")  # a's queue is full: its chunks wait behind its cursors
+    h.tokens(["j1", "j2", "j3"], n=2)
+    assert h.b._lagging == {"j1", "j2"} and h.got[(b"b", "j3")] == [(0, [0]), (1, [1, 2])]
+    h.failing.clear()
+    h.tokens(["j1", "j1", "j2"])  # j1 twice in one batch; a is resumed from its cursors
+    h.settle()
+    assert h.got[(b"a", "j1")] == [(0, [0]), (1, [1, 2]), (3, [3]), (4, [4])]
+    assert h.got[(b"a", "j2")] == [(0, [0]), (1, [1, 2]), (3, [3])]
+    assert h.b.counters["tokens_out"] == 5 + 4 + 3 and h.b.counters["tokens_in"] == 12
+
+
+def test_second_subscriber_replays_then_follows(h: Harness) -> None:
+    h.submit(b"a", "j1")
+    h.tokens(["j1"], n=3)
+    h.tokens(["j1"], n=2)
+    h.b._on_subscribe(b"b", "", p.Subscribe("j1", "", from_seq=4))  # mid-chunk: that whole chunk
+    h.tokens(["j1"], logprobs=True)  # two subscribers + logprobs: the strict decode and the general flush
+    h.finish("j1")
+    assert h.got[(b"a", "j1")] == [(0, [0, 1, 2]), (3, [3, 4]), (5, [5])]
+    assert h.got[(b"b", "j1")] == [(3, [3, 4]), (5, [5])]
+    assert h.terminal == {(b"a", "j1"): ["Done"], (b"b", "j1"): ["Done"]}
+
+
+def test_a_batch_with_one_bad_chunk_is_dropped_whole(h: Harness) -> None:
+    h.submit(b"a", "j1")
+    body = msgpack.packb([["j1", 0, 0, [1], "x", None], ["j1", 0, 1, [-1], "x", None]])
+    h.b._on_worker_frames([W, p.HEADER, bytes((p.Cmd.W_TOKENS,)), body])
+    assert h.b.counters["malformed_worker_messages"] == 1 and h.b.jobs["j1"].num_tokens == 0
+    assert not h.got
+
+
+def test_owner_gone_mid_relay_other_subscriber_gets_each_chunk_once(h: Harness) -> None:
+    h.submit(b"a", "j1")
+    h.b._on_subscribe(b"b", "", p.Subscribe("j1", "", 0))
+    h.tokens(["j1"])
+    h.vanishing.add(b"a")  # the relay's send to a finds it gone: j1 is cancelled and flushed to b
+    h.tokens(["j1"], n=2)  # ... inside the relay that was about to send b the same chunk
+    h.settle()
+    assert h.got[(b"b", "j1")] == [(0, [0]), (1, [1, 2])] and h.terminal[(b"b", "j1")] == ["Fail"]
+    assert h.got[(b"a", "j1")] == [(0, [0])] and (b"a", "j1") not in h.terminal
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=st.lists(st.one_of(
+    st.tuples(st.just("tokens"), st.lists(st.integers(0, 3), min_size=1, max_size=6), st.integers(0, 3),
+              st.frozensets(st.sampled_from([b"a", b"b", b"c"]))),
+    st.tuples(st.just("subscribe"), st.sampled_from([b"b", b"c"]), st.integers(0, 3), st.integers(0, 9)),
+    st.tuples(st.just("finish"), st.integers(0, 3)),
+    st.tuples(st.just("vanish"), st.sampled_from([b"a", b"b", b"c"])),
+    st.just(("tick",)),
+), max_size=25))
+def test_no_chunk_lost_or_duplicated(ops: list[tuple[Any, ...]]) -> None:
+    """Random batches (a job may appear twice in one), subscriptions mid-stream, sends that fail (full
+    queue) or find the client gone (its jobs are cancelled: terminal replies flushed to the others in
+    the middle of a relay): every subscriber still present gets each chunk of its jobs exactly once,
+    in order, then one terminal reply; one that left got a prefix."""
+    h = Harness()
+    try:
+        jobs = [f"j{i}" for i in range(4)]
+        subs = {(b"a", j): 0 for j in jobs}  # (client, job) -> first chunk index it is owed
+        for j in jobs:
+            h.submit(b"a", j)
+        done: set[str] = set()
+        gone: set[bytes] = set()
+        for op in ops:
+            if op[0] == "tokens":
+                h.failing = set(op[3])
+                live = [jobs[i] for i in op[1] if jobs[i] not in done]
+                if live:
+                    h.tokens(live, n=op[2])
+            elif op[0] == "subscribe":
+                job = h.b.jobs[jobs[op[2]]]
+                if (op[1], job.job_id) not in subs and op[1] not in gone | h.vanishing:
+                    subs[(op[1], job.job_id)] = job.chunk_index(op[3])
+                    h.b._on_subscribe(op[1], "", p.Subscribe(job.job_id, "", op[3]))
+            elif op[0] == "finish" and jobs[op[1]] not in done:
+                done.add(jobs[op[1]])
+                h.finish(jobs[op[1]])
+            elif op[0] == "vanish":
+                h.vanishing.add(op[1])
+                gone.add(op[1])
+            else:
+                h.b._tick(time.monotonic())
+        h.vanishing.clear()
+        h.settle()
+        for (cid, j), first in subs.items():
+            job = h.b.jobs[j]
+            want = [(c[1], c[2]) for c in job.chunks()[first:]]
+            got = h.got.get((cid, j), [])
+            terminal = h.terminal.get((cid, j), [])
+            if cid in gone:
+                assert got == want[:len(got)] and len(terminal) <= 1, (cid, j)
+            else:
+                assert got == want, (cid, j)
+                assert terminal == ([type(job.terminal).__name__] if job.terminal else []), (cid, j)
+    finally:
+        h.b.ctx.term()
+
+
+# ---- GC tuning -------------------------------------------------------------------------------------------
+
+
+def test_full_collections_wait_for_empty_sockets() -> None:
+    threshold = gc.get_threshold()
+    full: list[int] = []
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "stop" and info["generation"] == 2:
+            full.append(1)
+
+    b = Broker(BrokerConfig(frontend="tcp://127.0.0.1:0", backend="tcp://127.0.0.1:0"))
+    b.bind()
+    ctx = zmq.Context()
+    worker = ctx.socket(zmq.DEALER)
+    try:
+        b._tune_gc()
+        assert gc.get_threshold()[2] > 1 << 20 and gc.get_freeze_count() > 1000
+        gc.callbacks.append(on_gc)
+        now = time.monotonic()
+        b._collect(now)  # nothing waiting: collects at once
+        assert full == [1] and b.counters["gc_full_collections"] == 1
+        worker.connect(b.endpoint("backend"))
+        worker.send_multipart(p.encode(p.WorkerHeartbeat()))
+        deadline = time.monotonic() + 10
+        while not int(b.backend.get(zmq.EVENTS)) & zmq.POLLIN:  # type: ignore[union-attr]
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        b._collect(now)  # a message is waiting: deferred
+        b._collect(now + b._GC_MAX_DEFER / 2)
+        assert full == [1]
+        b._collect(now + b._GC_MAX_DEFER + 0.1)  # ... but not for longer than that
+        assert full == [1, 1] and b.counters["gc_full_collections_busy"] == 1
+    finally:
+        if on_gc in gc.callbacks:
+            gc.callbacks.remove(on_gc)
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
+        worker.close(linger=0)
+        ctx.term()
+        for s in (b.frontend, b.backend):
+            assert s is not None
+            s.close(linger=0)
+        b.ctx.term()

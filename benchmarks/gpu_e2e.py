@@ -73,6 +73,34 @@ def profile_decode(engine: LLMEngine, out: Path, steps: int = 20) -> None:
     prof.export_chrome_trace(str(out / "decode_b1_trace.json"))
 
 
+def profile_mixed(engine: LLMEngine, steps: int = 5) -> None:
+    """torch.profiler (CPU ops by self time) over steps in which one new 144-token request joins 16
+    decoding ones: where the host time of an eager (mixed prefill + decode) step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = engine.runner.arch.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    for i, p in enumerate(random_prompts(16, 128, vocab, 3)):
+        engine.add_request(f"mix-d{i}", prompt_token_ids=p, params=params)
+    for _ in range(4):
+        engine.step()
+    new = random_prompts(steps + 1, 144, vocab, 4)
+    engine.add_request("mix-warm", prompt_token_ids=new[0], params=SamplingParams(max_tokens=1, temperature=0.0))
+    engine.step()
+    engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(steps):
+            engine.add_request(f"mix-{i}", prompt_token_ids=new[i + 1],
+                               params=SamplingParams(max_tokens=1, temperature=0.0))
+            t = time.perf_counter()
+            engine.step()
+            print(f"mixed step() {1e3 * (time.perf_counter() - t):.1f} ms", flush=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), flush=True)
+    print(prof.key_averages(group_by_stack_n=0).table(sort_by="cpu_time_total", row_limit=30), flush=True)
+
+
 def latency_config(engine: LLMEngine, repeats: int) -> float:
     vocab = engine.runner.arch.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
@@ -113,6 +141,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--profile", action="store_true", help="first profile 20 batch-1 decode steps")
     ap.add_argument("--sync-scheduling", action="store_true", help="turn async scheduling off")
+    ap.add_argument("--profile-mixed", action="store_true",
+                    help="only profile the host side of mixed prefill + decode steps, then stop")
     args = ap.parse_args()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -135,6 +165,9 @@ def main() -> None:
     engine.generate(random_prompts(4, 16, 1000, 0), SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
     if args.profile:
         profile_decode(engine, args.out)
+    if args.profile_mixed:
+        profile_mixed(engine)
+        return
     for b in (int(x) for x in args.batches.split(",")):
         times = decode_step_times(engine, b, 128, 128)
         results["decode"][str(b)] = {"ms_per_step_p50": 1e3 * statistics.median(times),

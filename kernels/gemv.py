@@ -62,6 +62,8 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.activation import silu_and_mul_ref
+from tokenmill.kernels.launch import next_pow2 as _next_pow2
+from tokenmill.kernels.launch import num_sms as _num_sms
 from tokenmill.kernels.rmsnorm import add_rmsnorm_ref, rmsnorm_ref
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -109,15 +111,6 @@ _STATS_PER_THREAD = 8  # statistics-pass step: elements per thread and tensor (s
 _FMA_AT_M1 = True  # M == 1 uses the FMA variant (no tensor cores, no padding)
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
-@functools.lru_cache(maxsize=16)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
-    return 4  # interpreter
 
 
 @functools.lru_cache(maxsize=256)

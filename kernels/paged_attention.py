@@ -34,13 +34,15 @@ Kernel structure (one kernel + an optional reduce kernel):
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from .launch import next_pow2 as _next_pow2
+from .launch import num_sms as _num_sms
 
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -104,15 +106,6 @@ _MAX_SPLITS = 64
 _DONE_MARK = 3.0e38
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
-@functools.lru_cache(maxsize=16)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
-    return 4  # interpreter: small, so splitting kicks in on small test shapes too
 
 
 def choose_num_splits(base_programs: int, max_kv_span: int, num_sms: int, block_n: int) -> int:

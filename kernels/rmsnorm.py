@@ -14,13 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import next_pow2 as _next_pow2
+
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_SINGLE_PASS = 16384  # rows up to this many elements stay in registers (one read of x)
 _LOOP_BLOCK = 4096
 
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 @triton.jit

@@ -19,12 +19,10 @@ import triton
 import triton.language as tl
 
 from .kv_cache import check_kv_cache_args
+from .launch import next_pow2 as _next_pow2
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 def cos_sin_cache_from_inv_freq(inv_freq: torch.Tensor, max_position: int) -> torch.Tensor:

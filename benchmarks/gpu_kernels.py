@@ -667,17 +667,16 @@ def bench_gemv(
     *,
     tune: bool = False,
     projections: tuple[str, ...] = ("qkv", "o", "gate_up", "down"),
-    rep_ms: int = 20,
     budget_s: float = 420.0,
     smoke: bool = False,
 ) -> list[Row]:
     """Llama-3-8B decode projections (bf16) at M tokens: cuBLAS F.linear, preceded by the kernel the fused op
     absorbs (qkv / gate_up: add_rmsnorm; down: silu_and_mul; o: nothing), vs the one fused skinny kernel.
 
-    Timing: triton.testing.do_bench_cudagraph (median), i.e. inside a CUDA graph like the decode step, so the
-    baseline's launch bubbles count. Each timed call runs the op over n_sets weight copies (>= 4x L2 in all)
-    and the time is divided by n_sets: every weight comes from HBM, as in a real step where each layer has
-    its own weights. Each variant is checked against the unfused bf16 reference first (relative error < 1e-2).
+    Timing: `bench_ms`, i.e. inside a CUDA graph like the decode step, so the baseline's launch bubbles count,
+    cycling over n_sets weight copies (>= 4x L2 in all): every weight comes from HBM, as in a real step where
+    each layer has its own weights. Each variant is checked against the unfused bf16 reference first
+    (relative error < 1e-2).
 
     tune=True also sweeps a few SkinnyConfigs per shape (correctness-checked; configs that fail to compile
     are skipped) and reports the best; `budget_s` stops the sweep when time runs out (the untuned rows are
@@ -701,6 +700,8 @@ def bench_gemv(
     )
     from tokenmill.kernels.rmsnorm import add_rmsnorm
 
+    if smoke:
+        apply_smoke()
     t_end = time.perf_counter() + budget_s
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not smoke and dev.type != "cuda":
@@ -711,24 +712,12 @@ def bench_gemv(
     # name -> (N, K, prologue)
     shapes = {"qkv": (qkv_out, hidden, "norm"), "o": (hidden, hidden, "plain"),
               "gate_up": (2 * inter, hidden, "norm"), "down": (hidden, inter, "silu")}  # fmt: skip
-    l2 = 50 << 20
-    if dev.type == "cuda":
-        l2 = int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or l2)
+    l2 = Ctx(deadline=t_end).l2_bytes
     eps = 1e-5
     gen = torch.Generator(device=dev).manual_seed(0)
 
     def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(shape, generator=gen, device=dev) * scale).to(dtype)
-
-    def time_us(fn: Callable[[], object], n_calls: int) -> float:
-        if smoke:
-            fn()
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e6 / n_calls
-        from triton.testing import do_bench_cudagraph
-
-        return float(do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")) * 1e3 / n_calls
 
     def candidates(m: int, default: SkinnyConfig) -> list[SkinnyConfig]:
         shapes_ = [(16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3), (32, 128, 4, 4), (32, 256, 4, 4),
@@ -741,9 +730,6 @@ def bench_gemv(
                 if cfg not in out:
                     out.append(cfg)
         return out
-
-    def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-        return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
     def case(name: str, n: int, k: int, prologue: str, weights: list[torch.Tensor], m: int) -> Row:
         weight_bytes = n * k * dtype.itemsize
@@ -777,25 +763,16 @@ def bench_gemv(
 
         def run_fused(cfg: SkinnyConfig | None) -> tuple[float, float]:
             """(relative error vs the reference, us per call)"""
-            err = rel(fused(weights[0], cfg), ref)
+            err = rel_err(fused(weights[0], cfg), ref)
             if not err < 1e-2:  # also catches NaN
                 raise AssertionError(f"{name} M={m} {cfg}: relative error {err:.3e}")
-
-            def fn() -> None:
-                for w in weights:
-                    fused(w, cfg)
-
-            return err, time_us(fn, n_sets)
-
-        def fn_base() -> None:
-            for w in weights:
-                unfused(w)
+            return err, 1e3 * bench_ms(lambda i: fused(weights[i], cfg), n_sets)
 
         def gbps(us: float) -> float:
             return weight_bytes / (us * 1e-6) / 1e9
 
-        base_err = rel(unfused(weights[0]), ref)
-        base_us = time_us(fn_base, n_sets)
+        base_err = rel_err(unfused(weights[0]), ref)
+        base_us = 1e3 * bench_ms(lambda i: unfused(weights[i]), n_sets)
         cfg0 = default_config(m, n, k, dtype.itemsize, _num_sms(dev))
         fused_err, fused_us = run_fused(None)
         row: Row = {

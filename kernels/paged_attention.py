@@ -101,11 +101,6 @@ _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 64
 
 
-# part_m of split 0 for a row the attention kernel normalised and wrote itself (a real running max is a
-# finite score or -1e30, never this).
-_DONE_MARK = 3.0e38
-
-
 
 
 def choose_num_splits(base_programs: int, max_kv_span: int, num_sms: int, block_n: int) -> int:
@@ -223,7 +218,6 @@ def _paged_attn_kernel(
     ONE_TILE_PER_SEQ: tl.constexpr,  # every request has <= BLOCK_Q query tokens: program i -> request i
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    DONE_MARK: tl.constexpr,  # part_m value of split 0 for a row written directly to out
 ):
     kvh = tl.program_id(1)
     if ONE_TILE_PER_SEQ:
@@ -266,19 +260,14 @@ def _paged_attn_kernel(
         kv_lo = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
     else:
         kv_lo = first_pos * 0
-    direct = not SPLIT  # this program writes the normalised output itself
     if not SPLIT:
         seg_lo = kv_lo
         seg_hi = kv_hi
     else:
-        # Segments are whole BLOCK_N multiples, so a short context (a decode in a CUDA graph sized for
-        # max_model_len, say) may use fewer splits than launched; with a single one the split-0 program
-        # writes `out` directly and marks the row done for the reduce kernel. (A floor of 256 keys per
-        # segment made batch-1 decode at ~200 tokens slower on the H200: 8.8 us vs 5.2 + 1.6 us reduce.)
+        # Segments are whole BLOCK_N multiples and no longer: a floor of 256 keys per segment (so that a
+        # short context in a graph sized for max_model_len used fewer splits) made batch-1 decode at ~200
+        # tokens slower on the H200 (8.8 us vs 5.2 + 1.6 us reduce): one program then walks all keys.
         seg = tl.cdiv(tl.cdiv(kv_hi - kv_lo, num_splits), BLOCK_N) * BLOCK_N
-        direct = kv_hi - kv_lo <= seg
-        if direct and split > 0:
-            return
         seg_lo = kv_lo + split * seg
         seg_hi = tl.minimum(kv_hi, seg_lo + seg)
     # [seg_lo, full_hi): keys every row of the tile sees (key <= first_pos; no window) -> unmasked loop
@@ -319,15 +308,12 @@ def _paged_attn_kernel(
         HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, DOT_PRECISION,
     )  # fmt: skip
 
-    if direct:
+    if not SPLIT:
         # every valid row saw at least its own key, so l_i >= 1 there; guard only the padded rows
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / l_safe[:, None]
         o_ptrs = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
-        if SPLIT:  # tell the reduce kernel that this row is final
-            prow0 = (tok.to(tl.int64) * num_q_heads + head) * num_splits  # [BLOCK_M], split 0
-            tl.store(part_m_ptr + prow0, tl.full([BLOCK_M], DONE_MARK, tl.float32), mask=row_valid)
     else:
         # partial results: row (tok, head, split); empty segments store m = -1e30, l = 0, acc = 0
         prow = (tok.to(tl.int64) * num_q_heads + head) * num_splits + split  # [BLOCK_M]
@@ -348,17 +334,13 @@ def _reduce_splits_kernel(
     stride_oh,
     SPLITS_PAD: tl.constexpr,  # power of two >= num_splits (bucketed: few compiled variants)
     HEAD_DIM: tl.constexpr,
-    DONE_MARK: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
-    row0 = (t.to(tl.int64) * num_q_heads + h) * num_splits
-    if tl.load(part_m_ptr + row0) == DONE_MARK:
-        return  # the attention kernel wrote this row itself (its context fit one segment)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     smask = offs_s < num_splits
-    row = row0 + offs_s  # [SPLITS_PAD]
+    row = (t.to(tl.int64) * num_q_heads + h) * num_splits + offs_s  # [SPLITS_PAD]
     m = tl.load(part_m_ptr + row, mask=smask, other=float("-inf"))
     l_s = tl.load(part_l_ptr + row, mask=smask, other=0.0)
     m_max = tl.max(m, 0)  # finite: every query sees its own key in some split
@@ -493,15 +475,13 @@ def paged_attention(
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=num_splits > 1,
         ONE_TILE_PER_SEQ=one_tile, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DONE_MARK=_DONE_MARK,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         splits_pad = max(8, _next_pow2(num_splits))
         _reduce_splits_kernel[(num_tokens, num_q_heads)](
             part_acc, part_m, part_l, out, num_q_heads, num_splits, out.stride(0), out.stride(1),
-            SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, DONE_MARK=_DONE_MARK,
-            num_warps=4 if head_dim * splits_pad >= 4096 else 2,
+            SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, num_warps=4 if head_dim * splits_pad >= 4096 else 2,
         )  # fmt: skip
     return out
 

@@ -533,9 +533,9 @@ class _RecordingSampler(Sampler):
         super().__init__(use_compile)
         self.rows: list[int] = []
 
-    def _run_race(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
+    def _race(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
         self.rows.append(x.shape[0])
-        return super()._run_race(x, *args)
+        return super()._race(x, *args)
 
 
 def test_warm_up_runs_the_compiled_race_for_one_and_several_rows() -> None:

@@ -258,17 +258,15 @@ class Sampler:
         """[N, V] penalised logits -> [N] i64 token ids."""
         if meta.all_greedy:  # also the empty batch
             return greedy_argmax(x)
-        random = self._race(apply_top_k_top_p(x / meta.temperature[:, None], meta), meta)
+        x_scaled = apply_top_k_top_p(x / meta.temperature[:, None], meta)
+        random = self._race(x_scaled, meta.min_p, meta.seeds, meta.positions, meta.no_min_p)
         return random if meta.all_random else torch.where(meta.is_greedy, greedy_argmax(x), random)
-
-    def _race(self, x: Tensor, meta: SamplingMetadata) -> Tensor:
-        """Min-p, then the exponential race, compiled when enabled: [N, V] -> [N] i64."""
-        return self._run_race(x, meta.min_p, meta.seeds, meta.positions, meta.no_min_p)
 
     def _uses_compile(self, device: torch.device) -> bool:
         return self._compile is True or (self._compile is None and device.type == "cuda")
 
-    def _run_race(self, x: Tensor, min_p: Tensor, seeds: Tensor, positions: Tensor, no_min_p: bool) -> Tensor:
+    def _race(self, x: Tensor, min_p: Tensor, seeds: Tensor, positions: Tensor, no_min_p: bool) -> Tensor:
+        """Min-p, then the exponential race, compiled when enabled: [N, V] scaled logits -> [N] i64."""
         key = (x.device, x.shape[1])
         if key not in self._counters:
             self._counters[key] = vocab_counters(x.shape[1], x.device)
@@ -282,7 +280,7 @@ class Sampler:
         except Exception:  # a compiler failure must not fail the step: eager gives the same tokens
             log.exception("torch.compile of the sampler failed; sampling eagerly from now on")
             self._compile = False
-            return self._run_race(x, min_p, seeds, positions, no_min_p)
+            return self._race(x, min_p, seeds, positions, no_min_p)
 
     def warm_up(self, vocab_size: int, device: torch.device) -> None:
         """Compile the race now (engine start-up) for one row and for several (torch specialises
@@ -292,7 +290,7 @@ class Sampler:
         for n in (1, 2):
             x = torch.zeros((n, vocab_size), dtype=torch.float32, device=device)
             zeros = torch.zeros(n, dtype=torch.int64, device=device)
-            self._run_race(x, torch.zeros(n, device=device), zeros, zeros, False)
+            self._race(x, torch.zeros(n, device=device), zeros, zeros, False)
 
 
 def _id_mask(ids: Tensor, vocab_size: int) -> Tensor:

@@ -113,15 +113,10 @@ class TorchRefBackend:
         positions: torch.Tensor,
     ) -> torch.Tensor:
         """forward() after rotating q and k out of place (HF rotate_half layout, fp32 math)."""
-        half = q.shape[-1] // 2
-        cos, sin = cos_sin_cache[positions.long()].float()[:, None].split(half, dim=-1)  # [T, 1, D/2] each
+        from tokenmill.kernels.rotary import rotary_embedding_ref
 
-        def rotate(x: torch.Tensor) -> torch.Tensor:
-            x1, x2 = x[..., :half].float(), x[..., half:].float()
-            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-        return self.forward(rotate(q), rotate(k), v, k_cache, v_cache, meta, scale, sliding_window)
-
+        q, k = rotary_embedding_ref(q, k, cos_sin_cache, positions)
+        return self.forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
 
 def decode_attention(
     q: torch.Tensor,

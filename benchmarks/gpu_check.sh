@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent H200: GPU tests, kernel benchmark, decode-GEMV tuning, engine e2e benchmark
 # (with a profile of batch-1 decode steps and the full-cache fill run).
-# Device call: run(command="bash benchmarks/gpu_check.sh [tests kernels gemv e2e]", carry=[".whl"])
+# Device call: run(command="bash benchmarks/gpu_check.sh [tests kernels gemv e2e pdl]", carry=[".whl"])
 # Everything lands in $OUT/gpu_check.tgz (a call returns at most 8 files); the short logs are printed.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
@@ -16,15 +16,21 @@ for s in $sections; do
   case $s in
     tests)   timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/} 2>&1 | tee "$R/gpu_tests.log" \
                | grep -E "passed|failed|^FAILED|^E " | head -40 ;;
-    kernels) timeout 330 python3 benchmarks/gpu_kernels.py --budget-s 290 --out "$R/kernels" > "$R/kernels.log" 2>&1
+    kernels) timeout ${KERNELS_TIMEOUT:-330} python3 benchmarks/gpu_kernels.py --budget-s $(( ${KERNELS_TIMEOUT:-330} - 40 )) \
+               --sections ${KERNEL_SECTIONS:-copy,decode,prefill,small} --out "$R/kernels" > "$R/kernels.log" 2>&1
              tail -80 "$R/kernels.log" ;;
     gemv)    timeout 110 python3 -c "
 import json
 from tokenmill.benchmarks.gpu_kernels import bench_gemv
-rows = bench_gemv(ms=(1, 8), tune=True, budget_s=70)
+rows = bench_gemv(ms=tuple(int(m) for m in '${GEMV_MS:-1,8}'.split(',')), tune=True, budget_s=${GEMV_BUDGET:-70})
 json.dump(rows, open('$R/gemv.json', 'w'), indent=1, default=str)
 for r in rows: print({k: v for k, v in r.items() if k != 'sweep'})
 " > "$R/gemv.log" 2>&1; tail -30 "$R/gemv.log" ;;
+    pdl)     for pdl in 0 1; do  # engine decode with programmatic dependent launch off / on (kernels/launch.py)
+               TOKENMILL_PDL=$pdl timeout 80 python3 -m tokenmill.benchmarks.gpu_e2e --batches 1,8 --fill-requests 0 \
+                 --out "$R/pdl_$pdl" > "$R/pdl_$pdl.log" 2>&1
+               echo "PDL=$pdl: $(grep -E '^batch|^latency' "$R/pdl_$pdl.log" | cut -c1-90 | tr '\n' ' ')"
+             done ;;
     e2e)     timeout 200 python3 -m tokenmill.benchmarks.gpu_e2e --model llama3-8b --profile --out "$R/e2e" \
                > "$R/e2e.log" 2>&1; gzip -f "$R"/e2e/*trace*.json; tail -12 "$R/e2e.log" ;;
   esac

@@ -41,8 +41,9 @@ DECODE_CONTEXTS = [1024, 4096, 16384, 32768]
 DECODE_TUNE_POINTS = [(1, 32768), (32, 4096), (128, 4096)]  # first one also gets the num_splits check
 DECODE_CHECK_LENS = [1000, 4097, 16, 31, 2048, 8191, 1, 17]
 KV_LIMIT_BYTES = 60e9
+SPLITS_POINTS = [(1, 16384), (1, 32768), (8, 32768)]  # num_splits sensitivity
+SPLITS_TRIED = [8, 16, 24, 33, 40, 50, 66, 99]
 PREFILL_LENS = [4096, 8192, 16384]
-PREFILL_TUNE_LEN = 8192
 PREFILL_CHECK = ([512, 700, 1, 1], [2048, 700, 3000, 17])  # (query lens, seq lens)
 SMALL_SHAPES = [(8192, 4096), (8192, 14336 * 2)]
 SMOKE = False
@@ -52,7 +53,7 @@ def apply_smoke() -> None:
     """Tiny shapes, fp16 (the interpreter's bf16 dot is wrong), CPU when there is no GPU: checks the script's
     logic end to end in seconds, timings are meaningless."""
     global DEV, HQ, HKV, HEAD_DIM, DTYPE, COPY_BYTES, DECODE_BATCHES, DECODE_CONTEXTS, DECODE_TUNE_POINTS
-    global DECODE_CHECK_LENS, PREFILL_LENS, PREFILL_TUNE_LEN, PREFILL_CHECK, SMALL_SHAPES, SMOKE
+    global DECODE_CHECK_LENS, PREFILL_LENS, PREFILL_CHECK, SPLITS_POINTS, SMALL_SHAPES, SMOKE
     SMOKE = True
     DEV = "cuda" if torch.cuda.is_available() else "cpu"
     HQ, HKV, HEAD_DIM, DTYPE = 8, 2, 32, torch.float16
@@ -60,7 +61,8 @@ def apply_smoke() -> None:
     DECODE_BATCHES, DECODE_CONTEXTS = [1, 3], [40, 300]
     DECODE_TUNE_POINTS = [(1, 300), (3, 40)]
     DECODE_CHECK_LENS = [100, 17, 16, 1]
-    PREFILL_LENS, PREFILL_TUNE_LEN = [48, 96], 96
+    PREFILL_LENS = [48, 96]
+    SPLITS_POINTS = [(1, 300)]
     PREFILL_CHECK = ([20, 30, 1, 1], [50, 30, 70, 17])
     SMALL_SHAPES = [(4, 64), (3, 200)]
 
@@ -316,6 +318,9 @@ def section_decode(ctx: Ctx) -> Row:
         PagedAttentionConfig(16, 64, 8, 5),
         PagedAttentionConfig(16, 64, 2, 4),
         PagedAttentionConfig(16, 128, 4, 4),
+        PagedAttentionConfig(16, 64, 4, 2),
+        PagedAttentionConfig(16, 32, 2, 3),
+        PagedAttentionConfig(16, 64, 2, 3),
     ]
     tune_sets = {(b, c): make_sets([1] * b, [c] * b, pool_blocks, rot[(b, c)], gen) for b, c in DECODE_TUNE_POINTS}
     tune_rows: list[list[str]] = []
@@ -346,18 +351,23 @@ def section_decode(ctx: Ctx) -> Row:
         )
     )
 
-    # num_splits sensitivity on the first tune point (a runtime argument: no recompiles)
-    b1, c1 = DECODE_TUNE_POINTS[0]
+    # num_splits sensitivity (a runtime argument: no recompiles) at batch 1 and 8, long contexts
     sens_rows: list[list[str]] = []
-    sets1 = tune_sets[(b1, c1)]
-    auto = choose_num_splits(b1 * HKV, c1, num_sms, best.block_n)
-    for n in sorted({1, max(1, auto // 2), auto, 2 * auto, 4 * auto}):
-        ms = bench_ms(attn_call(sets1, k_pool, v_pool, 1, c1, best, n), len(sets1))
-        bw = kv_bytes(b1, c1) / (ms * 1e-3)
-        label = f"{n} (auto)" if n == auto else str(n)
-        sens_rows.append([label, f"{ms * 1e3:.1f}", f"{bw / 1e9:.0f}", pct(bw, ctx)])
-    result["splits_sensitivity"] = {"batch": b1, "context": c1, "rows": sens_rows}
-    ctx.tables.append((f"Decode B={b1} ctx={c1} vs num_splits", ["num_splits", "us", "KV GB/s", "% copy"], sens_rows))
+    for b1, c1 in SPLITS_POINTS:
+        if ctx.time_left() < 120:
+            ctx.notes.append(f"num_splits check stopped before B={b1} ctx={c1} (time budget)")
+            break
+        sets1 = tune_sets.get((b1, c1)) or make_sets([1] * b1, [c1] * b1, pool_blocks, rot[(b1, c1)], gen)
+        auto = choose_num_splits(b1 * HKV, c1, num_sms, best.block_n)
+        for n in sorted({auto, *SPLITS_TRIED}):
+            ms = bench_ms(attn_call(sets1, k_pool, v_pool, 1, c1, best, n), len(sets1))
+            bw = kv_bytes(b1, c1) / (ms * 1e-3)
+            label = f"{n} (auto)" if n == auto else str(n)
+            sens_rows.append([str(b1), str(c1), label, str(n * b1 * HKV), f"{ms * 1e3:.1f}", f"{bw / 1e9:.0f}",
+                              pct(bw, ctx)])  # fmt: skip
+    result["splits_sensitivity"] = sens_rows
+    ctx.tables.append(("Decode vs num_splits", ["batch", "context", "num_splits", "programs", "us", "KV GB/s",
+                                                "% copy"], sens_rows))  # fmt: skip
 
     # the sweep
     rows: list[list[str]] = []
@@ -367,14 +377,15 @@ def section_decode(ctx: Ctx) -> Row:
             ctx.notes.append(f"decode sweep stopped before B={b} ctx={c} (time budget)")
             break
         sets = tune_sets.get((b, c)) or make_sets([1] * b, [c] * b, pool_blocks, rot[(b, c)], gen)
-        splits = choose_num_splits(b * HKV, c, num_sms, best.block_n)
-        ms = bench_ms(attn_call(sets, k_pool, v_pool, 1, c, best), len(sets))
+        splits = choose_num_splits(b * HKV, c, num_sms, DECODE_CONFIG.block_n)
+        ms = bench_ms(attn_call(sets, k_pool, v_pool, 1, c), len(sets))  # the default launch rule
         bw = kv_bytes(b, c) / (ms * 1e-3)
         sweep.append({"batch": b, "context": c, "ms": ms, "kv_gbps": bw / 1e9, "splits": splits})
         rows.append([str(b), str(c), str(splits), f"{ms * 1e3:.1f}", f"{bw / 1e9:.0f}", pct(bw, ctx)])
     result["sweep"] = sweep
     ctx.tables.append(
-        (f"Decode attention (Hq={HQ}, Hkv={HKV}, D={HEAD_DIM}, {DTYPE}, block {BLOCK_SIZE}), config {best}",
+        (f"Decode attention (Hq={HQ}, Hkv={HKV}, D={HEAD_DIM}, {DTYPE}, block {BLOCK_SIZE}), default launch rule "
+         f"({DECODE_CONFIG})",
          ["batch", "context", "splits", "us", "KV GB/s", "% copy"], rows)
     )  # fmt: skip
     return result
@@ -395,7 +406,7 @@ def section_prefill(ctx: Ctx) -> Row:
     gen = torch.Generator().manual_seed(1)
     lens = PREFILL_LENS
     chk_q, chk_s = PREFILL_CHECK
-    blocks = [math.ceil(t / BLOCK_SIZE) for t in [*lens, PREFILL_TUNE_LEN, sum(chk_s)]]
+    blocks = [math.ceil(t / BLOCK_SIZE) for t in [*lens, sum(chk_s)]]
     pool_blocks = max(blocks) + 16
     shape = (pool_blocks, BLOCK_SIZE, HKV, HEAD_DIM)
     k_pool = torch.empty(shape, dtype=DTYPE, device=DEV).normal_()
@@ -406,20 +417,19 @@ def section_prefill(ctx: Ctx) -> Row:
     chk = make_sets(chk_q, chk_s, pool_blocks, 1, gen)[0]
     result["check_rel_err"] = check_attn(chk, k_pool, v_pool, max(chk_q), max(chk_s))
 
+    # every candidate at every length (the default rule may pick by length)
     candidates = [
         PREFILL_CONFIG,
         PagedAttentionConfig(128, 64, 8, 3),
+        PagedAttentionConfig(128, 64, 8, 4),
+        PagedAttentionConfig(128, 128, 8, 2),
         PagedAttentionConfig(64, 64, 4, 3),
-        PagedAttentionConfig(64, 64, 4, 4),
         PagedAttentionConfig(64, 128, 4, 3),
         PagedAttentionConfig(64, 128, 8, 3),
-        PagedAttentionConfig(128, 128, 8, 3),
         PagedAttentionConfig(128, 64, 4, 3),
-        PagedAttentionConfig(64, 32, 4, 4),
+        PagedAttentionConfig(128, 32, 4, 4),
     ]
-    tune_t = PREFILL_TUNE_LEN
-    tune_set = make_sets([tune_t], [tune_t], pool_blocks, 1, gen)[0]
-    scores: dict[PagedAttentionConfig, float] = {}
+    sets = {t: make_sets([t], [t], pool_blocks, 1, gen)[0] for t in lens}
     tune_rows: list[list[str]] = []
     for cfg in candidates:
         if ctx.time_left() < 75 and cfg is not PREFILL_CONFIG:
@@ -427,22 +437,19 @@ def section_prefill(ctx: Ctx) -> Row:
             break
         try:
             check_attn(chk, k_pool, v_pool, max(chk_q), max(chk_s), config=cfg)
-            ms = bench_ms(attn_call([tune_set], k_pool, v_pool, tune_t, tune_t, cfg), 1)
+            times = [bench_ms(attn_call([sets[t]], k_pool, v_pool, t, t, cfg), 1) for t in lens]
         except Exception as exc:
             print(f"prefill config {cfg} failed: {exc!r}", file=sys.stderr)
             continue
-        scores[cfg] = ms
-        tune_rows.append([str(cfg), f"{ms:.3f}", f"{prefill_flops(tune_t) / (ms * 1e-3) / 1e12:.0f}"])
-    best = min(scores, key=lambda k: scores[k]) if scores else PREFILL_CONFIG
-    result["best_config"] = str(best)
+        tune_rows.append([str(cfg), *(f"{prefill_flops(t) / (ms * 1e-3) / 1e12:.0f}" for t, ms in zip(lens, times))])
     result["tune"] = tune_rows
-    ctx.tables.append((f"Prefill autotune (T={tune_t})", ["config", "ms", "TFLOP/s"], tune_rows))
+    ctx.tables.append(("Prefill autotune (TFLOP/s)", ["config", *(f"T={t}" for t in lens)], tune_rows))
 
+    # the sweep: the launcher's default rule (what the engine runs)
     rows: list[list[str]] = []
     sweep: list[Row] = []
     for t in lens:
-        s = tune_set if t == tune_t else make_sets([t], [t], pool_blocks, 1, gen)[0]
-        ms = bench_ms(attn_call([s], k_pool, v_pool, t, t, best), 1)
+        ms = bench_ms(attn_call([sets[t]], k_pool, v_pool, t, t), 1)
         tflops = prefill_flops(t) / (ms * 1e-3) / 1e12
         sdpa_ms, sdpa_note = bench_sdpa(t)
         sdpa_tflops = prefill_flops(t) / (sdpa_ms * 1e-3) / 1e12 if sdpa_ms else None
@@ -455,7 +462,7 @@ def section_prefill(ctx: Ctx) -> Row:
         ])  # fmt: skip
     result["sweep"] = sweep
     ctx.tables.append(
-        (f"Prefill attention, causal, 1 sequence (Hq={HQ}, Hkv={HKV}, D={HEAD_DIM}, {DTYPE}), config {best}",
+        (f"Prefill attention, causal, 1 sequence (Hq={HQ}, Hkv={HKV}, D={HEAD_DIM}, {DTYPE}), default launch rule",
          ["tokens", "ms", "TFLOP/s", "SDPA ms", "SDPA TFLOP/s", "SDPA/ours time", "SDPA backend"], rows)
     )  # fmt: skip
     return result
@@ -722,7 +729,8 @@ def bench_gemv(
     def candidates(m: int, default: SkinnyConfig) -> list[SkinnyConfig]:
         shapes_ = [(16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3), (32, 128, 4, 4), (32, 256, 4, 4),
                    (64, 64, 4, 5), (64, 128, 4, 4), (16, 256, 4, 6), (32, 128, 8, 4), (64, 128, 8, 3),
-                   (16, 256, 4, 1), (32, 256, 8, 3)]  # fmt: skip
+                   (16, 256, 4, 1), (32, 256, 8, 3), (8, 256, 4, 4), (8, 512, 4, 3), (8, 256, 2, 4),
+                   (8, 512, 2, 4)]  # fmt: skip
         out = [default]
         for bn, bk, nw, ns in shapes_:
             for use_dot in (False, True) if m == 1 else (True,):

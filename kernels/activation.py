@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import pdl_launch_args, pdl_release, pdl_wait
+
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BLOCK = 1024
 
@@ -21,7 +23,9 @@ def _silu_and_mul_kernel(
     stride_xt,
     stride_ot,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch protocol (kernels/launch.py)
 ):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -29,6 +33,7 @@ def _silu_and_mul_kernel(
     up = tl.load(x_ptr + t * stride_xt + inter + offs, mask=mask, other=0.0).to(tl.float32)
     y = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + t * stride_ot + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    pdl_release(PDL)
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -52,7 +57,9 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if out.numel() == 0:
         return out
     grid = (num_tokens, triton.cdiv(inter, _BLOCK))
-    _silu_and_mul_kernel[grid](x, out, inter, x.stride(0), out.stride(0), BLOCK=_BLOCK, num_warps=4)
+    _silu_and_mul_kernel[grid](
+        x, out, inter, x.stride(0), out.stride(0), BLOCK=_BLOCK, num_warps=4, **pdl_launch_args(x.device)
+    )
     return out
 
 

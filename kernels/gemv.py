@@ -66,6 +66,7 @@ import triton.language as tl
 from tokenmill.kernels.activation import silu_and_mul_ref
 from tokenmill.kernels.launch import next_pow2 as _next_pow2
 from tokenmill.kernels.launch import num_sms as _num_sms
+from tokenmill.kernels.launch import pdl_launch_args, pdl_release, pdl_wait
 from tokenmill.kernels.rmsnorm import add_rmsnorm_ref, rmsnorm_ref
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -113,8 +114,6 @@ _STATS_PER_THREAD = 8  # statistics-pass step: elements per thread and tensor (s
 _FMA_AT_M1 = True  # M == 1 uses the FMA variant (no tensor cores, no padding)
 
 
-
-
 @functools.lru_cache(maxsize=256)
 def default_config(m: int, n: int, k: int, itemsize: int, num_sms: int) -> SkinnyConfig:
     """The rule-based launch shape for y [m, n] = x [m, k] @ w [n, k].T with elements of `itemsize` bytes.
@@ -123,8 +122,7 @@ def default_config(m: int, n: int, k: int, itemsize: int, num_sms: int) -> Skinn
     (bench_gemv(tune=True)): 16 weight rows per program, 256-wide K steps (512 for K >= 8192), FMA variant."""
     if m == 1:
         wide = k >= 8192
-        return SkinnyConfig(16, max(16, min(512 if wide else 256, _next_pow2(k))), 4, 3 if wide else 4,
-                            use_dot=False)
+        return SkinnyConfig(16, max(16, min(512 if wide else 256, _next_pow2(k))), 4, 3 if wide else 4, use_dot=False)
     block_n = _MAX_BLOCK_N
     while block_n > _MIN_BLOCK_N and triton.cdiv(n, block_n) < _PROGRAMS_PER_SM * num_sms:
         block_n //= 2
@@ -233,6 +231,7 @@ def _skinny_kernel(
     DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr,  # software-pipelining depth of both K loops (explicit: Triton pipelines a
     # loop without tl.dot, i.e. the statistics pass and the FMA variant, only when asked)
+    PDL: tl.constexpr,  # programmatic dependent launch protocol (kernels/launch.py)
 ):
     dtype = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -245,6 +244,7 @@ def _skinny_kernel(
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K  # [BLOCK_N, 1]
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
     r_rows = res_ptr + rm.to(tl.int64)[:, None] * stride_rm  # [BLOCK_M, 1]
+    pdl_wait(PDL)
 
     # ---- RMSNorm statistics: a first pass over K of r = h (+ residual), from L2 -------------------------
     # It runs before the weight stream starts, so its L2 round trips are on every program's critical path:
@@ -290,6 +290,7 @@ def _skinny_kernel(
         acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]  # [BLOCK_N, BLOCK_M]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
+    pdl_release(PDL)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -391,7 +392,7 @@ def _launch(
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0,
         STATS_BLOCK=stats_block, EVEN_KS=k % stats_block == 0, USE_DOT=config.use_dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", NUM_STAGES=config.num_stages,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch_args(x.device),
     )  # fmt: skip
     return out, res_out
 

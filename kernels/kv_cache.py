@@ -13,9 +13,9 @@ import triton
 import triton.language as tl
 
 from .launch import next_pow2 as _next_pow2
+from .launch import pdl_launch_args, pdl_release, pdl_wait
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
 
 
 @triton.jit
@@ -40,7 +40,9 @@ def _write_kv_cache_kernel(
     BLOCK_SIZE: tl.constexpr,  # cache block size
     HEADS_PAD: tl.constexpr,  # next_pow2(Hkv)
     DIM_PAD: tl.constexpr,  # next_pow2(D)
+    PDL: tl.constexpr,  # programmatic dependent launch protocol (kernels/launch.py)
 ):
+    pdl_wait(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -57,6 +59,7 @@ def _write_kv_cache_kernel(
     vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
     tl.store(kc, k, mask=mask)
     tl.store(vc, v, mask=mask)
+    pdl_release(PDL)
 
 
 def check_kv_cache_args(
@@ -121,7 +124,7 @@ def write_kv_cache(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         BLOCK_SIZE=k_cache.shape[1], HEADS_PAD=heads_pad, DIM_PAD=dim_pad,
-        num_warps=4 if heads_pad * dim_pad >= 2048 else 2,
+        num_warps=4 if heads_pad * dim_pad >= 2048 else 2, **pdl_launch_args(k.device),
     )  # fmt: skip
 
 

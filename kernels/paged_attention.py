@@ -43,6 +43,7 @@ import triton.language as tl
 
 from .launch import next_pow2 as _next_pow2
 from .launch import num_sms as _num_sms
+from .launch import pdl_launch_args, pdl_release, pdl_wait
 
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -71,7 +72,10 @@ class PagedAttentionConfig:
 
 # Defaults (tunable with benchmarks/gpu_kernels.py). Decode tiles are small (one token x its group);
 # prefill tiles are FlashAttention-sized.
-DECODE_CONFIG = PagedAttentionConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+# decode: best geo-mean of 10 configs on the H200 (B=1 ctx=32k, B=32 ctx=4k, B=128 ctx=4k; gpu_kernels.md): two
+# stages (64 KB of shared memory) let three programs share an SM; three stages (96 KB) lost 25-30% of the
+# bandwidth at batch 8-32 (two programs per SM).
+DECODE_CONFIG = PagedAttentionConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
 # prefill: best of 9 configs on the H200 at 8k tokens (benchmarks/results/h200/gpu_kernels.md)
 PREFILL_CONFIG = PagedAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 
@@ -82,8 +86,9 @@ FP32_PREFILL_CONFIG = PagedAttentionConfig(block_m=64, block_n=64, num_warps=4, 
 _LONG_QUERY = 128  # mean query tokens per request from which the large prefill tile pays
 
 
-def default_config(max_query_len: int, num_tokens: int, num_seqs: int, group_pad: int,
-                   itemsize: int) -> PagedAttentionConfig:
+def default_config(
+    max_query_len: int, num_tokens: int, num_seqs: int, group_pad: int, itemsize: int
+) -> PagedAttentionConfig:
     """The launch shape for a batch, from host ints only: decode tiles when every request fits one
     (max_query_len x group rows <= decode block_m), else the large prefill tile for long query runs, the
     medium tile for mixed batches, and a small-footprint tile in fp32."""
@@ -96,11 +101,10 @@ def default_config(max_query_len: int, num_tokens: int, num_seqs: int, group_pad
 
 # Split heuristic knobs: aim for this many programs per SM, never give a split fewer keys than
 # _MIN_KEYS_PER_SPLIT, never more than _MAX_SPLITS splits.
-_PROGRAMS_PER_SM = 3
+# (H200, batch 1 at 16k-32k keys: 4-5 programs per SM beat 2-3, i.e. shorter segments beat a single wave)
+_PROGRAMS_PER_SM = 4
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 64
-
-
 
 
 def choose_num_splits(base_programs: int, max_kv_span: int, num_sms: int, block_n: int) -> int:
@@ -218,7 +222,9 @@ def _paged_attn_kernel(
     ONE_TILE_PER_SEQ: tl.constexpr,  # every request has <= BLOCK_Q query tokens: program i -> request i
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch protocol (kernels/launch.py)
 ):
+    pdl_wait(PDL)
     kvh = tl.program_id(1)
     if ONE_TILE_PER_SEQ:
         pid = tl.program_id(0)
@@ -320,6 +326,7 @@ def _paged_attn_kernel(
         tl.store(part_acc_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
         tl.store(part_m_ptr + prow, m_i, mask=row_valid)
         tl.store(part_l_ptr + prow, l_i, mask=row_valid)
+    pdl_release(PDL)
 
 
 @triton.jit
@@ -334,7 +341,9 @@ def _reduce_splits_kernel(
     stride_oh,
     SPLITS_PAD: tl.constexpr,  # power of two >= num_splits (bucketed: few compiled variants)
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch protocol (kernels/launch.py)
 ):
+    pdl_wait(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -352,6 +361,7 @@ def _reduce_splits_kernel(
     acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=smask[:, None], other=0.0)
     o = tl.sum(acc * w[:, None], 0) / denom  # [HEAD_DIM]
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+    pdl_release(PDL)
 
 
 def _check_int_tensor(name: str, t: torch.Tensor, ndim: int, device: torch.device) -> None:
@@ -464,6 +474,7 @@ def paged_attention(
         part_acc = part_m = part_l = torch.empty((1,), dtype=torch.float32, device=device)
 
     grid = (num_tile_slots, num_kv_heads, num_splits)
+    pdl = pdl_launch_args(device)
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_m, part_l,
         num_seqs, num_splits, num_q_heads, float(scale) * _LOG2E, int(sliding_window or 0),
@@ -475,13 +486,13 @@ def paged_attention(
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=num_splits > 1,
         ONE_TILE_PER_SEQ=one_tile, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
     )  # fmt: skip
     if num_splits > 1:
         splits_pad = max(8, _next_pow2(num_splits))
         _reduce_splits_kernel[(num_tokens, num_q_heads)](
             part_acc, part_m, part_l, out, num_q_heads, num_splits, out.stride(0), out.stride(1),
-            SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, num_warps=4 if head_dim * splits_pad >= 4096 else 2,
+            SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, num_warps=4 if head_dim * splits_pad >= 4096 else 2, **pdl,
         )  # fmt: skip
     return out
 

@@ -15,11 +15,11 @@ import triton
 import triton.language as tl
 
 from .launch import next_pow2 as _next_pow2
+from .launch import pdl_launch_args, pdl_release, pdl_wait
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_SINGLE_PASS = 16384  # rows up to this many elements stay in registers (one read of x)
 _LOOP_BLOCK = 4096
-
 
 
 @triton.jit
@@ -39,7 +39,9 @@ def _rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     SINGLE_PASS: tl.constexpr,  # BLOCK >= H: the whole row lives in registers
+    PDL: tl.constexpr,  # programmatic dependent launch protocol (kernels/launch.py)
 ):
+    pdl_wait(PDL)
     i0 = tl.program_id(0).to(tl.int64)
     i1 = tl.program_id(1).to(tl.int64)
     x_row = x_ptr + i0 * stride_x0 + i1 * stride_x1
@@ -85,6 +87,7 @@ def _rmsnorm_kernel(
             w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             y = (x * rstd).to(dtype).to(tl.float32) * w
             tl.store(out_row + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    pdl_release(PDL)
 
 
 def _check(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -122,6 +125,7 @@ def _launch(
         x3, r_arg, weight, out, res_out if res_out is not None else out,
         x3.shape[1], n_cols, x3.stride(0), x3.stride(1), r_arg.stride(0), r_arg.stride(1), float(eps),
         HAS_RESIDUAL=residual is not None, BLOCK=block, SINGLE_PASS=single, num_warps=num_warps,
+        **pdl_launch_args(x.device),
     )  # fmt: skip
     return out, res_out
 

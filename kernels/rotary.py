@@ -20,9 +20,9 @@ import triton.language as tl
 
 from .kv_cache import check_kv_cache_args
 from .launch import next_pow2 as _next_pow2
+from .launch import pdl_launch_args, pdl_release, pdl_wait
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
 
 
 def cos_sin_cache_from_inv_freq(inv_freq: torch.Tensor, max_position: int) -> torch.Tensor:
@@ -89,7 +89,9 @@ def _rotary_kernel(
     HALF_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     WRITE_CACHE: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch protocol (kernels/launch.py)
 ):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_d = tl.arange(0, HALF_PAD)
@@ -112,6 +114,7 @@ def _rotary_kernel(
             vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
             tl.store(vc, tl.load(vp, mask=mask), mask=mask)
             tl.store(vc + half, tl.load(vp + half, mask=mask), mask=mask)
+    pdl_release(PDL)
 
 
 def _check_rotary_args(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor) -> None:
@@ -165,7 +168,7 @@ def _launch(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         QHEADS_PAD=qh_pad, KHEADS_PAD=kh_pad, HALF_PAD=half_pad,
         BLOCK_SIZE=k_cache.shape[1] if write_cache else 1, WRITE_CACHE=write_cache,
-        num_warps=4 if qh_pad * half_pad >= 2048 else 2,
+        num_warps=4 if qh_pad * half_pad >= 2048 else 2, **pdl_launch_args(q.device),
     )  # fmt: skip
 
 

@@ -442,14 +442,14 @@ def _sm90_compile_all() -> None:
     fn = g._skinny_kernel
     names = list(fn.arg_names)
 
-    def build(dt: str, prologue: int, m: int, n: int, k: int, cfg: Any, bias: bool) -> str:
+    def build(dt: str, prologue: int, m: int, n: int, k: int, cfg: Any, bias: bool, pdl: bool = False) -> str:
         block_m = g._next_pow2(m) if cfg.use_dot else 1
         stats = g._stats_block(block_m, k, cfg) if prologue == g._NORM else 16
         consts = {"PROLOGUE": prologue, "HAS_RESIDUAL": prologue == g._NORM, "HAS_BIAS": bias,
                   "BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
                   "EVEN_K": k % cfg.block_k == 0, "STATS_BLOCK": stats, "EVEN_KS": k % stats == 0,
                   "USE_DOT": cfg.use_dot, "DOT_PRECISION": "ieee" if dt == "fp32" else "tf32",
-                  "NUM_STAGES": cfg.num_stages}  # fmt: skip
+                  "NUM_STAGES": cfg.num_stages, "PDL": pdl}  # fmt: skip
         ptrs = {a: f"*{dt}" for a in names if a.endswith("_ptr")}
         signature = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in names}
         signature["eps"] = "fp32"
@@ -457,7 +457,14 @@ def _sm90_compile_all() -> None:
         aligned = [a for a in names if a.endswith("_ptr") or a.startswith("stride_") or a == "K"]
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
         kernel = triton_compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                                options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})  # fmt: skip
+                                options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                                         "launch_pdl": pdl})  # fmt: skip
+        if pdl:  # the PDL protocol (kernels/launch.py): wait before the first load, release after the last store
+            ptx = str(kernel.asm["ptx"])
+            wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+            first_load = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i > -1)
+            last_store = ptx.rfind("st.global")
+            assert -1 < wait < first_load and -1 < last_store < release, (wait, first_load, last_store, release)
         return str(kernel.asm["ttgir"])
 
     shapes = {"qkv": (6144, 4096, g._NORM), "o": (4096, 4096, g._PLAIN), "gate_up": (28672, 4096, g._NORM),
@@ -465,8 +472,9 @@ def _sm90_compile_all() -> None:
     for name, (n, k, prologue) in shapes.items():
         for m in (1, 2, 8, 16):
             cfg = g.default_config(m, n, k, 2, 132)
-            ttgir = build("bf16", prologue, m, n, k, cfg, False)
-            assert "async_copy_global_to_local" in ttgir, f"{name} M={m} {cfg}: K loop is not pipelined"
+            for pdl in (False, True):
+                ttgir = build("bf16", prologue, m, n, k, cfg, False, pdl)
+                assert "async_copy_global_to_local" in ttgir, f"{name} M={m} {cfg} {pdl=}: K loop is not pipelined"
     # other dtypes, bias, K tails, the dot variant at M = 1
     build("fp16", g._PLAIN, 3, 100, 100, SkinnyConfig(16, 32, 4, 3), True)
     build("fp32", g._NORM, 5, 64, 200, SkinnyConfig(32, 64, 4, 3), True)

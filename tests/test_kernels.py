@@ -346,7 +346,7 @@ def test_heuristic_splits_short_and_long_context() -> None:
 
 def test_choose_num_splits() -> None:
     assert choose_num_splits(8, 32768, 132, 64) > 16  # batch 1 at 32k with 8 kv heads fills the GPU
-    assert choose_num_splits(64 * 8, 4096, 132, 64) == 1  # enough programs already
+    assert choose_num_splits(128 * 8, 4096, 132, 64) == 1  # enough programs already
     assert choose_num_splits(8, 100, 132, 64) == 1  # too short to split
     s = choose_num_splits(8, 1024, 132, 64)
     assert 1 <= s <= 1024 // 256
@@ -872,3 +872,21 @@ def test_default_config_by_batch_shape() -> None:
     assert default_config(8192, 8192, 1, 4, 2) is PREFILL_CONFIG  # one long prompt
     assert default_config(1000, 1500, 501, 4, 2) is MIXED_CONFIG  # 500 decodes beside one prompt
     assert default_config(8192, 8192, 1, 4, 4) is FP32_PREFILL_CONFIG  # the large tile does not fit in fp32
+
+
+def test_pdl_only_on_hopper_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Programmatic dependent launch is never asked for off CUDA (the interpreter has no griddepcontrol) and
+    TOKENMILL_PDL=0 turns it off; the kernels' PDL constexpr is then False."""
+    from tokenmill.kernels.launch import pdl_enabled, pdl_launch_args
+
+    assert pdl_launch_args(torch.device("cpu")) == {"PDL": False}
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+        want = torch.cuda.get_device_capability(dev) >= (9, 0)
+        pdl_enabled.cache_clear()
+        assert pdl_launch_args(dev) == ({"PDL": True, "launch_pdl": True} if want else {"PDL": False})
+        monkeypatch.setenv("TOKENMILL_PDL", "0")
+        pdl_enabled.cache_clear()
+        assert pdl_launch_args(dev) == {"PDL": False}
+        monkeypatch.undo()
+        pdl_enabled.cache_clear()

@@ -99,24 +99,24 @@ def default_config(
     return PREFILL_CONFIG if num_tokens >= _LONG_QUERY * num_seqs else MIXED_CONFIG
 
 
-# Split heuristic knobs: aim for this many programs per SM, never give a split fewer keys than
-# _MIN_KEYS_PER_SPLIT, never more than _MAX_SPLITS splits.
-# (H200, batch 1 at 16k-32k keys: 4-5 programs per SM beat 2-3, i.e. shorter segments beat a single wave)
+# Split heuristic knobs: at most this many programs per SM (the decode tile's residency: two pipeline stages of
+# 64-key K/V tiles), never give a split fewer keys than _MIN_KEYS_PER_SPLIT, never more than _MAX_SPLITS splits.
+# One wave, rounded down: on the H200 batch 8 at 32k keys ran at 100% of the copy bandwidth with 8 splits (512
+# programs) and at 76% with 9 (576 programs: a second wave of long programs); batch 1 at 32k was best at 64.
 _PROGRAMS_PER_SM = 4
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 64
 
 
 def choose_num_splits(base_programs: int, max_kv_span: int, num_sms: int, block_n: int) -> int:
-    """How many key segments to split each tile into so that `base_programs * splits` fills the GPU.
+    """How many key segments to split each tile into so that `base_programs * splits` fills the GPU in one wave.
 
     base_programs: programs without splitting (tile slots x kv heads); max_kv_span: the longest key range
     one tile walks (max_seq_len, or sliding_window + max_query_len). Returns >= 1."""
     target = _PROGRAMS_PER_SM * num_sms
-    if base_programs >= target or max_kv_span <= max(_MIN_KEYS_PER_SPLIT, block_n):
+    if 2 * base_programs > target or max_kv_span <= max(_MIN_KEYS_PER_SPLIT, block_n):
         return 1
-    splits = -(-target // base_programs)
-    splits = min(splits, max_kv_span // max(_MIN_KEYS_PER_SPLIT, block_n), _MAX_SPLITS)
+    splits = min(target // base_programs, max_kv_span // max(_MIN_KEYS_PER_SPLIT, block_n), _MAX_SPLITS)
     return max(1, splits)
 
 

@@ -36,17 +36,33 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from .kv_cache import check_kv_cache_args
 from .launch import next_pow2 as _next_pow2
 from .launch import num_sms as _num_sms
 from .launch import pdl_launch_args, pdl_release, pdl_wait
+from .rotary import check_rotary_args
 
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class DecodeRope(NamedTuple):
+    """Rotary embedding + KV-cache write folded into a decode attention call (`paged_attention(rope=...)`):
+    this step's un-rotated k and v [T, Hkv, D], the rotary table [max_pos, D] (cos | sin halves, as
+    kernels/rotary.py), positions [T] and the cache slots [T] of k/v (-1: not written). q is rotated on the fly
+    and left as it was in memory."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -195,6 +211,11 @@ def _paged_attn_kernel(
     part_acc_ptr,  # [T, Hq, num_splits, D] fp32 (SPLIT)
     part_m_ptr,  # [T, Hq, num_splits] fp32
     part_l_ptr,  # [T, Hq, num_splits] fp32
+    kn_ptr,  # [T, Hkv, D] this step's k before rotation (FUSE_ROPE)
+    vn_ptr,  # [T, Hkv, D] this step's v (FUSE_ROPE)
+    cs_ptr,  # [max_pos, D] rotary table: cos | sin halves (FUSE_ROPE)
+    pos_ptr,  # [T] positions (FUSE_ROPE)
+    slot_ptr,  # [T] cache slots of this step's k/v, -1: not written (FUSE_ROPE)
     num_seqs,
     num_splits,  # runtime, so that a changing split count does not recompile
     num_q_heads,
@@ -211,6 +232,11 @@ def _paged_attn_kernel(
     stride_bt,
     stride_ot,
     stride_oh,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_cs,
     GROUP: tl.constexpr,  # query heads per kv head
     GROUP_PAD: tl.constexpr,  # next power of two of GROUP
     HEAD_DIM: tl.constexpr,
@@ -222,6 +248,7 @@ def _paged_attn_kernel(
     ONE_TILE_PER_SEQ: tl.constexpr,  # every request has <= BLOCK_Q query tokens: program i -> request i
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FUSE_ROPE: tl.constexpr,  # decode only (one query token per request): rotate q, write the rotated k and v
     PDL: tl.constexpr,  # programmatic dependent launch protocol (kernels/launch.py)
 ):
     pdl_wait(PDL)
@@ -291,11 +318,36 @@ def _paged_attn_kernel(
     head = kvh * GROUP + hg  # [BLOCK_M] query head
     row_valid = (tok < q_end) & (hg < GROUP)
     qpos = ctx + (tok - q_start)  # [BLOCK_M]
-    q_ptrs = q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
-
+    q_rows = q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh  # [BLOCK_M, 1]
     k_base = k_cache_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_cache_ptr + kvh.to(tl.int64) * stride_vh
+    if FUSE_ROPE:
+        # Rotary (numerics of kernels/rotary.py: fp32, one rounding) on the fly: x[d] * cos + sign * x[d +- D/2]
+        # * sin with sign -1 on the first half. Only the tile's first token is real (decode).
+        pos = tl.load(pos_ptr + tok_start).to(tl.int64)
+        cs_row = cs_ptr + pos * stride_cs + offs_d % (HEAD_DIM // 2)  # [HEAD_DIM]
+        cos = tl.load(cs_row).to(tl.float32)
+        sin = tl.load(cs_row + HEAD_DIM // 2).to(tl.float32) * tl.where(offs_d < HEAD_DIM // 2, -1.0, 1.0)
+        offs_sw = (offs_d + HEAD_DIM // 2) % HEAD_DIM  # the partner of each dim
+        qm = row_valid[:, None]
+        x = tl.load(q_rows + offs_d[None, :], mask=qm, other=0.0).to(tl.float32)
+        x_sw = tl.load(q_rows + offs_sw[None, :], mask=qm, other=0.0).to(tl.float32)
+        q = (x * cos[None, :] + x_sw * sin[None, :]).to(q_ptr.dtype.element_ty)  # [BLOCK_M, HEAD_DIM]
+        # The program whose key segment holds the token's own key writes this step's k (rotated) and v into
+        # the cache, then reads them back with the rest of its segment (after a CTA barrier).
+        slot = tl.load(slot_ptr + tok_start).to(tl.int64)
+        if (slot >= 0) & (seg_lo <= last_pos) & (last_pos < seg_hi):
+            kn = kn_ptr + tok_start.to(tl.int64) * stride_knt + kvh * stride_knh
+            kx = tl.load(kn + offs_d).to(tl.float32)
+            k_rot = kx * cos + tl.load(kn + offs_sw).to(tl.float32) * sin
+            vx = tl.load(vn_ptr + tok_start.to(tl.int64) * stride_vnt + kvh * stride_vnh + offs_d)
+            blk = slot // BLOCK_SIZE
+            off = slot % BLOCK_SIZE
+            tl.store(k_base + blk * stride_kb + off * stride_ks + offs_d, k_rot.to(k_cache_ptr.dtype.element_ty))
+            tl.store(v_base + blk * stride_vb + off * stride_vs + offs_d, vx.to(v_cache_ptr.dtype.element_ty))
+            tl.debug_barrier()  # the stores above are visible to every thread of this program below
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=row_valid[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -390,12 +442,17 @@ def paged_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: PagedAttentionConfig | None = None,
+    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of q [T, Hq, D] against the cache; returns [T, Hq, D] in q's dtype.
 
     max_query_len / max_seq_len are host upper bounds of the batch's query lengths / seq_lens (launch
     decisions only; they must not be smaller than the true values). `num_splits` / `config` override the
-    heuristics (tests, tuning). q and out may be strided views (last dim contiguous)."""
+    heuristics (tests, tuning). q and out may be strided views (last dim contiguous).
+
+    With `rope` (decode batches only: max_query_len == 1), q and this step's k are rotated and k, v written
+    into the cache inside the attention kernel: the same result as rotary_and_cache(...) followed by this
+    call, in one kernel instead of two (q and k stay un-rotated in memory)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -438,6 +495,11 @@ def paged_attention(
         raise ValueError(f"max_query_len={max_query_len} and max_seq_len={max_seq_len} must be >= 1")
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+    if rope is not None:
+        if max_query_len != 1:
+            raise ValueError(f"rope fusion is for decode batches (max_query_len == 1), got {max_query_len}")
+        check_rotary_args(q, rope.k, rope.cos_sin_cache, rope.positions)
+        check_kv_cache_args(rope.k, rope.v, k_cache, v_cache, rope.slot_mapping)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
     else:
@@ -475,17 +537,20 @@ def paged_attention(
 
     grid = (num_tile_slots, num_kv_heads, num_splits)
     pdl = pdl_launch_args(device)
+    kn, vn, cs, pos, slots = rope if rope is not None else (q, q, q[0], seq_lens, seq_lens)  # unused if no rope
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_m, part_l,
+        kn, vn, cs, pos, slots,
         num_seqs, num_splits, num_q_heads, float(scale) * _LOG2E, int(sliding_window or 0),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
+        kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cs.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=num_splits > 1,
         ONE_TILE_PER_SEQ=one_tile, USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FUSE_ROPE=rope is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
     )  # fmt: skip
     if num_splits > 1:

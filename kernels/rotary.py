@@ -117,7 +117,7 @@ def _rotary_kernel(
     pdl_release(PDL)
 
 
-def _check_rotary_args(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor) -> None:
+def check_rotary_args(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor) -> None:
     if q.dim() != 3 or k.dim() != 3:
         raise ValueError(f"q and k must be [T, H, D], got {tuple(q.shape)} and {tuple(k.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
@@ -176,7 +176,7 @@ def rotary_embedding(
     q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by positions [T]; returns (q, k)."""
-    _check_rotary_args(q, k, cos_sin_cache, positions)
+    check_rotary_args(q, k, cos_sin_cache, positions)
     dummy4 = q.new_empty((1, 1, 1, 1))
     _launch(q, k, k, cos_sin_cache, positions, dummy4, dummy4, positions, write_cache=False)
     return q, k
@@ -194,7 +194,7 @@ def rotary_and_cache(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k in place, then write the rotated k and v into the cache at slot_mapping (-1 skipped).
     Returns (q, k). Equivalent to rotary_embedding(...) followed by write_kv_cache(k, v, ...)."""
-    _check_rotary_args(q, k, cos_sin_cache, positions)
+    check_rotary_args(q, k, cos_sin_cache, positions)
     check_kv_cache_args(k, v, k_cache, v_cache, slot_mapping)
     _launch(q, k, v, cos_sin_cache, positions, k_cache, v_cache, slot_mapping, write_cache=True)
     return q, k

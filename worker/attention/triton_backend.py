@@ -5,6 +5,8 @@ No host sync: launch decisions use the host ints meta.max_query_len / meta.max_s
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tokenmill.kernels.kv_cache import write_kv_cache
@@ -18,6 +20,9 @@ class TritonBackend:
 
     name = "triton"
     fuses_rope = True
+    # decode-only steps fold rotary + cache write into the attention kernel; TOKENMILL_DECODE_ROPE=0 keeps the
+    # separate rotary kernel (A/B measurements)
+    decode_rope_in_attention = os.environ.get("TOKENMILL_DECODE_ROPE", "1") != "0"
 
     def forward(
         self,
@@ -49,7 +54,7 @@ class TritonBackend:
     ) -> torch.Tensor:
         """Decode-only steps: one kernel rotates q and k, writes k and v into the cache and attends. Other
         steps: one kernel rotates q and k in place and writes the cache, then attention."""
-        if meta.max_query_len == 1:
+        if meta.max_query_len == 1 and self.decode_rope_in_attention:
             rope = DecodeRope(k, v, cos_sin_cache, positions, meta.slot_mapping)
             return self._attend(q, k_cache, v_cache, meta, scale, sliding_window, rope)
         rotary_and_cache(q, k, v, cos_sin_cache, positions, k_cache, v_cache, meta.slot_mapping)

@@ -7,32 +7,44 @@ time in each chunk's text (latency; steps start once all the run's jobs are runn
 this measures the broker and the wire, not generation. The broker is the real `Broker` class in its own
 process, pinned to one core (its Python loop and its ZeroMQ IO thread; `--broker-io-core` moves the IO
 thread elsewhere), started through `_broker` below: a subclass that only timestamps each worker message
-on entry to and exit from the broker's handler and records the broker's GC pauses (`--untraced` runs
-the plain `tokenmill broker` command instead, without the per-hop breakdown). The client is a raw
-DEALER that decodes every message (msgpack) and checks sequence numbers. The broker keeps the
-throughput run's jobs (256 x 1000 chunks) for its retention period, so the latency run sees that heap.
+(on entry to the broker's handler, after its first client send, on exit) and records the broker's GC
+pauses (`--untraced` runs the plain `tokenmill broker` command instead, without the per-hop
+breakdown). The client is a raw DEALER that decodes every message (msgpack) and checks sequence
+numbers. The broker keeps the throughput run's jobs (256 x 1000 chunks) for its retention period, so
+the latency run sees that heap.
 
 Per-hop breakdown of the latency run (one clock, CLOCK_MONOTONIC, across the processes):
     worker emit -> broker recv   the worker's msgpack + send, both IO threads, TCP, the broker's wake-up
                                  (or the time it was busy with something else, e.g. a GC pause)
-    broker recv -> broker sent   the broker's own work on the message: decode, token log, STREAM send
-                                 (its IO thread shares its core, so this includes the TCP send)
+    broker recv -> broker sent   the broker's own work on the message up to the return of its (first)
+                                 STREAM send: decode, checks, STREAM send (its IO thread shares its
+                                 core, so this can include the TCP send)
     broker sent -> client recv   the rest of the way to the client (negative when the client had the
-                                 message before the broker's handler returned)
+                                 message before the broker's send call returned)
+    (broker sent -> handler returned: what the broker does after that send, e.g. the token log
+    append of a batch forwarded as it came; off the message's path, listed for completeness)
 
 Cores (`--layout`, see _layout): with 3+ cores the broker, the synthetic worker and the client get one
 core each (off the broker core's SMT siblings when possible), so nothing else runs on the broker's core;
 with 2 the worker and the client share the second core. The synthetic worker and the client run with
 their cyclic GC off (they stand in for an engine and an application; their pauses are not the broker's).
 
+`--worker real` runs the latency part through the real worker process code instead (worker/process.py:
+its IO thread, the engine loop, its encoding) around PacedEngine, a fake engine that holds the GIL for
+`--engine-busy` of each step as a scheduler and model launch do; with 4+ cores the worker gets two (the
+engine loop on one, its IO threads on the other). `--busy-poll S` sets the broker's BrokerConfig.busy_poll.
+
     python -m tokenmill.benchmarks.broker_bench [--jobs 256 --steps 1000 --tokens-per-chunk 1]
     python -m tokenmill.benchmarks.broker_bench --latency-steps 6000   # 60 s: p99.9 from 6 messages
+    python -m tokenmill.benchmarks.broker_bench --latency-steps 6000 --busy-poll 0.02   # a broker core spinning
+    python -m tokenmill.benchmarks.broker_bench --latency-steps 3000 --worker real [--handoff-wait 0]
 Results: benchmarks/results/cpu/broker_relay.{json,md}; `--dump-trace` adds every message's timestamps.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -130,26 +142,119 @@ def fake_worker(broker: str, tokens_per_chunk: int, step_rate: float, cores: lis
         # after an idle spell: the first job after one starts a fresh schedule).
         next_step = max(next_step + period, now) if period else now
         text = str(time.perf_counter_ns()) if period else ""
-        chunks, finished = [], []
+        attempts, entries, finished = [], [], []  # the TOKENS body: [attempts, STREAM entries]
         for job_id, st in list(jobs.items()):
             attempt, seq, max_tokens = st
             n = min(tokens_per_chunk, max_tokens - seq)
-            chunks.append([job_id, attempt, seq, [7] * n, text, None])
+            attempts.append(attempt)
+            entries.append([job_id, seq, [7] * n, text, None])
             st[1] = seq + n
             if st[1] >= max_tokens:
                 finished.append([job_id, attempt, "length", None, [1, st[1], 0]])
                 del jobs[job_id]
-        s.send_multipart([*head, msgpack.packb(chunks)])
+        s.send_multipart([*head, msgpack.packb([attempts, entries])])
         if finished:
             s.send_multipart([*fin_head, msgpack.packb(finished)])
+
+
+# ---- the real worker process code around a paced fake engine --------------------------------------
+
+
+class PacedEngine:
+    """An EngineLike (worker/process.py) that stands in for a GPU engine at a fixed step rate: each
+    step first holds the GIL for `busy` of the step period (a scheduler, model launch and sampling
+    running Python), then waits with the GIL released until the step is due (the GPU), then returns
+    one token per request, its text the time of the return in ns (what an in-process consumer would
+    get at that moment). Steps start once `start_jobs` requests are in."""
+
+    model_name = "bench"
+    max_model_len = 1 << 20
+
+    def __init__(self, step_rate: float, busy: float, start_jobs: int) -> None:
+        self.period = 1.0 / step_rate
+        self.busy = busy * self.period
+        self.start_jobs = start_jobs
+        self.reqs: dict[str, list[int]] = {}  # request id -> [next index, max tokens]
+        self.next_step = 0.0
+        self.started = False
+        self.pin_to: list[int] | None = None  # cores the calling thread moves to at the first step
+
+    def add_request(self, request_id: str, prompt: str | None = None, *, prompt_token_ids: Any = None,
+                    messages: Any = None, params: Any = None, priority: int = 0, resume_token_ids: Any = ()) -> None:
+        self.reqs[request_id] = [len(resume_token_ids), int(params.max_tokens)]
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.reqs.pop(request_id, None) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.reqs)
+
+    def stats(self) -> Any:
+        from tokenmill.worker.outputs import EngineStats
+
+        return EngineStats(len(self.reqs), 0, 1 << 20, 0, 1 << 20, 16, 0, 0, 0)
+
+    def step(self) -> list[Any]:
+        from tokenmill.worker.outputs import RequestOutput, Usage
+
+        if self.pin_to:
+            os.sched_setaffinity(0, self.pin_to)  # this thread only
+            self.pin_to = None
+        now = time.monotonic()
+        if not self.started:
+            if len(self.reqs) < self.start_jobs:
+                time.sleep(0.001)
+                return []
+            self.started, self.next_step = True, now
+        end = now + self.busy
+        while time.monotonic() < end:  # Python holding the GIL
+            pass
+        self.next_step = max(self.next_step + self.period, time.monotonic())
+        time.sleep(max(0.0, self.next_step - time.monotonic()))  # the GPU: GIL released
+        text = str(time.perf_counter_ns())
+        out = []
+        for rid, st in list(self.reqs.items()):
+            index, max_tokens = st
+            st[0] = index + 1
+            if st[0] >= max_tokens:
+                del self.reqs[rid]
+                out.append(RequestOutput(rid, [7], text, index, finished=True, finish_reason="length",
+                                         usage=Usage(1, st[0], 0)))
+            else:
+                out.append(RequestOutput(rid, [7], text, index))
+        if not self.reqs:
+            self.started = False
+        return out
+
+
+def real_worker(broker: str, step_rate: float, busy: float, cores: list[int] | None, start_jobs: int,
+                handoff_wait: float | None) -> None:
+    """worker.process.run_worker (IO thread, engine loop, encoding) around a PacedEngine."""
+    from tokenmill.worker.process import WorkerOptions, run_worker
+
+    gc.disable()  # as for the synthetic worker: the engine's own pauses are not the relay's
+    engine = PacedEngine(step_rate, busy, start_jobs)
+    if cores and len(cores) > 1:
+        # The IO threads (Python's and ZeroMQ's, started by run_worker) inherit this thread's cores, the
+        # second; the engine loop (this thread) moves to the first at its first step. A GPU worker is
+        # not confined to one core: on one, its IO threads would queue behind the engine's Python.
+        os.sched_setaffinity(0, cores[1:])
+        engine.pin_to = cores[:1]
+    elif cores:
+        os.sched_setaffinity(0, cores)
+    opts = WorkerOptions(broker=broker, name="bench-real", capacity=1 << 16)
+    if handoff_wait is not None:
+        opts = dataclasses.replace(opts, handoff_wait=handoff_wait)
+    run_worker(engine, opts)
 
 
 # ---- the broker, with per-hop timestamps ------------------------------------------------------------
 
 
-def traced_broker(frontend: str, backend: str, io_cores: list[int] | None) -> None:
-    """The real Broker with two timestamps per worker message (handler entry and exit) and a record of
-    its GC pauses; both are returned in its STATS reply under "bench"."""
+def traced_broker(frontend: str, backend: str, io_cores: list[int] | None, busy_poll: float = 0.0) -> None:
+    """The real Broker with three timestamps per worker message (handler entry, return of its first
+    send to a client, handler exit) and a record of its GC pauses; both are returned in its STATS reply
+    under "bench"."""
     from tokenmill.broker.broker import Broker, BrokerConfig
 
     w_tokens = bytes((p.Cmd.W_TOKENS,))
@@ -157,7 +262,9 @@ def traced_broker(frontend: str, backend: str, io_cores: list[int] | None) -> No
     class TracedBroker(Broker):
         def __init__(self, cfg: BrokerConfig, ctx: zmq.Context) -> None:
             super().__init__(cfg, ctx)
-            self.trace: deque[tuple[int, int, bytes]] = deque(maxlen=200_000)  # (recv, sent, TOKENS body)
+            # (recv, sent, done, TOKENS body): handler entry, its first client send returned, handler exit
+            self.trace: deque[tuple[int, int, int, bytes]] = deque(maxlen=200_000)
+            self._sent_at = 0
             self.gc_pauses: deque[tuple[int, int, int]] = deque(maxlen=200_000)  # (start, ns, generation)
             self.slow_ticks: deque[tuple[int, int]] = deque(maxlen=10_000)  # (start, ns) of ticks > 100 us
             self._gc_start = 0
@@ -170,10 +277,18 @@ def traced_broker(frontend: str, backend: str, io_cores: list[int] | None) -> No
                 self.gc_pauses.append((self._gc_start, time.perf_counter_ns() - self._gc_start, info["generation"]))
 
         def _on_worker_frames(self, frames: list[Any]) -> None:
+            self._sent_at = 0
             t = time.perf_counter_ns()
             super()._on_worker_frames(frames)
             if len(frames) == 4 and frames[2] == w_tokens:
-                self.trace.append((t, time.perf_counter_ns(), frames[3]))
+                done = time.perf_counter_ns()
+                self.trace.append((t, self._sent_at or done, done, frames[3]))
+
+        def _send_raw(self, cid: bytes, frames: list[Any]) -> str:
+            status = super()._send_raw(cid, frames)
+            if not self._sent_at:
+                self._sent_at = time.perf_counter_ns()
+            return status
 
         def _tick(self, now: float) -> None:
             t = time.perf_counter_ns()
@@ -185,10 +300,10 @@ def traced_broker(frontend: str, backend: str, io_cores: list[int] | None) -> No
         def stats(self) -> dict[str, Any]:
             out = super().stats()
             hops = []
-            for recv, sent, body in self.trace:
-                chunks = msgpack.unpackb(body)
-                if chunks and chunks[0][4]:  # paced messages carry the emit time
-                    hops.append([int(chunks[0][4]), recv, sent])
+            for recv, sent, done, body in self.trace:
+                entries = msgpack.unpackb(body)[1]
+                if entries and entries[0][3]:  # paced messages carry the emit time
+                    hops.append([int(entries[0][3]), recv, sent, done])
             was = gc.isenabled()
             gc.disable()  # the GC callback appends to gc_pauses: no collection while it is copied
             try:
@@ -203,7 +318,8 @@ def traced_broker(frontend: str, backend: str, io_cores: list[int] | None) -> No
 
     ctx = zmq.Context()
     _pin_io(ctx, io_cores)
-    broker = TracedBroker(BrokerConfig(frontend=frontend, backend=backend, queue_size=1 << 20), ctx)
+    broker = TracedBroker(BrokerConfig(frontend=frontend, backend=backend, queue_size=1 << 20, busy_poll=busy_poll),
+                          ctx)
     signal.signal(signal.SIGTERM, lambda *_: broker.stop())
     broker.serve_forever()
 
@@ -360,7 +476,9 @@ def _layout(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"--layout {name} needs {need} cores besides the broker's; {len(cores)} visible")
     out.update(name=name, broker=[broker], broker_io=[io] if io is not None else None,
                broker_siblings=sorted(_siblings(broker)))
-    if name == "isolated":
+    if name == "isolated" and getattr(args, "worker", "synthetic") == "real" and len(free) >= 3:
+        out.update(worker=free[:2], client=free[2:3])  # the engine thread; the worker's IO threads
+    elif name == "isolated":
         out.update(worker=free[:1], client=free[1:2])
     elif name == "spread":
         out.update(worker=free[0:2], client=free[2:4])
@@ -370,17 +488,18 @@ def _layout(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _hops(bench: dict[str, Any], arrivals: list[tuple[int, int]]) -> dict[str, Any]:
-    """Join the broker's (emit, recv, sent) per TOKENS message with the client's (emit, recv)."""
+    """Join the broker's (emit, recv, sent, done) per TOKENS message with the client's (emit, recv)."""
     received = dict(arrivals)
-    w2b, b, b2c, rows = [], [], [], []
-    for emit, recv, sent in bench["hops"]:
+    w2b, b, after, b2c, rows = [], [], [], [], []
+    for emit, recv, sent, done in bench["hops"]:
         got = received.get(emit)
         if got is None:
             continue
         w2b.append(recv - emit)
         b.append(sent - recv)
+        after.append(done - sent)
         b2c.append(got - sent)
-        rows.append((emit, recv, sent, got))
+        rows.append((emit, recv, sent, got, done))
     t0, t1 = (min(e for e, _ in arrivals), max(r for _, r in arrivals)) if arrivals else (0, 0)
     pauses = [(s, d, g) for s, d, g in bench["gc_pauses"] if t0 <= s <= t1]
     by_gen: dict[str, Any] = {}
@@ -392,14 +511,14 @@ def _hops(bench: dict[str, Any], arrivals: list[tuple[int, int]]) -> dict[str, A
     # the slowest messages and what the broker was doing meanwhile
     worst = sorted(rows, key=lambda r: r[3] - r[0], reverse=True)[:5]
     worst_out = []
-    for emit, recv, sent, got in worst:
+    for emit, recv, sent, got, _ in worst:
         worst_out.append({
             "at_s": round((emit - t0) / 1e9, 3), "added_ms": round((got - emit) / 1e6, 3),
             "worker_to_broker_ms": round((recv - emit) / 1e6, 3), "in_broker_ms": round((sent - recv) / 1e6, 3),
             "broker_to_client_ms": round((got - sent) / 1e6, 3),
             "broker_gc_ms_since_emit": [[round(d / 1e6, 3), g] for s, d, g in pauses if emit <= s <= got]})
     return {"messages": len(rows), "worker_to_broker": _summary_ms(w2b), "in_broker": _summary_ms(b),
-            "broker_to_client": _summary_ms(b2c), "gc_during_run": by_gen,
+            "in_broker_after_send": _summary_ms(after), "broker_to_client": _summary_ms(b2c), "gc_during_run": by_gen,
             "slow_ticks_over_100us": {"count": len(ticks), "max_ms": round(max(ticks, default=0) / 1e6, 4)},
             "worst_messages": worst_out, "rows": rows,
             "broker_gc": {k: bench[k] for k in ("gc_threshold", "gc_enabled", "gc_frozen")}}
@@ -414,8 +533,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          "--log-level", "warning", "--queue-size", str(1 << 20)], lay["broker"])]
     else:
         io = ",".join(map(str, lay["broker_io"] or []))
-        procs = [_spawn(["-m", "tokenmill.benchmarks.broker_bench", "_broker", address, backend, io],
-                        lay["broker"])]
+        procs = [_spawn(["-m", "tokenmill.benchmarks.broker_bench", "_broker", address, backend, io,
+                         str(args.busy_poll)], lay["broker"])]
     client_io = None
     if lay["client"]:
         main_core, client_io = _split_cores(lay["client"])
@@ -430,8 +549,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _run_jobs(address, 8, 8, "warmup", client_io)
         tp = _run_jobs(address, args.jobs, args.steps * args.tokens_per_chunk, "tp", client_io)
         procs[-1].kill()
-        procs.append(_spawn(["-m", "tokenmill.benchmarks.broker_bench", "_fake-worker", backend,
-                             "1", str(args.step_rate), worker_cores, str(args.latency_jobs)], lay["worker"]))
+        if args.worker == "real":
+            procs.append(_spawn(["-m", "tokenmill.benchmarks.broker_bench", "_real-worker", backend,
+                                 str(args.step_rate), str(args.engine_busy), worker_cores, str(args.latency_jobs),
+                                 "" if args.handoff_wait is None else str(args.handoff_wait)], lay["worker"]))
+        else:
+            procs.append(_spawn(["-m", "tokenmill.benchmarks.broker_bench", "_fake-worker", backend,
+                                 "1", str(args.step_rate), worker_cores, str(args.latency_jobs)], lay["worker"]))
         time.sleep(2.0)
         lat = _run_jobs(address, args.latency_jobs, args.latency_steps, "lat", client_io)
         bench = None if args.untraced else _broker_stats(address)["bench"]
@@ -446,9 +570,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     added = _summary_ms(lat["latencies_ns"])
     return {
         "benchmark": "broker_relay",
-        "worker": "synthetic (protocol-level fake worker emitting TOKENS batches; no model)",
+        "worker": ("synthetic (protocol-level fake worker emitting TOKENS batches; no model)"
+                   if args.worker == "synthetic" else
+                   "real (throughput: synthetic; latency: worker/process.py's run_worker around PacedEngine, "
+                   f"a fake engine holding the GIL {args.engine_busy:.0%} of each step; handoff_wait "
+                   f"{'default' if args.handoff_wait is None else args.handoff_wait})"),
         "broker": ("plain `tokenmill broker`" if args.untraced
-                   else "Broker class + entry/exit timestamps per worker message and GC pause records"),
+                   else "Broker class + entry/send/exit timestamps per worker message and GC pause records"
+                   + (f"; busy_poll {args.busy_poll} s" if args.busy_poll else "")),
         "note": args.note,
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "cpus_visible": len(lay["cores"]),
@@ -505,7 +634,8 @@ def _markdown(r: dict[str, Any]) -> str:
         f"| in-process hand-over p50 / p99 (ms) | {lat['in_process_p50_ms']} / {lat['in_process_p99_ms']} | |",
         "",
         f"Latency: {lat['jobs']} jobs at {lat['step_rate_hz']} steps/s, {lat['steps']} steps ({lat['tokens']} "
-        "tokens), measured from the synthetic worker's send to the client's receive (same machine, one "
+        "tokens), measured from the worker's emit (synthetic: its send; real: the engine step's return) to the "
+        "client's receive (same machine, one "
         "monotonic clock): the whole worker socket -> broker -> client path that an in-process engine does "
         "not have.", "",
         "| ms | p50 | p90 | p99 | p99.9 | max | mean |", "| --- | --- | --- | --- | --- | --- | --- |",
@@ -515,7 +645,9 @@ def _markdown(r: dict[str, Any]) -> str:
     if h:
         lines += [_row("worker emit -> broker recv", h["worker_to_broker"]),
                   _row("broker recv -> broker sent", h["in_broker"]),
-                  _row("broker sent -> client recv", h["broker_to_client"]), "",
+                  _row("broker sent -> client recv", h["broker_to_client"]),
+                  *([_row("(broker sent -> handler returned)", h["in_broker_after_send"])]
+                    if h.get("in_broker_after_send") else []), "",
                   f"Per hop: {h['messages']} TOKENS messages joined by their emit time. Broker GC during the "
                   f"latency run: " + ", ".join(f"{g}: {v['count']} collections, max {v['max_ms']} ms"
                                                for g, v in h["gc_during_run"].items())
@@ -536,8 +668,13 @@ def main(argv: list[str] | None = None) -> int:
         fake_worker(argv[1], int(argv[2]), float(argv[3]), [int(c) for c in argv[4].split(",")] if argv[4] else None,
                     int(argv[5]))
         return 0
+    if argv and argv[0] == "_real-worker":
+        real_worker(argv[1], float(argv[2]), float(argv[3]), [int(c) for c in argv[4].split(",")] if argv[4] else None,
+                    int(argv[5]), float(argv[6]) if argv[6] else None)
+        return 0
     if argv and argv[0] == "_broker":
-        traced_broker(argv[1], argv[2], [int(c) for c in argv[3].split(",")] if argv[3] else None)
+        traced_broker(argv[1], argv[2], [int(c) for c in argv[3].split(",")] if argv[3] else None,
+                      float(argv[4]) if len(argv) > 4 else 0.0)
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=256)
@@ -552,6 +689,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--broker-core", type=int, default=None, help="the broker's core (default: the first visible)")
     ap.add_argument("--broker-io-core", type=int, default=None,
                     help="put the broker's ZeroMQ IO thread on this core (default: the broker's one core)")
+    ap.add_argument("--worker", choices=("synthetic", "real"), default="synthetic",
+                    help="latency run's worker: the synthetic one, or worker/process.py's run_worker (IO thread, "
+                         "engine loop) around PacedEngine (the throughput run always uses the synthetic one)")
+    ap.add_argument("--engine-busy", type=float, default=0.3,
+                    help="--worker real: share of each step the fake engine holds the GIL (runs Python)")
+    ap.add_argument("--handoff-wait", type=float, default=None,
+                    help="--worker real: WorkerOptions.handoff_wait in s (default: the option's default)")
+    ap.add_argument("--busy-poll", type=float, default=0.0,
+                    help="BrokerConfig.busy_poll (s) of the broker (default 0, the broker's default: off)")
     ap.add_argument("--untraced", action="store_true", help="run the plain `tokenmill broker` (no per-hop data)")
     ap.add_argument("--dump-trace", action="store_true",
                     help="also write OUT/NAME_trace.json: the four timestamps of every latency message")
@@ -565,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = hops.pop("rows", [])
     if args.dump_trace:  # per message: emit, broker recv, broker sent, client recv (ns)
         (args.out / f"{args.name}_trace.json").write_text(json.dumps({"rows": rows, "columns": [
-            "worker_emit_ns", "broker_recv_ns", "broker_sent_ns", "client_recv_ns"]}) + "\n")
+            "worker_emit_ns", "broker_recv_ns", "broker_sent_ns", "client_recv_ns", "broker_done_ns"]}) + "\n")
     (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / f"{args.name}.md").write_text(_markdown(result))
     print(_markdown(result))

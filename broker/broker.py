@@ -3,9 +3,11 @@
     clients --DEALER--> [ROUTER frontend]  broker  [ROUTER backend] <--DEALER-- workers
 
 Each loop turn: poll both sockets (timeout = the next timer, at most a fraction of the shortest
-heartbeat interval) -> handle a bounded batch of messages from each -> timers: job deadlines and queue
-timeouts, worker liveness (declared dead after `liveness` silent intervals) and broker heartbeats,
-client liveness, retention of finished jobs, resend to lagging subscribers -> dispatch queued jobs.
+heartbeat interval; 0 within `busy_poll` of the last message) -> handle a bounded batch of messages
+from each, workers first (a TOKENS batch for one caught-up client is checked and forwarded as it came,
+see _relay_batch) -> timers: job deadlines and queue timeouts, worker liveness (declared dead after
+`liveness` silent intervals) and broker heartbeats, client liveness, retention of finished jobs, resend
+to lagging subscribers -> dispatch queued jobs.
 
 Subscriptions are served over the frontend ROUTER rather than a PUB socket: each subscriber gets the
 job's token log replayed from the sequence number it asks for (gap-free, per subscriber), ownership is
@@ -23,6 +25,7 @@ import contextlib
 import gc
 import heapq
 import itertools
+import os
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Iterable, Sequence
@@ -47,20 +50,22 @@ _STREAM_HEAD = [p.HEADER, bytes((p.Cmd.STREAM,))]
 _W_TOKENS = bytes((p.Cmd.W_TOKENS,))
 _array_header = msgpack.Packer(use_bin_type=True).pack_array_header
 _SEQ_END = 1 << 63
+_SENT, _BLOCKED, _GONE = "sent", "blocked", "gone"  # outcomes of Broker._send_raw
 
 
-def _plain_chunks(obj: Any) -> list[list[Any]] | None:
-    """The chunks of an unpacked TOKENS body if every one has the common plain shape (no logprobs,
-    valid fields) that TokenChunk.from_wire accepts on its fast path, i.e. exactly when p.decode would
-    accept the message as it is; else None (the caller then decodes strictly, which says what is wrong).
-    The relay hot path: it builds no objects per chunk."""
-    if type(obj) is not list:
+def _plain_chunks(attempts: Any, entries: Any) -> list[tuple[Any, ...]] | None:
+    """The chunks [job_id, attempt, seq, token_ids, text, logprobs] of an unpacked TOKENS body
+    [attempts, entries] if every one has the common plain shape (no logprobs, valid fields), i.e.
+    exactly when p.decode would accept the message with no logprobs; else None (the caller then decodes
+    strictly, which says what is wrong). Builds no message objects per chunk."""
+    if type(attempts) is not list or type(entries) is not list or len(attempts) != len(entries):
         return None
     max_id, max_attempt, max_token = p.MAX_ID_LEN, p.MAX_ATTEMPT, p.MAX_TOKEN_ID
-    for c in obj:
-        if type(c) is not list or len(c) != 6:
+    out = []
+    for attempt, e in zip(attempts, entries):
+        if type(e) is not list or len(e) != 5:
             return None
-        job_id, attempt, seq, ids, text, lps = c
+        job_id, seq, ids, text, lps = e
         if not (type(job_id) is str and 0 < len(job_id) <= max_id and type(attempt) is int
                 and 0 <= attempt <= max_attempt and type(seq) is int and 0 <= seq < _SEQ_END
                 and type(text) is str and lps is None and type(ids) is list):
@@ -70,7 +75,8 @@ def _plain_chunks(obj: Any) -> list[list[Any]] | None:
                 return None
         elif ids and (not all(type(t) is int for t in ids) or min(ids) < 0 or max(ids) > max_token):
             return None
-    return obj
+        out.append((job_id, attempt, seq, ids, text, None))
+    return out
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,14 @@ class BrokerConfig:
     curve_allow_dir: str | None = None  # *.key public keys of the clients and workers admitted
     max_batch: int = 2000  # messages handled per socket per loop turn (fairness between sockets)
     gc_tuning: bool = True  # freeze the start-up heap; full collections at idle moments (see _collect)
+    # After a message, keep polling without sleeping for this many seconds (0: off). Saves the wake-up
+    # of an idle core per message, at the price of a core at 100% while messages keep coming: only for
+    # a broker that owns its core.
+    busy_poll: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.busy_poll <= 1.0:
+            raise ValueError(f"busy_poll must be between 0 and 1 s, got {self.busy_poll}")
 
 
 class Broker:
@@ -188,14 +202,23 @@ class Broker:
         poller.register(self.backend, zmq.POLLIN)
         if self.cfg.gc_tuning:
             self._tune_gc()
+        spin, spin_until = self.cfg.busy_poll, 0.0
         try:
             while not self._stop:
-                events = dict(poller.poll(self._poll_timeout_ms()))
-                if self.frontend in events:
-                    self._drain_socket(self.frontend, self._on_client_frames)
+                if spin_until and time.monotonic() < spin_until:
+                    events = dict(poller.poll(0))
+                    if not events:
+                        os.sched_yield()  # lets this core's other threads (e.g. ZeroMQ's IO thread) run
+                else:
+                    events = dict(poller.poll(self._poll_timeout_ms()))
+                # Workers first: a TOKENS batch is relayed before whatever clients sent meanwhile.
                 if self.backend in events:
                     self._drain_socket(self.backend, self._on_worker_frames)
+                if self.frontend in events:
+                    self._drain_socket(self.frontend, self._on_client_frames)
                 now = time.monotonic()
+                if events and spin:
+                    spin_until = now + spin
                 self._tick(now)
                 if self._gc_threshold is not None and gc.get_count()[2] >= max(1, self._gc_threshold[2]):
                     self._collect(now)
@@ -475,19 +498,27 @@ class Broker:
     def _send_client(self, cid: bytes, msg: p.Message) -> bool:
         return self._send_client_frames(cid, p.encode(msg))
 
-    def _send_client_frames(self, cid: bytes, frames: list[bytes]) -> bool:
-        """Non-blocking send; False when the client's queue is full (caller retries) or it is gone."""
+    def _send_client_frames(self, cid: bytes, frames: list[Any]) -> bool:
+        """Non-blocking send; False when the client's queue is full (caller retries) or it is gone
+        (then its jobs are cancelled before this returns)."""
+        status = self._send_raw(cid, frames)
+        if status == _GONE:
+            self._client_gone(cid, "unreachable")
+        return status == _SENT
+
+    def _send_raw(self, cid: bytes, frames: list[Any]) -> str:
+        """Non-blocking send with no side effect on jobs: _SENT, _BLOCKED (queue full) or _GONE."""
         assert self.frontend is not None
         try:
             self.frontend.send_multipart([cid, *frames], zmq.NOBLOCK)
-            return True
+            return _SENT
         except zmq.Again:
             self.counters["client_send_blocked"] += 1
+            return _BLOCKED
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
-            self._client_gone(cid, "unreachable")
-        return False
+            return _GONE
 
     def _flush(self, jobs: Iterable[Job]) -> None:
         """Send every subscriber of `jobs` the chunks it lacks (one STREAM per client), then the
@@ -547,15 +578,21 @@ class Broker:
         if (len(frames) == 4 and frames[2] == _W_TOKENS and frames[1] == p.HEADER
                 and (w := self.workers.get(ident)) is not None):
             # The relay hot path: a plain TOKENS batch from a registered worker is checked and relayed
-            # without building a message object per chunk. Anything else takes the strict decode below.
+            # without building a message object per chunk; one whose chunks all go to one caught-up
+            # subscriber is forwarded as it came (_relay_batch). Anything else takes the strict decode.
+            body = frames[3]
             try:
-                chunks = _plain_chunks(p.unpack_body(frames[3], self.cfg.max_body_bytes))
+                attempts, entries, offset = p.split_tokens_body(body, self.cfg.max_body_bytes)
             except ProtocolError:
-                chunks = None
-            if chunks is not None:
-                w.last_seen = time.monotonic()
-                self._on_tokens(w, chunks)
-                return
+                attempts = entries = None
+            if attempts is not None:
+                if self._relay_batch(w, attempts, entries, body, offset):
+                    return
+                chunks = _plain_chunks(attempts, entries)
+                if chunks is not None:
+                    w.last_seen = time.monotonic()
+                    self._on_tokens(w, chunks)
+                    return
         try:
             msg = p.decode(frames[1:], p.WORKER_TO_BROKER, self.cfg.max_body_bytes)
         except ProtocolError as e:
@@ -670,6 +707,68 @@ class Broker:
                 self._lagging.update(j.job_id for j in moved)
         if rest:
             self._flush(rest)
+
+    def _relay_batch(self, w: WorkerInfo, attempts: Any, entries: Any, body: bytes, offset: int) -> bool:
+        """The common case of a TOKENS batch, served with the least work before the send: every chunk is
+        plain and valid (the decoder's rules), is its job's next one from the attempt running on `w`, and
+        goes to its job's one subscriber, the same client for all, who has every earlier chunk. Then
+        body[offset:], the batch's entries as the worker encoded them, already is that client's STREAM
+        body: it is sent first, and the token log is appended after the send. False (having changed
+        nothing) for any other batch, which the caller validates and relays chunk by chunk."""
+        if type(attempts) is not list or type(entries) is not list or len(attempts) != len(entries) or not entries:
+            return False
+        jobs, running, ident, max_token = self.jobs, JobState.RUNNING, w.ident, p.MAX_TOKEN_ID
+        batch: list[Job] = []
+        add = batch.append
+        cid: bytes | None = None
+        try:
+            # An entry that is no 5-item array fails the unpacking (ValueError, TypeError) or, if it is a
+            # string or map of 5, the type tests. A str key found in self.jobs is a valid job id; the
+            # type tests keep 1.0 or True from passing the equality tests as 1.
+            for attempt, (job_id, seq, ids, text, lps) in zip(attempts, entries):
+                if (type(job_id) is not str or (job := jobs.get(job_id)) is None or job.state is not running
+                        or job.worker != ident or type(attempt) is not int or job.attempt != attempt
+                        or type(seq) is not int or seq != job.num_tokens or type(text) is not str
+                        or lps is not None or type(ids) is not list or len(subs := job.subscribers) != 1):
+                    return False
+                if len(ids) == 1:
+                    if type(t := ids[0]) is not int or not 0 <= t <= max_token:
+                        return False
+                elif ids and (not all(type(t) is int for t in ids) or min(ids) < 0 or max(ids) > max_token):
+                    return False
+                if cid is None:
+                    cid = next(iter(subs))
+                if subs.get(cid) != len(job.ends):  # the one subscriber is cid, and it has every chunk
+                    return False
+                add(job)
+        except (TypeError, ValueError):
+            return False
+        assert cid is not None
+        w.last_seen = time.monotonic()
+        error: zmq.ZMQError | None = None
+        try:
+            status = self._send_raw(cid, [*_STREAM_HEAD, body[offset:]])
+        except zmq.ZMQError as e:  # not a full queue nor a gone peer: logged below, re-raised at the end
+            status, error = _BLOCKED, e
+        # (A job twice in the batch passes the checks above only behind an empty chunk of the same seq:
+        # both entries went out, in order, and both are logged, in order.)
+        n_in = 0
+        for job, entry in zip(batch, entries):
+            n_in += job.append_entry(entry)
+        counters = self.counters
+        counters["tokens_in"] += n_in
+        counters["batches_forwarded"] += 1
+        if status == _SENT:
+            for job in batch:
+                job.subscribers[cid] += 1
+            counters["tokens_out"] += n_in
+        elif status == _BLOCKED:
+            self._lagging.update(job.job_id for job in batch)
+        else:
+            self._client_gone(cid, "unreachable")
+        if error is not None:
+            raise error
+        return True
 
     def _on_finished(self, w: WorkerInfo, msg: p.Finished) -> None:
         for f in msg.jobs:

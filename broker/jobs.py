@@ -78,6 +78,17 @@ class Job:
         self.num_tokens += len(token_ids)
         return entry
 
+    def append_entry(self, entry: list[Any]) -> int:
+        """Append one chunk given as its (validated) STREAM entry [job_id, seq, token_ids, text, logprobs]
+        with seq == num_tokens; returns its number of tokens."""
+        log = self.log
+        log += _pack(entry)  # in place
+        self.ends.append(len(log))
+        self.seqs.append(entry[1])
+        n = len(entry[2])
+        self.num_tokens += n
+        return n
+
     def entries(self, start: int) -> bytearray:
         """The encoded STREAM entries of chunks start.. (concatenated; an array header makes a body)."""
         return self.log[self.ends[start - 1]:] if start else self.log[:]

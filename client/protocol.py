@@ -2,7 +2,7 @@
 
 Every message is a ZeroMQ multipart message of exactly three frames:
 
-    [HEADER (b"TM1"), command (1 byte), body (msgpack)]
+    [HEADER (b"TM2"), command (1 byte), body (msgpack)]
 
 A ROUTER socket prepends the peer's routing id, which the broker strips before decoding. Bodies are
 msgpack maps (control messages) or arrays of arrays (the per-step TOKENS batches and STREAM relays, where
@@ -25,8 +25,8 @@ import msgpack
 
 from tokenmill.client.errors import ProtocolError
 
-HEADER = b"TM1"
-PROTOCOL_VERSION = 1
+HEADER = b"TM2"  # version 2: TOKENS bodies are [attempts, entries] (was one 6-item array per chunk)
+PROTOCOL_VERSION = 2
 
 # Hard limits on what a decoder accepts. Sockets get MAXMSGSIZE = 2 * MAX_BODY_BYTES so that a frame
 # between the two is still delivered, dropped and counted here rather than silently cutting the peer off.
@@ -641,7 +641,8 @@ class WorkerHeartbeat(Message):
 
 class TokenChunk(NamedTuple):
     """One job's new tokens of one engine step; `seq` = output index of token_ids[0] (counting tokens
-    an earlier attempt delivered). A NamedTuple: this is the relay hot path."""
+    an earlier attempt delivered). A NamedTuple: this is the relay hot path. On the wire a chunk is
+    split in two (see Tokens): its attempt, and its STREAM entry [job_id, seq, token_ids, text, logprobs]."""
 
     job_id: str
     attempt: int
@@ -650,38 +651,40 @@ class TokenChunk(NamedTuple):
     text: str
     logprobs: list[list[list[Any]]] | None = None
 
-    def to_wire(self) -> list[Any]:
-        return [self.job_id, self.attempt, self.seq, self.token_ids, self.text, self.logprobs]
+    def entry(self) -> list[Any]:
+        """The chunk's STREAM entry: what the broker relays to subscribers, byte for byte."""
+        return [self.job_id, self.seq, self.token_ids, self.text, self.logprobs]
 
     @staticmethod
-    def from_wire(obj: Any) -> TokenChunk:
-        # Fast path: the common well-formed chunk is checked with a few type tests; anything else goes
-        # through the field validators, which say precisely what is wrong.
-        if type(obj) is list and len(obj) == 6:
-            job_id, attempt, seq, ids, text, lps = obj
-            if (type(job_id) is str and 0 < len(job_id) <= MAX_ID_LEN and type(attempt) is int
-                    and 0 <= attempt <= MAX_ATTEMPT and type(seq) is int and 0 <= seq < 1 << 63
-                    and type(text) is str and lps is None and _fast_token_ids(ids)):
-                return TokenChunk(job_id, attempt, seq, ids, text, None)
-        job_id, attempt, seq, ids, text, lps = _tuple(obj, "token chunk", 6)
-        ids = _token_ids(ids, "token_ids")
-        return TokenChunk(_ident(job_id, "job_id"), _int(attempt, "attempt", 0, MAX_ATTEMPT), _int(seq, "seq"),
-                          ids, _str(text, "text"), _logprobs(lps, "logprobs", len(ids)))
+    def from_wire(attempt: Any, entry: Any) -> TokenChunk:
+        """A chunk from its attempt and STREAM entry (strict)."""
+        c = StreamChunk.from_wire(entry)
+        return TokenChunk(c.job_id, _int(attempt, "attempt", 0, MAX_ATTEMPT), c.seq, c.token_ids, c.text, c.logprobs)
 
 
 @dataclass(frozen=True, slots=True)
 class Tokens(Message):
-    """Everything one engine step produced: one chunk per job that produced tokens."""
+    """Everything one engine step produced: one chunk per job that produced tokens.
+
+    Body: [attempts, entries], two arrays of equal length; chunk i is attempts[i] (an int) and entries[i]
+    (its STREAM entry [job_id, seq, token_ids, text, logprobs]). `entries` is exactly a STREAM body: when
+    every chunk goes to one caught-up subscriber, the broker validates the batch and forwards those bytes
+    as they came (no per-chunk re-encoding before the send)."""
 
     CMD: ClassVar[Cmd] = Cmd.W_TOKENS
     chunks: list[TokenChunk]
 
     def to_wire(self) -> Any:
-        return [c.to_wire() for c in self.chunks]
+        return [[c.attempt for c in self.chunks], [c.entry() for c in self.chunks]]
 
     @classmethod
     def from_wire(cls, obj: Any) -> Tokens:
-        return cls([TokenChunk.from_wire(c) for c in _list(obj, "tokens")])
+        attempts, entries = _tuple(obj, "tokens", 2)
+        _list(attempts, "tokens.attempts")
+        _list(entries, "tokens.entries")
+        if len(attempts) != len(entries):
+            raise _fail(f"tokens: {len(attempts)} attempts for {len(entries)} entries")
+        return cls([TokenChunk.from_wire(a, e) for a, e in zip(attempts, entries)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -841,6 +844,15 @@ def encode(msg: Message) -> list[bytes]:
     return [HEADER, bytes((msg.CMD,)), msgpack.packb(msg.to_wire(), use_bin_type=True)]
 
 
+def encode_tokens(attempts: list[int], entries: list[list[Any]]) -> list[bytes]:
+    """encode(Tokens(chunks)) from the body's two columns (Tokens): the worker's per-step hot path,
+    which builds them directly instead of a TokenChunk per job."""
+    return [HEADER, _TOKENS_CMD, msgpack.packb([attempts, entries], use_bin_type=True)]
+
+
+_TOKENS_CMD = bytes((Cmd.W_TOKENS,))
+
+
 def unpack_body(body: bytes, max_bytes: int = MAX_BODY_BYTES) -> Any:
     """msgpack-decode an untrusted body under the module's limits (no ext types, str map keys only)."""
     if len(body) > max_bytes:
@@ -854,6 +866,33 @@ def unpack_body(body: bytes, max_bytes: int = MAX_BODY_BYTES) -> Any:
         raise
     except Exception as e:  # msgpack raises a zoo of types (ExtraData, StackError, ValueError, ...)
         raise ProtocolError(f"bad msgpack body: {type(e).__name__}: {e}") from None
+
+
+def split_tokens_body(body: bytes, max_bytes: int = MAX_BODY_BYTES) -> tuple[Any, Any, int]:
+    """Unpack a TOKENS body [attempts, entries] under unpack_body's limits; returns (attempts, entries,
+    offset) where body[offset:] is the msgpack of `entries` alone (a STREAM body). Checks the framing
+    only (a two-item array, nothing after it), not the items: the caller validates them (or decodes
+    strictly). Raises ProtocolError."""
+    if len(body) > max_bytes:
+        raise ProtocolError(f"body of {len(body)} bytes exceeds the limit of {max_bytes}")
+    up = msgpack.Unpacker(
+        raw=False, strict_map_key=True, use_list=True, max_buffer_size=max(len(body), 1), max_str_len=max_bytes,
+        max_bin_len=0, max_array_len=MAX_ARRAY_LEN, max_map_len=MAX_MAP_LEN, max_ext_len=0,
+    )
+    try:
+        up.feed(body)
+        if up.read_array_header() != 2:
+            raise ProtocolError("tokens: expected an array of 2 items")
+        attempts = up.unpack()
+        offset = up.tell()
+        entries = up.unpack()
+    except ProtocolError:
+        raise
+    except Exception as e:  # OutOfData (truncated), FormatError, StackError, ValueError, ...
+        raise ProtocolError(f"bad msgpack body: {type(e).__name__}: {e}") from None
+    if up.tell() != len(body):
+        raise ProtocolError("tokens: trailing bytes after the body")
+    return attempts, entries, offset
 
 
 def decode(frames: Sequence[bytes], allowed: frozenset[Cmd] | None = None,

@@ -6,6 +6,7 @@ tuning. In-process: a Broker whose sends are recorded instead of going to socket
 from __future__ import annotations
 
 import gc
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -65,9 +66,10 @@ def test_log_holds_the_stream_entries(sizes: list[int], lps: bool) -> None:
 
 _field = st.one_of(st.none(), st.booleans(), st.integers(-3, 2**64 - 1), st.floats(allow_nan=False),
                    st.text(max_size=3), st.binary(max_size=2), st.lists(st.integers(-2, 3), max_size=3))
-_good_chunk = st.tuples(st.text(min_size=1, max_size=8), st.integers(0, p.MAX_ATTEMPT),
-                        st.integers(0, 2**63 - 1), st.lists(st.integers(0, p.MAX_TOKEN_ID), max_size=4),
-                        st.text(max_size=5), st.none()).map(list)
+_good_chunk = st.tuples(st.sampled_from(["j", "a", "b"]) | st.text(min_size=1, max_size=8),
+                        st.just(0) | st.integers(0, p.MAX_ATTEMPT), st.integers(0, 2) | st.integers(0, 2**63 - 1),
+                        st.lists(st.integers(0, p.MAX_TOKEN_ID), max_size=4), st.text(max_size=5),
+                        st.none()).map(list)
 
 
 def _mutate(chunk: list[Any], i: int, v: Any) -> list[Any]:
@@ -86,20 +88,52 @@ _chunk = st.one_of(
 )
 
 
+def _tokens_body(chunks: list[Any]) -> Any:
+    """[job_id, attempt, seq, ids, text, lps] rows as a TOKENS body [attempts, entries] (a row of
+    another arity keeps its items but the attempt, which makes a malformed entry)."""
+    return [[c[1] if isinstance(c, list) and len(c) > 1 else 0 for c in chunks],
+            [[c[0], *c[2:]] if isinstance(c, list) and len(c) > 1 else c for c in chunks]]
+
+
+_body = st.one_of(
+    st.lists(_chunk, max_size=4).map(_tokens_body),
+    st.tuples(st.lists(_field, max_size=3), st.lists(_good_chunk, max_size=3).map(lambda cs: _tokens_body(cs)[1]))
+    .map(list),  # attempts of any type, or a count that differs from the entries'
+    _field, st.lists(_field, max_size=3),  # not a two-array at all
+)
+
+
 @settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
-@given(chunks=st.lists(_chunk, max_size=4))
-def test_plain_chunks_accepts_only_what_decode_accepts(chunks: list[Any]) -> None:
-    obj = msgpack.unpackb(msgpack.packb(chunks))  # what the unpacker hands over (lists, no tuples)
+@given(body=_body)
+def test_plain_chunks_accepts_only_what_decode_accepts(body: Any) -> None:
+    raw = msgpack.packb(body)
     try:
-        decoded: list[Any] | None = [list(c) for c in p.Tokens.from_wire(obj).chunks]
+        decoded: list[Any] | None = [tuple(c) for c in p.Tokens.from_wire(p.unpack_body(raw)).chunks]
     except ProtocolError:
         decoded = None
-    fast = _plain_chunks(obj)
+    try:
+        attempts, entries, offset = p.split_tokens_body(raw)
+    except ProtocolError:
+        assert decoded is None
+        return
+    assert msgpack.unpackb(raw[offset:]) == entries  # the entries' own bytes: a STREAM body
+    fast = _plain_chunks(attempts, entries)
     if fast is not None:
         assert decoded == fast
-    plain = all(type(c) is list and len(c) == 6 and c[5] is None for c in obj)
+    plain = type(entries) is list and all(type(e) is list and len(e) == 5 and e[4] is None for e in entries)
     if decoded is not None and plain:
         assert fast is not None, "a valid plain batch must take the fast path"
+
+
+def test_split_tokens_body_rejects_bad_framing() -> None:
+    good = msgpack.packb([[0], [["j", 0, [1], "", None]]])
+    assert p.split_tokens_body(good)[2] == 3  # 0x92, then [0] (0x91 0x00)
+    for bad in (good[:-1], good + b"\x00", msgpack.packb([[0]]), msgpack.packb([[0], [], []]), b"\xc1",
+                msgpack.packb({"a": 1}), msgpack.packb([[0], [[b"j", 0, [1], "", None]]], use_bin_type=True)):
+        with pytest.raises(ProtocolError):
+            p.split_tokens_body(bad)
+    with pytest.raises(ProtocolError):
+        p.split_tokens_body(good, max_bytes=len(good) - 1)
 
 
 # ---- relaying through an in-process broker -----------------------------------------------------------
@@ -114,26 +148,28 @@ class Harness:
         self.vanishing: set[bytes] = set()  # the next send to these finds the client gone
         self.got: dict[tuple[bytes, str], list[tuple[int, list[int]]]] = {}  # (client, job) -> (seq, ids)
         self.terminal: dict[tuple[bytes, str], list[str]] = {}
-        self.b._send_client_frames = self._send  # type: ignore[method-assign]
+        self.b._send_raw = self._send  # type: ignore[method-assign]
         self.b._send_worker = lambda *a, **k: True  # type: ignore[method-assign]
         now = time.monotonic()
         self.b.workers[W] = WorkerInfo(W, "w", frozenset({"m"}), 1 << 20, 1, 16, 1 << 20, 60.0, now, now + 60)
         self.seq: dict[str, int] = {}
+        self.sends = 0
 
-    def _send(self, cid: bytes, frames: list[bytes]) -> bool:
-        if cid in self.vanishing:  # what Broker._send_client_frames does on EHOSTUNREACH
+    def _send(self, cid: bytes, frames: list[Any]) -> str:
+        """Stands in for Broker._send_raw: "gone" (EHOSTUNREACH), "blocked" (queue full) or "sent"."""
+        if cid in self.vanishing:
             self.vanishing.discard(cid)
-            self.b._client_gone(cid, "unreachable")
-            return False
+            return "gone"
         if cid in self.failing:
-            return False
-        msg = p.decode(frames, p.BROKER_TO_CLIENT)
+            return "blocked"
+        self.sends += 1
+        msg = p.decode([bytes(f) for f in frames], p.BROKER_TO_CLIENT)
         if isinstance(msg, p.Stream):
             for c in msg.chunks:
                 self.got.setdefault((cid, c.job_id), []).append((c.seq, c.token_ids))
         elif isinstance(msg, p.Done | p.Fail) and msg.job_id:
             self.terminal.setdefault((cid, msg.job_id), []).append(type(msg).__name__)
-        return True
+        return "sent"
 
     def submit(self, cid: bytes, job_id: str) -> None:
         self.b._on_submit(cid, "", p.Submit(job_id, "m", p.RequestInput(prompt="x"), {"max_tokens": 1000}))
@@ -144,9 +180,9 @@ class Harness:
         chunks = []
         for j in job_ids:
             ids = list(range(self.seq[j], self.seq[j] + n))
-            chunks.append([j, 0, self.seq[j], ids, "x", [[[t, -1.0]] for t in ids] if logprobs else None])
+            chunks.append(p.TokenChunk(j, 0, self.seq[j], ids, "x", [[[t, -1.0]] for t in ids] if logprobs else None))
             self.seq[j] += n
-        self.b._on_worker_frames([W, p.HEADER, bytes((p.Cmd.W_TOKENS,)), msgpack.packb(chunks)])
+        self.b._on_worker_frames([W, *p.encode(p.Tokens(chunks))])
 
     def finish(self, job_id: str) -> None:
         body = msgpack.packb([[job_id, 0, "length", None, [1, self.seq[job_id], 0]]])
@@ -197,7 +233,7 @@ def test_second_subscriber_replays_then_follows(h: Harness) -> None:
 
 def test_a_batch_with_one_bad_chunk_is_dropped_whole(h: Harness) -> None:
     h.submit(b"a", "j1")
-    body = msgpack.packb([["j1", 0, 0, [1], "x", None], ["j1", 0, 1, [-1], "x", None]])
+    body = msgpack.packb([[0, 0], [["j1", 0, [1], "x", None], ["j1", 1, [-1], "x", None]]])
     h.b._on_worker_frames([W, p.HEADER, bytes((p.Cmd.W_TOKENS,)), body])
     assert h.b.counters["malformed_worker_messages"] == 1 and h.b.jobs["j1"].num_tokens == 0
     assert not h.got
@@ -212,6 +248,127 @@ def test_owner_gone_mid_relay_other_subscriber_gets_each_chunk_once(h: Harness) 
     h.settle()
     assert h.got[(b"b", "j1")] == [(0, [0]), (1, [1, 2])] and h.terminal[(b"b", "j1")] == ["Fail"]
     assert h.got[(b"a", "j1")] == [(0, [0])] and (b"a", "j1") not in h.terminal
+
+
+def test_batch_for_one_caught_up_client_is_forwarded_as_it_came(h: Harness) -> None:
+    for j in ("j1", "j2", "j3"):
+        h.submit(b"a", j)
+    raw: list[bytes] = []
+    send = h._send
+    h.b._send_raw = lambda cid, frames: (raw.append(bytes(frames[-1])), send(cid, frames))[1]  # type: ignore
+    chunks = [p.TokenChunk("j1", 0, 0, [5], "a"), p.TokenChunk("j2", 0, 0, [6, 7], "b"),
+              p.TokenChunk("j3", 0, 0, [], "c")]
+    frames = p.encode(p.Tokens(chunks))
+    h.b._on_worker_frames([W, *frames])
+    _, _, offset = p.split_tokens_body(frames[2])
+    assert raw == [frames[2][offset:]] and h.b.counters["batches_forwarded"] == 1
+    assert h.got == {(b"a", "j1"): [(0, [5])], (b"a", "j2"): [(0, [6, 7])], (b"a", "j3"): [(0, [])]}
+    for c in chunks:  # the log holds the same entries, and the cursors moved past them
+        job = h.b.jobs[c.job_id]
+        assert job.chunks() == [c.entry()] and job.subscribers == {b"a": 1} and job.num_tokens == len(c.token_ids)
+    assert h.b.counters["tokens_in"] == h.b.counters["tokens_out"] == 3
+    h.seq.update(j1=1, j2=2, j3=0)
+    h.failing.add(b"a")  # a full queue: nothing lost, resumed from the cursors
+    h.tokens(["j1", "j2", "j3"])
+    assert h.b.counters["batches_forwarded"] == 2 and h.b._lagging == {"j1", "j2", "j3"}
+    assert h.b.counters["tokens_out"] == 3 and h.b.jobs["j1"].num_tokens == 2
+    h.settle()
+    assert h.got[(b"a", "j1")] == [(0, [5]), (1, [1])] and h.got[(b"a", "j3")] == [(0, []), (0, [0])]
+    h.tokens(["j1"])
+    assert h.got[(b"a", "j1")][-1] == (2, [2]) and h.b.counters["batches_forwarded"] == 3
+
+
+def test_forwarded_batch_to_a_gone_client_is_logged_then_cancelled(h: Harness) -> None:
+    h.submit(b"a", "j1")
+    h.submit(b"a", "j2")
+    h.tokens(["j1", "j2"])
+    h.vanishing.add(b"a")
+    h.tokens(["j1", "j2"], n=2)
+    assert h.b.counters["batches_forwarded"] == 2 and h.b.counters["disconnect_cancels"] == 2
+    for j in ("j1", "j2"):
+        job = h.b.jobs[j]
+        assert job.num_tokens == 3 and [c[1] for c in job.chunks()] == [0, 1] and isinstance(job.terminal, p.Fail)
+    h.b._on_subscribe(b"b", "", p.Subscribe("j1", "", 0))  # a late subscriber replays the whole log
+    assert h.got[(b"b", "j1")] == [(0, [0]), (1, [1, 2])] and h.terminal[(b"b", "j1")] == ["Fail"]
+
+
+def test_stale_or_out_of_order_chunks_leave_the_forward_path(h: Harness) -> None:
+    h.submit(b"a", "j1")
+    h.submit(b"a", "j2")
+    h.tokens(["j1", "j2"])
+    cases = [
+        [p.TokenChunk("j1", 1, 1, [1], "x"), p.TokenChunk("j2", 0, 1, [1], "x")],  # a stale attempt
+        [p.TokenChunk("j1", 0, 5, [1], "x"), p.TokenChunk("j2", 0, 1, [1], "x")],  # a gap
+        [p.TokenChunk("j1", 0, 0, [0], "x"), p.TokenChunk("j2", 0, 1, [1], "x")],  # a duplicate
+        [p.TokenChunk("zz", 0, 0, [1], "x"), p.TokenChunk("j2", 0, 1, [1], "x")],  # an unknown job
+    ]
+    for chunks in cases:
+        h.b._on_worker_frames([W, *p.encode(p.Tokens(chunks))])
+        h.seq["j2"] = 1
+    assert h.b.counters["batches_forwarded"] == 1  # only the first batch
+    assert h.got[(b"a", "j2")] == [(0, [0]), (1, [1])]  # the valid chunk of the first case, once
+    assert h.got[(b"a", "j1")] == [(0, [0])] and h.b.jobs["j1"].num_tokens == 1
+    assert h.b.counters["seq_mismatch"] == 5 and h.b.counters["stale_messages_dropped"] == 2
+
+
+_zero = st.one_of(st.just(0), st.just(0), st.just(0), st.integers(0, 2))
+_near_chunk = st.tuples(st.sampled_from(["j", "a", "b", "j", "a", "b", "zz"]), _zero, _zero,
+                        st.lists(st.integers(0, 9), max_size=3) | st.lists(st.integers(-2, p.MAX_TOKEN_ID + 2),
+                                                                           max_size=3),
+                        st.text(max_size=3), st.none()).map(list)  # chunks that are often the jobs' next ones
+_near_body = st.lists(st.one_of(_near_chunk, _near_chunk, _near_chunk,
+                                st.builds(_mutate, _near_chunk, st.integers(0, 5), _field)),
+                      min_size=1, max_size=3, unique_by=lambda c: str(c[0])).map(_tokens_body)
+_next_body = st.lists(st.tuples(st.sampled_from(["j", "a", "b"]), st.just(0), st.just(0),
+                                st.lists(st.integers(0, p.MAX_TOKEN_ID), max_size=3), st.text(max_size=3),
+                                st.none()).map(list),
+                      min_size=1, max_size=3, unique_by=lambda c: c[0]).map(_tokens_body)  # all valid, all next
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=st.one_of(_next_body, _near_body, _body))
+def test_forward_path_relays_only_what_decode_accepts(body: Any) -> None:
+    """Fuzzed TOKENS bodies at a broker whose jobs j, a, b (the fuzzer's likely ids) run on the worker
+    with one caught-up subscriber: whatever reaches the client is exactly what the strict decoder makes
+    of the body, and a body it rejects changes nothing but the malformed counter."""
+    h = Harness()
+    try:
+        for j in ("j", "a", "b"):
+            h.submit(b"c", j)
+        raw = msgpack.packb(body)
+        try:
+            decoded: list[p.TokenChunk] | None = p.Tokens.from_wire(p.unpack_body(raw)).chunks
+        except ProtocolError:
+            decoded = None
+        h.b._on_worker_frames([W, p.HEADER, bytes((p.Cmd.W_TOKENS,)), raw])
+        got = sorted((j, s, ids) for (_, j), cs in h.got.items() for s, ids in cs)
+        if decoded is None:
+            assert h.b.counters["malformed_worker_messages"] == 1 and not h.got
+            assert all(job.num_tokens == 0 and not job.ends for job in h.b.jobs.values())
+        else:
+            want = []
+            seq = dict.fromkeys(("j", "a", "b"), 0)
+            for c in decoded:  # what a correct relay keeps: each job's next chunk of attempt 0
+                if c.job_id in seq and c.attempt == 0 and c.seq == seq[c.job_id]:
+                    want.append((c.job_id, c.seq, c.token_ids))
+                    seq[c.job_id] += len(c.token_ids)
+            assert got == sorted(want)
+            assert h.b.counters["tokens_out"] == sum(len(w[2]) for w in want)
+    finally:
+        h.b.ctx.term()
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=_next_body)
+def test_every_valid_batch_of_next_chunks_is_forwarded(body: Any) -> None:
+    h = Harness()
+    try:
+        for j in ("j", "a", "b"):
+            h.submit(b"c", j)
+        h.sends = 0  # (the ACKs)
+        h.b._on_worker_frames([W, p.HEADER, bytes((p.Cmd.W_TOKENS,)), msgpack.packb(body)])
+        assert h.b.counters["batches_forwarded"] == 1 and h.sends == 1
+        assert {j: cs for (_, j), cs in h.got.items()} == {e[0]: [(0, e[2])] for e in body[1]}
+    finally:
+        h.b.ctx.term()
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -315,3 +472,57 @@ def test_full_collections_wait_for_empty_sockets() -> None:
             assert s is not None
             s.close(linger=0)
         b.ctx.term()
+
+
+@pytest.mark.parametrize("busy_poll", [0.0, 0.05])
+def test_relay_through_the_run_loop(busy_poll: float) -> None:
+    """A worker and clients on real sockets, with and without busy polling: the batch that goes to one
+    caught-up client is forwarded as it came; with a second subscriber (replayed from the log) the next
+    one takes the general path; then DONE to both."""
+    b = Broker(BrokerConfig(frontend="tcp://127.0.0.1:0", backend="tcp://127.0.0.1:0", busy_poll=busy_poll,
+                            gc_tuning=False))
+    b.bind()
+    ctx = zmq.Context()
+    worker, client, other = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    thread = threading.Thread(target=b.run, daemon=True)
+    thread.start()
+    try:
+        for s in (worker, client, other):
+            s.setsockopt(zmq.LINGER, 0)
+        worker.connect(b.endpoint("backend"))
+        client.connect(b.endpoint("frontend"))
+        other.connect(b.endpoint("frontend"))
+
+        def recv(sock: zmq.Socket, want: type[p.Message]) -> p.Message:
+            while True:
+                assert sock.poll(10_000), f"no {want.__name__}"
+                frames = sock.recv_multipart()
+                msg = p.decode(frames, p.BROKER_TO_WORKER if sock is worker else p.BROKER_TO_CLIENT)
+                if isinstance(msg, want):
+                    return msg
+
+        worker.send_multipart(p.encode(p.Ready("w", ["m"], 8, 100, 16, 1024, 5.0)))
+        recv(worker, p.BrokerHeartbeat)
+        client.send_multipart(p.encode(p.Submit("j1", "m", p.RequestInput(prompt="x"), {"max_tokens": 3})))
+        sub = recv(worker, p.WorkerSubmit)
+        assert isinstance(sub, p.WorkerSubmit) and sub.job_id == "j1"
+        worker.send_multipart(p.encode(p.Tokens([p.TokenChunk("j1", 0, 0, [4, 5], "ab")])))
+        got = recv(client, p.Stream)
+        assert isinstance(got, p.Stream) and got.chunks == [p.StreamChunk("j1", 0, [4, 5], "ab")]
+        other.send_multipart(p.encode(p.Subscribe("j1", "", 0)))  # the same owner token: allowed
+        got = recv(other, p.Stream)  # the replay from the log
+        assert isinstance(got, p.Stream) and got.chunks == [p.StreamChunk("j1", 0, [4, 5], "ab")]
+        worker.send_multipart(p.encode(p.Tokens([p.TokenChunk("j1", 0, 2, [6], "c")])))
+        worker.send_multipart(p.encode(p.Finished([p.FinishedJob("j1", 0, "length", None, (1, 3, 0))])))
+        for sock in (client, other):
+            got = recv(sock, p.Stream)
+            assert isinstance(got, p.Stream) and got.chunks == [p.StreamChunk("j1", 2, [6], "c")]
+            done = recv(sock, p.Done)
+            assert isinstance(done, p.Done) and done.num_tokens == 3
+        assert b.counters["batches_forwarded"] == 1 and b.counters["tokens_out"] == 2 + 2 + 2 * 1  # + the replay
+    finally:
+        b.stop()
+        thread.join(10)
+        for s in (worker, client, other):
+            s.close(linger=0)
+        ctx.term()

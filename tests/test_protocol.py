@@ -44,6 +44,18 @@ SAMPLES: list[p.Message] = [
 ]
 
 
+def test_tokens_body_is_attempts_and_stream_entries() -> None:
+    chunks = [p.TokenChunk("job-1", 1, 4, [9, 10], "xy"), p.TokenChunk("job-2", 0, 0, [3], "z", [[[3, -0.5]]])]
+    frames = p.encode(p.Tokens(chunks))
+    assert p.encode_tokens([1, 0], [c.entry() for c in chunks]) == frames
+    attempts, entries, offset = p.split_tokens_body(frames[2])
+    assert attempts == [1, 0] and entries == [c.entry() for c in chunks]
+    # the entries' bytes are what a client decodes as a STREAM body
+    stream = p.decode([p.HEADER, bytes((p.Cmd.STREAM,)), frames[2][offset:]], p.BROKER_TO_CLIENT)
+    assert isinstance(stream, p.Stream)
+    assert stream.chunks == [p.StreamChunk(c.job_id, c.seq, c.token_ids, c.text, c.logprobs) for c in chunks]
+
+
 def test_every_command_has_a_sample() -> None:
     assert {m.CMD for m in SAMPLES} == set(p.Cmd)
 
@@ -106,11 +118,15 @@ BAD: list[tuple[str, list[bytes]]] = [
                                                    "params": {"stop": [{}]}})),
     ("messages bad role", _frames(p.Cmd.SUBMIT, {"job_id": "a", "model": "", "params": {},
                                                  "messages": [{"role": 1, "content": "x"}]})),
-    ("negative token", _frames(p.Cmd.W_TOKENS, [["a", 0, 0, [-1], "", None]])),
-    ("huge token", _frames(p.Cmd.W_TOKENS, [["a", 0, 0, [1 << 40], "", None]])),
-    ("bool token", _frames(p.Cmd.W_TOKENS, [["a", 0, 0, [True], "", None]])),
-    ("short chunk", _frames(p.Cmd.W_TOKENS, [["a", 0, 0, [1], ""]])),
-    ("logprob count", _frames(p.Cmd.W_TOKENS, [["a", 0, 0, [1], "", []]])),
+    ("negative token", _frames(p.Cmd.W_TOKENS, [[0], [["a", 0, [-1], "", None]]])),
+    ("huge token", _frames(p.Cmd.W_TOKENS, [[0], [["a", 0, [1 << 40], "", None]]])),
+    ("bool token", _frames(p.Cmd.W_TOKENS, [[0], [["a", 0, [True], "", None]]])),
+    ("short chunk", _frames(p.Cmd.W_TOKENS, [[0], [["a", 0, [1], ""]]])),
+    ("logprob count", _frames(p.Cmd.W_TOKENS, [[0], [["a", 0, [1], "", []]]])),
+    ("bool attempt", _frames(p.Cmd.W_TOKENS, [[True], [["a", 0, [1], "", None]]])),
+    ("attempt count", _frames(p.Cmd.W_TOKENS, [[0, 0], [["a", 0, [1], "", None]]])),
+    ("old tokens shape", _frames(p.Cmd.W_TOKENS, [["a", 0, 0, [1], "", None]])),
+    ("tokens extra column", _frames(p.Cmd.W_TOKENS, [[0], [["a", 0, [1], "", None]], []])),
     ("bad finish", _frames(p.Cmd.W_FINISHED, [["a", 0, "exploded", None, [1, 1, 0]]])),
     ("zero capacity", _frames(p.Cmd.W_READY, {"name": "w", "models": ["m"], "capacity": 0, "kv_blocks": 1,
                                               "block_size": 16, "max_model_len": 8, "heartbeat_interval": 1})),

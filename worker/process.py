@@ -8,7 +8,9 @@ Two threads:
   reset (abort everything), drops the loop's output until the loop hands it a fresh READY, and (when
   silent) reconnects with a new socket (Paranoid Pirate).
 - the engine loop (the main thread) drains its queue (SUBMIT -> add_request, CANCEL -> abort_request),
-  runs one engine step, and emits one TOKENS message per step (plus FINISHED/ERROR when any).
+  runs one engine step, and emits one TOKENS message per step (plus FINISHED/ERROR when any), then
+  waits (at most `handoff_wait`) until the IO thread has forwarded them: the IO thread needs the GIL to
+  do so, and the loop's next step would hold it (measured: up to the whole Python part of a step).
 
 A request is `"{job_id}#{attempt}"` inside the engine, so a stale attempt never collides with a new one.
 A malformed or invalid job is answered with ERROR for that job alone. An exception in the IO thread is
@@ -70,6 +72,10 @@ class WorkerOptions:
     curve_server_key: bytes | None = None
     curve_keypair: tuple[bytes, bytes] | None = None
     idle_wait: float = 0.05  # the loop's longest sleep when it has nothing to run
+    # After emitting a step's messages the engine loop waits (GIL released) until the IO thread has
+    # forwarded them, at most this long (s; 0: no wait). Without it the IO thread waits for the GIL
+    # while the loop runs the next step's Python: up to ms per message (broker_bench --worker real).
+    handoff_wait: float = 0.002
 
 
 class _Reset:
@@ -87,6 +93,7 @@ class IOThread(threading.Thread):
         self.error: BaseException | None = None
         self.load = p.WorkerHeartbeat()  # replaced (atomically) by the engine loop after each step
         self._stopping = threading.Event()
+        self.forwarded = threading.Event()  # set after each pass over the outbox (see EngineLoop._emit)
         self._outbox = ctx.socket(zmq.PULL)
         self._outbox.bind(outbox_addr)
         self._dealer: zmq.Socket | None = None
@@ -165,6 +172,12 @@ class IOThread(threading.Thread):
             self._dealer.send_multipart(frames, zmq.NOBLOCK)
 
     def _forward_outbox(self) -> None:
+        try:
+            self._forward_some()
+        finally:
+            self.forwarded.set()
+
+    def _forward_some(self) -> None:
         for _ in range(1000):
             try:
                 frames = self._outbox.recv_multipart(zmq.NOBLOCK)
@@ -280,12 +293,15 @@ class EngineLoop:
         self.active[rid] = (msg.job_id, msg.attempt)
 
     def _emit(self, outputs: list[Any]) -> None:
-        """One TOKENS message for the step, then FINISHED and ERRORs (after the tokens they follow)."""
-        chunks: list[p.TokenChunk] = []
+        """One TOKENS message for the step, then FINISHED and ERRORs (after the tokens they follow).
+        Then, with `handoff_wait`, wait (GIL and core released) until the IO thread has forwarded them."""
+        attempts: list[int] = []  # the TOKENS body's two columns (p.Tokens), built without TokenChunks
+        entries: list[list[Any]] = []
         finished: list[p.FinishedJob] = []
         errors: list[p.JobError] = []
+        active = self.active
         for out in outputs:
-            job = self.active.get(out.request_id)
+            job = active.get(out.request_id)
             if job is None:
                 continue  # aborted (cancelled, reset) or not ours
             job_id, attempt = job
@@ -293,22 +309,32 @@ class EngineLoop:
                 lps = None
                 if out.logprobs is not None:
                     lps = [[[int(t), float(v)] for t, v in d.items()] for d in out.logprobs]
-                chunks.append(p.TokenChunk(job_id, attempt, out.first_index, list(out.new_token_ids),
-                                           out.text_delta, lps))
+                attempts.append(attempt)
+                entries.append([job_id, out.first_index, list(out.new_token_ids), out.text_delta, lps])
             if out.finished:
-                del self.active[out.request_id]
+                del active[out.request_id]
                 if out.finish_reason == "error":
                     errors.append(p.JobError(job_id, attempt, "failed", str(out.error)[:1000]))
                 else:
                     u = out.usage
                     usage = (u.prompt_tokens, u.completion_tokens, u.cached_tokens) if u else (0, 0, 0)
                     finished.append(p.FinishedJob(job_id, attempt, out.finish_reason, out.stop_reason, usage))
-        if chunks:
-            self._push(p.Tokens(chunks))
+        if not (entries or finished or errors):
+            return
+        wait = self.opts.handoff_wait
+        if wait > 0:
+            self.io.forwarded.clear()
+        if entries:
+            self.outbox.send_multipart(p.encode_tokens(attempts, entries))
         if finished:
             self._push(p.Finished(finished))
         for e in errors:
             self._push(e)
+        if wait > 0:
+            # The IO thread needs the GIL (several times: wake, recv, send) to forward these; if this
+            # thread went on into the next step's Python, each of those would wait up to the switch
+            # interval (5 ms). Blocking here hands it the GIL at once, for the ~0.1 ms it takes.
+            self.io.forwarded.wait(wait)
 
     def _publish_load(self) -> None:
         s = self.engine.stats()

@@ -30,6 +30,13 @@ Kernel structure (one kernel + an optional reduce kernel):
     ints (max_query_len, max_seq_len), so no device sync is needed.
   * Each key segment is walked in two loops: keys every row of the tile may see (no masks at all) and the
     rest (the causal diagonal / tail / sliding window), where loads and scores are masked.
+  * Decode batches may fold the step's rotary embedding and KV-cache write in (FUSE_ROPE, `rope=DecodeRope`):
+    every program rotates its q rows on load; the one program per (request, kv head) whose segment holds the
+    token's own key rotates k and stores k and v into the cache before walking its keys (a CTA barrier makes
+    the stores visible to its loads). This replaces the rotary kernel of a decode step (H200: -0.05 ms per
+    batch-1 Llama-3-8B step).
+  * Programmatic dependent launch on Hopper (kernels/launch.py): both kernels wait on the previous kernel
+    before their first load and release the next one after their last store.
 """
 
 from __future__ import annotations

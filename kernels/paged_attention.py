@@ -95,9 +95,9 @@ class PagedAttentionConfig:
 
 # Defaults (tunable with benchmarks/gpu_kernels.py). Decode tiles are small (one token x its group);
 # prefill tiles are FlashAttention-sized.
-# decode: best geo-mean of 10 configs on the H200 (B=1 ctx=32k, B=32 ctx=4k, B=128 ctx=4k; gpu_kernels.md): two
-# stages (64 KB of shared memory) let three programs share an SM; three stages (96 KB) lost 25-30% of the
-# bandwidth at batch 8-32 (two programs per SM).
+# decode: best geo-mean of 10 configs on the H200 (B=1 ctx=32k, B=32 ctx=4k, B=128 ctx=4k; gpu_kernels.md); three
+# stages lost 25-30% of the bandwidth at batch 8-32. (On sm_90 two stages compile without async copies: 22 KB of
+# shared memory per program, so registers, not shared memory, bound the programs per SM.)
 DECODE_CONFIG = PagedAttentionConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
 # prefill: best of 9 configs on the H200 at 8k tokens (benchmarks/results/h200/gpu_kernels.md)
 PREFILL_CONFIG = PagedAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)

@@ -122,8 +122,8 @@ def default_config(
     return PREFILL_CONFIG if num_tokens >= _LONG_QUERY * num_seqs else MIXED_CONFIG
 
 
-# Split heuristic knobs: at most this many programs per SM (the decode tile's residency: two pipeline stages of
-# 64-key K/V tiles), never give a split fewer keys than _MIN_KEYS_PER_SPLIT, never more than _MAX_SPLITS splits.
+# Split heuristic knobs: at most this many programs per SM (the most decode programs that ran in one wave on the
+# H200), never give a split fewer keys than _MIN_KEYS_PER_SPLIT, never more than _MAX_SPLITS splits.
 # One wave, rounded down: on the H200 batch 8 at 32k keys ran at 100% of the copy bandwidth with 8 splits (512
 # programs) and at 76% with 9 (576 programs: a second wave of long programs); batch 1 at 32k was best at 64.
 _PROGRAMS_PER_SM = 4

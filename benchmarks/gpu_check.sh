@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent H200: GPU tests, kernel benchmark, decode-GEMV tuning, engine e2e benchmark
 # (with a profile of batch-1 decode steps and the full-cache fill run).
-# Device call: run(command="bash benchmarks/gpu_check.sh [tests kernels gemv e2e pdl]", carry=[".whl"])
+# Device call: run(command="bash benchmarks/gpu_check.sh [tests e2e ab kernels gemv broker]", carry=[".whl"])
 # Everything lands in $OUT/gpu_check.tgz (a call returns at most 8 files); the short logs are printed.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
@@ -26,12 +26,7 @@ rows = bench_gemv(ms=tuple(int(m) for m in '${GEMV_MS:-1,8}'.split(',')), tune=T
 json.dump(rows, open('$R/gemv.json', 'w'), indent=1, default=str)
 for r in rows: print({k: v for k, v in r.items() if k != 'sweep'})
 " > "$R/gemv.log" 2>&1; tail -30 "$R/gemv.log" ;;
-    pdl)     for pdl in 0 1; do  # engine decode with programmatic dependent launch off / on (kernels/launch.py)
-               TOKENMILL_PDL=$pdl timeout 80 python3 -m tokenmill.benchmarks.gpu_e2e --batches 1,8 --fill-requests 0 \
-                 --out "$R/pdl_$pdl" > "$R/pdl_$pdl.log" 2>&1
-               echo "PDL=$pdl: $(grep -E '^batch|^latency' "$R/pdl_$pdl.log" | cut -c1-90 | tr '\n' ' ')"
-             done ;;
-    ab)      # the engine e2e at batch 1 / 8 with AB_ENV set (e.g. TOKENMILL_DECODE_ROPE=0), beside the e2e section's
+    ab)      # the engine e2e at batch 1 / 8 with AB_ENV set (e.g. TOKENMILL_PDL=0, TOKENMILL_DECODE_ROPE=0), beside e2e's
              env ${AB_ENV:-TOKENMILL_PDL=1} timeout 80 python3 -m tokenmill.benchmarks.gpu_e2e --batches 1,8 \
                --fill-requests 0 --out "$R/ab" > "$R/ab.log" 2>&1
              echo "${AB_ENV:-}: $(grep -E '^batch|^latency' "$R/ab.log" | cut -c1-90 | tr '\n' ' ')" ;;

@@ -351,17 +351,22 @@ def section_decode(ctx: Ctx) -> Row:
         )
     )
 
+    def timed(b: int, c: int, config: PagedAttentionConfig | None = None, splits: int | None = None) -> tuple[
+            float, float]:  # fmt: skip
+        """(ms, KV bytes/s) of decode attention at batch b, context c (None: the launcher's default rule)."""
+        sets = tune_sets.get((b, c)) or make_sets([1] * b, [c] * b, pool_blocks, rot[(b, c)], gen)
+        ms = bench_ms(attn_call(sets, k_pool, v_pool, 1, c, config, splits), len(sets))
+        return ms, kv_bytes(b, c) / (ms * 1e-3)
+
     # num_splits sensitivity (a runtime argument: no recompiles) at batch 1 and 8, long contexts
     sens_rows: list[list[str]] = []
     for b1, c1 in SPLITS_POINTS:
         if ctx.time_left() < 120:
             ctx.notes.append(f"num_splits check stopped before B={b1} ctx={c1} (time budget)")
             break
-        sets1 = tune_sets.get((b1, c1)) or make_sets([1] * b1, [c1] * b1, pool_blocks, rot[(b1, c1)], gen)
         auto = choose_num_splits(b1 * HKV, c1, num_sms, best.block_n)
         for n in sorted({auto, *SPLITS_TRIED}):
-            ms = bench_ms(attn_call(sets1, k_pool, v_pool, 1, c1, best, n), len(sets1))
-            bw = kv_bytes(b1, c1) / (ms * 1e-3)
+            ms, bw = timed(b1, c1, best, n)
             label = f"{n} (auto)" if n == auto else str(n)
             sens_rows.append([str(b1), str(c1), label, str(n * b1 * HKV), f"{ms * 1e3:.1f}", f"{bw / 1e9:.0f}",
                               pct(bw, ctx)])  # fmt: skip
@@ -376,10 +381,8 @@ def section_decode(ctx: Ctx) -> Row:
         if ctx.time_left() < 90:
             ctx.notes.append(f"decode sweep stopped before B={b} ctx={c} (time budget)")
             break
-        sets = tune_sets.get((b, c)) or make_sets([1] * b, [c] * b, pool_blocks, rot[(b, c)], gen)
         splits = choose_num_splits(b * HKV, c, num_sms, DECODE_CONFIG.block_n)
-        ms = bench_ms(attn_call(sets, k_pool, v_pool, 1, c), len(sets))  # the default launch rule
-        bw = kv_bytes(b, c) / (ms * 1e-3)
+        ms, bw = timed(b, c)
         sweep.append({"batch": b, "context": c, "ms": ms, "kv_gbps": bw / 1e9, "splits": splits})
         rows.append([str(b), str(c), str(splits), f"{ms * 1e3:.1f}", f"{bw / 1e9:.0f}", pct(bw, ctx)])
     result["sweep"] = sweep

@@ -42,6 +42,7 @@ from tokenmill.broker.security import ZapAuthenticator, make_curve_server
 from tokenmill.client import protocol as p
 from tokenmill.client.errors import ProtocolError
 from tokenmill.client.keys import load_allowed_keys, load_keypair
+from tokenmill.client.protocol import valid_token_ids
 from tokenmill.worker.sampling_params import InvalidRequestError, SamplingParams
 
 log = structlog.get_logger("tokenmill.broker")
@@ -60,7 +61,7 @@ def _plain_chunks(attempts: Any, entries: Any) -> list[tuple[Any, ...]] | None:
     strictly, which says what is wrong). Builds no message objects per chunk."""
     if type(attempts) is not list or type(entries) is not list or len(attempts) != len(entries):
         return None
-    max_id, max_attempt, max_token = p.MAX_ID_LEN, p.MAX_ATTEMPT, p.MAX_TOKEN_ID
+    max_id, max_attempt = p.MAX_ID_LEN, p.MAX_ATTEMPT
     out = []
     for attempt, e in zip(attempts, entries):
         if type(e) is not list or len(e) != 5:
@@ -68,12 +69,7 @@ def _plain_chunks(attempts: Any, entries: Any) -> list[tuple[Any, ...]] | None:
         job_id, seq, ids, text, lps = e
         if not (type(job_id) is str and 0 < len(job_id) <= max_id and type(attempt) is int
                 and 0 <= attempt <= max_attempt and type(seq) is int and 0 <= seq < _SEQ_END
-                and type(text) is str and lps is None and type(ids) is list):
-            return None
-        if len(ids) == 1:
-            if type(t := ids[0]) is not int or not 0 <= t <= max_token:
-                return None
-        elif ids and (not all(type(t) is int for t in ids) or min(ids) < 0 or max(ids) > max_token):
+                and type(text) is str and lps is None and valid_token_ids(ids)):
             return None
         out.append((job_id, attempt, seq, ids, text, None))
     return out
@@ -717,7 +713,7 @@ class Broker:
         nothing) for any other batch, which the caller validates and relays chunk by chunk."""
         if type(attempts) is not list or type(entries) is not list or len(attempts) != len(entries) or not entries:
             return False
-        jobs, running, ident, max_token = self.jobs, JobState.RUNNING, w.ident, p.MAX_TOKEN_ID
+        jobs, running, ident = self.jobs, JobState.RUNNING, w.ident
         batch: list[Job] = []
         add = batch.append
         cid: bytes | None = None
@@ -729,12 +725,7 @@ class Broker:
                 if (type(job_id) is not str or (job := jobs.get(job_id)) is None or job.state is not running
                         or job.worker != ident or type(attempt) is not int or job.attempt != attempt
                         or type(seq) is not int or seq != job.num_tokens or type(text) is not str
-                        or lps is not None or type(ids) is not list or len(subs := job.subscribers) != 1):
-                    return False
-                if len(ids) == 1:
-                    if type(t := ids[0]) is not int or not 0 <= t <= max_token:
-                        return False
-                elif ids and (not all(type(t) is int for t in ids) or min(ids) < 0 or max(ids) > max_token):
+                        or lps is not None or not valid_token_ids(ids) or len(subs := job.subscribers) != 1):
                     return False
                 if cid is None:
                     cid = next(iter(subs))

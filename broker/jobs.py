@@ -71,23 +71,22 @@ class Job:
         """Append one chunk (the caller checked seq == num_tokens: the gap-free invariant); returns its
         encoded STREAM entry."""
         entry: bytes = _pack((self.job_id, seq, token_ids, text, logprobs))
-        log = self.log
-        log += entry  # in place
-        self.ends.append(len(log))
-        self.seqs.append(seq)
-        self.num_tokens += len(token_ids)
+        self._log_entry(entry, seq, len(token_ids))
         return entry
 
     def append_entry(self, entry: list[Any]) -> int:
         """Append one chunk given as its (validated) STREAM entry [job_id, seq, token_ids, text, logprobs]
         with seq == num_tokens; returns its number of tokens."""
-        log = self.log
-        log += _pack(entry)  # in place
-        self.ends.append(len(log))
-        self.seqs.append(entry[1])
         n = len(entry[2])
-        self.num_tokens += n
+        self._log_entry(_pack(entry), entry[1], n)
         return n
+
+    def _log_entry(self, encoded: bytes, seq: int, n_tokens: int) -> None:
+        log = self.log
+        log += encoded  # in place
+        self.ends.append(len(log))
+        self.seqs.append(seq)
+        self.num_tokens += n_tokens
 
     def entries(self, start: int) -> bytearray:
         """The encoded STREAM entries of chunks start.. (concatenated; an array header makes a body)."""

@@ -152,7 +152,7 @@ def _token_ids(v: Any, name: str) -> list[int]:
     return v
 
 
-def _fast_token_ids(v: Any) -> bool:
+def valid_token_ids(v: Any) -> bool:
     """True for a list of valid token ids (the hot path's check; _token_ids explains failures)."""
     if type(v) is not list:
         return False
@@ -470,7 +470,7 @@ class StreamChunk(NamedTuple):
         if type(obj) is list and len(obj) == 5:
             job_id, seq, ids, text, lps = obj
             if (type(job_id) is str and 0 < len(job_id) <= MAX_ID_LEN and type(seq) is int and 0 <= seq < 1 << 63
-                    and type(text) is str and lps is None and _fast_token_ids(ids)):
+                    and type(text) is str and lps is None and valid_token_ids(ids)):
                 return StreamChunk(job_id, seq, ids, text, None)
         job_id, seq, ids, text, lps = _tuple(obj, "stream chunk", 5)
         ids = _token_ids(ids, "token_ids")

@@ -526,3 +526,17 @@ def test_relay_through_the_run_loop(busy_poll: float) -> None:
         for s in (worker, client, other):
             s.close(linger=0)
         ctx.term()
+
+
+def test_busy_poll_option_reaches_the_broker_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tokenmill broker --busy-poll` / TOKENMILL_BUSY_POLL set BrokerConfig.busy_poll (off by default), and
+    the config refuses values outside [0, 1] s."""
+    from tokenmill.cli.main import build_parser
+
+    assert build_parser().parse_args(["broker"]).busy_poll == 0.0
+    assert build_parser().parse_args(["broker", "--busy-poll", "0.02"]).busy_poll == 0.02
+    monkeypatch.setenv("TOKENMILL_BUSY_POLL", "0.01")
+    assert build_parser().parse_args(["broker"]).busy_poll == 0.01
+    for bad in (-0.1, 2.0):
+        with pytest.raises(ValueError, match="busy_poll"):
+            BrokerConfig(busy_poll=bad)

@@ -30,14 +30,14 @@ with 2 the worker and the client share the second core. The synthetic worker and
 their cyclic GC off (they stand in for an engine and an application; their pauses are not the broker's).
 
 `--worker real` runs the latency part through the real worker process code instead (worker/process.py:
-its IO thread, the engine loop, its encoding) around PacedEngine, a fake engine that holds the GIL for
+its IO thread, the engine loop and its data socket, its encoding) around PacedEngine, a fake engine that holds the GIL for
 `--engine-busy` of each step as a scheduler and model launch do; with 4+ cores the worker gets two (the
 engine loop on one, its IO threads on the other). `--busy-poll S` sets the broker's BrokerConfig.busy_poll.
 
     python -m tokenmill.benchmarks.broker_bench [--jobs 256 --steps 1000 --tokens-per-chunk 1]
     python -m tokenmill.benchmarks.broker_bench --latency-steps 6000   # 60 s: p99.9 from 6 messages
     python -m tokenmill.benchmarks.broker_bench --latency-steps 6000 --busy-poll 0.02   # a broker core spinning
-    python -m tokenmill.benchmarks.broker_bench --latency-steps 3000 --worker real [--handoff-wait 0]
+    python -m tokenmill.benchmarks.broker_bench --latency-steps 3000 --worker real [--worker-path io --handoff-wait 0]
 Results: benchmarks/results/cpu/broker_relay.{json,md}; `--dump-trace` adds every message's timestamps.
 """
 
@@ -228,7 +228,7 @@ class PacedEngine:
 
 
 def real_worker(broker: str, step_rate: float, busy: float, cores: list[int] | None, start_jobs: int,
-                handoff_wait: float | None) -> None:
+                handoff_wait: float | None, data_socket: bool = True) -> None:
     """worker.process.run_worker (IO thread, engine loop, encoding) around a PacedEngine."""
     from tokenmill.worker.process import WorkerOptions, run_worker
 
@@ -242,7 +242,7 @@ def real_worker(broker: str, step_rate: float, busy: float, cores: list[int] | N
         engine.pin_to = cores[:1]
     elif cores:
         os.sched_setaffinity(0, cores)
-    opts = WorkerOptions(broker=broker, name="bench-real", capacity=1 << 16)
+    opts = WorkerOptions(broker=broker, name="bench-real", capacity=1 << 16, data_socket=data_socket)
     if handoff_wait is not None:
         opts = dataclasses.replace(opts, handoff_wait=handoff_wait)
     run_worker(engine, opts)
@@ -552,7 +552,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.worker == "real":
             procs.append(_spawn(["-m", "tokenmill.benchmarks.broker_bench", "_real-worker", backend,
                                  str(args.step_rate), str(args.engine_busy), worker_cores, str(args.latency_jobs),
-                                 "" if args.handoff_wait is None else str(args.handoff_wait)], lay["worker"]))
+                                 "" if args.handoff_wait is None else str(args.handoff_wait), args.worker_path],
+                                lay["worker"]))
         else:
             procs.append(_spawn(["-m", "tokenmill.benchmarks.broker_bench", "_fake-worker", backend,
                                  "1", str(args.step_rate), worker_cores, str(args.latency_jobs)], lay["worker"]))
@@ -573,8 +574,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "worker": ("synthetic (protocol-level fake worker emitting TOKENS batches; no model)"
                    if args.worker == "synthetic" else
                    "real (throughput: synthetic; latency: worker/process.py's run_worker around PacedEngine, "
-                   f"a fake engine holding the GIL {args.engine_busy:.0%} of each step; handoff_wait "
-                   f"{'default' if args.handoff_wait is None else args.handoff_wait})"),
+                   f"a fake engine holding the GIL {args.engine_busy:.0%} of each step; output "
+                   + ("on the engine loop's data socket)" if args.worker_path == "data" else
+                      f"through the IO thread, handoff_wait {'default' if args.handoff_wait is None else args.handoff_wait})")),
         "broker": ("plain `tokenmill broker`" if args.untraced
                    else "Broker class + entry/send/exit timestamps per worker message and GC pause records"
                    + (f"; busy_poll {args.busy_poll} s" if args.busy_poll else "")),
@@ -670,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv and argv[0] == "_real-worker":
         real_worker(argv[1], float(argv[2]), float(argv[3]), [int(c) for c in argv[4].split(",")] if argv[4] else None,
-                    int(argv[5]), float(argv[6]) if argv[6] else None)
+                    int(argv[5]), float(argv[6]) if argv[6] else None, argv[7] == "data")
         return 0
     if argv and argv[0] == "_broker":
         traced_broker(argv[1], argv[2], [int(c) for c in argv[3].split(",")] if argv[3] else None,
@@ -694,8 +696,11 @@ def main(argv: list[str] | None = None) -> int:
                          "engine loop) around PacedEngine (the throughput run always uses the synthetic one)")
     ap.add_argument("--engine-busy", type=float, default=0.3,
                     help="--worker real: share of each step the fake engine holds the GIL (runs Python)")
+    ap.add_argument("--worker-path", choices=("data", "io"), default="data",
+                    help="--worker real: the engine loop sends on its own data socket (data, the default) or "
+                         "through the IO thread (io: WorkerOptions.data_socket=False)")
     ap.add_argument("--handoff-wait", type=float, default=None,
-                    help="--worker real: WorkerOptions.handoff_wait in s (default: the option's default)")
+                    help="--worker real, --worker-path io: WorkerOptions.handoff_wait in s (default: the option's)")
     ap.add_argument("--busy-poll", type=float, default=0.0,
                     help="BrokerConfig.busy_poll (s) of the broker (default 0, the broker's default: off)")
     ap.add_argument("--untraced", action="store_true", help="run the plain `tokenmill broker` (no per-hop data)")

@@ -119,7 +119,8 @@ class Broker:
         self._own_ctx = ctx is None
         self.counters: Counter[str] = Counter()
         self.jobs: dict[str, Job] = {}
-        self.workers: dict[bytes, WorkerInfo] = {}
+        self.workers: dict[bytes, WorkerInfo] = {}  # control (READY-sending) routing id -> worker
+        self.data_sockets: dict[bytes, WorkerInfo] = {}  # a worker's data socket routing id (Ready.data_id) -> it
         self.queues: dict[str, deque[Job]] = defaultdict(deque)
         self.queued: Counter[str] = Counter()  # live QUEUED jobs per model (deques hold lazily-removed ones)
         self.clients: dict[bytes, float] = {}  # routing id -> last time heard
@@ -572,7 +573,7 @@ class Broker:
     def _on_worker_frames(self, frames: list[bytes]) -> None:
         ident = frames[0]
         if (len(frames) == 4 and frames[2] == _W_TOKENS and frames[1] == p.HEADER
-                and (w := self.workers.get(ident)) is not None):
+                and (w := self.workers.get(ident) or self.data_sockets.get(ident)) is not None):
             # The relay hot path: a plain TOKENS batch from a registered worker is checked and relayed
             # without building a message object per chunk; one whose chunks all go to one caught-up
             # subscriber is forwarded as it came (_relay_batch). Anything else takes the strict decode.
@@ -599,7 +600,7 @@ class Broker:
         if isinstance(msg, p.Ready):
             self._on_ready(ident, msg, now)
             return
-        w = self.workers.get(ident)
+        w = self.workers.get(ident) or self.data_sockets.get(ident)
         if w is None:
             self._on_unknown_worker(ident, msg, now)
             return
@@ -616,11 +617,18 @@ class Broker:
             self._worker_dead(w, "disconnected")
 
     def _on_ready(self, ident: bytes, msg: p.Ready, now: float) -> None:
-        old = self.workers.get(ident)
-        if old is not None:  # the worker reset itself: whatever it ran is gone
-            self._worker_dead(old, "re-registered")
+        data_ident = msg.data_id.encode()
+        if ident in self.data_sockets or data_ident == ident or data_ident in self.workers:
+            self.counters["malformed_worker_messages"] += 1
+            log.warning("bad_ready", reason="routing id already in use", data_id=msg.data_id[:64])
+            return
+        for old in {self.workers.get(ident), self.data_sockets.get(data_ident)}:
+            if old is not None:  # the worker reset itself: whatever it ran is gone
+                self._worker_dead(old, "re-registered")
         w = WorkerInfo.from_ready(ident, msg, now)
         self.workers[ident] = w
+        if data_ident:
+            self.data_sockets[data_ident] = w
         self._reregister_sent.pop(ident, None)
         self.counters["workers_registered"] += 1
         log.info("worker_ready", worker=w.name, models=sorted(w.models), capacity=w.capacity,
@@ -787,6 +795,7 @@ class Broker:
         if self.workers.get(w.ident, None) is None or self.workers[w.ident] is not w:
             return  # already handled
         del self.workers[w.ident]
+        self.data_sockets.pop(w.data_ident, None)  # its (the READY made it its own, see _on_ready)
         self.counters["workers_lost"] += 1
         log.warning("worker_dead", worker=w.name, reason=reason, jobs=len(w.jobs))
         jobs, w.jobs = sorted(w.jobs), set()

@@ -20,7 +20,8 @@ from tokenmill.client.protocol import Ready, WorkerHeartbeat
 
 @dataclass(eq=False)
 class WorkerInfo:
-    """What the broker knows about one registered worker (keyed by its routing id)."""
+    """What the broker knows about one registered worker (keyed by its routing id; its output may also
+    come from its data socket, `data_ident`, b"" if none)."""
 
     ident: bytes
     name: str
@@ -35,11 +36,13 @@ class WorkerInfo:
     jobs: set[str] = field(default_factory=set)  # job ids whose current attempt runs here
     load: WorkerHeartbeat = field(default_factory=WorkerHeartbeat)
     dispatched: int = 0
+    data_ident: bytes = b""
 
     @classmethod
     def from_ready(cls, ident: bytes, msg: Ready, now: float) -> WorkerInfo:
         return cls(ident, msg.name, frozenset(msg.models), msg.capacity, msg.kv_blocks, msg.block_size,
-                   msg.max_model_len, msg.heartbeat_interval, now, now, load=WorkerHeartbeat(0, 0, msg.kv_blocks, 0))
+                   msg.max_model_len, msg.heartbeat_interval, now, now, load=WorkerHeartbeat(0, 0, msg.kv_blocks, 0),
+                   data_ident=msg.data_id.encode())
 
     def serves(self, model: str) -> bool:
         """An empty model name means "any model"."""

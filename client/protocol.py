@@ -590,7 +590,9 @@ class StatsReply(Message):
 @dataclass(frozen=True, slots=True)
 class Ready(Message):
     """A worker (re-)registers. `models`: names it answers to (engine name first, then aliases).
-    `heartbeat_interval`: seconds between heartbeats both ways for this worker."""
+    `heartbeat_interval`: seconds between heartbeats both ways for this worker. `data_id`: the routing id
+    of the worker's second DEALER (its engine loop's, carrying TOKENS / FINISHED / ERROR straight from the
+    engine thread); "" when everything comes over the socket that sent this READY."""
 
     CMD: ClassVar[Cmd] = Cmd.W_READY
     name: str
@@ -600,24 +602,29 @@ class Ready(Message):
     block_size: int
     max_model_len: int
     heartbeat_interval: float
+    data_id: str = ""
 
     def to_wire(self) -> Any:
-        return {"name": self.name, "models": self.models, "capacity": self.capacity, "kv_blocks": self.kv_blocks,
-                "block_size": self.block_size, "max_model_len": self.max_model_len,
-                "heartbeat_interval": self.heartbeat_interval}
+        d = {"name": self.name, "models": self.models, "capacity": self.capacity, "kv_blocks": self.kv_blocks,
+             "block_size": self.block_size, "max_model_len": self.max_model_len,
+             "heartbeat_interval": self.heartbeat_interval}
+        if self.data_id:
+            d["data_id"] = self.data_id
+        return d
 
     @classmethod
     def from_wire(cls, obj: Any) -> Ready:
         d = _map(obj, "ready")
         _keys(d, "ready", ("name", "models", "capacity", "kv_blocks", "block_size", "max_model_len",
-                           "heartbeat_interval"))
+                           "heartbeat_interval"), ("data_id",))
         models = [_str(m, "models[]", 512, 1) for m in _list(d["models"], "models", 16)]
         if not models:
             raise _fail("ready.models: empty")
         return cls(_ident(d["name"], "name"), models, _int(d["capacity"], "capacity", 1, 1 << 20),
                    _int(d["kv_blocks"], "kv_blocks"), _int(d["block_size"], "block_size", 1, 1 << 20),
                    _int(d["max_model_len"], "max_model_len", 1),
-                   _float(d["heartbeat_interval"], "heartbeat_interval", 0.01, 60.0))
+                   _float(d["heartbeat_interval"], "heartbeat_interval", 0.01, 60.0),
+                   _ident(d["data_id"], "data_id") if "data_id" in d else "")
 
 
 @dataclass(frozen=True, slots=True)

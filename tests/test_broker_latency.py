@@ -14,6 +14,7 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
+from helpers_net import wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -540,3 +541,57 @@ def test_busy_poll_option_reaches_the_broker_config(monkeypatch: pytest.MonkeyPa
     for bad in (-0.1, 2.0):
         with pytest.raises(ValueError, match="busy_poll"):
             BrokerConfig(busy_poll=bad)
+
+
+def test_worker_output_on_its_data_socket() -> None:
+    """A worker whose READY names a data socket (Ready.data_id: its engine loop's own DEALER) may send its
+    output there; a READY claiming a routing id in use is refused; DISCONNECT on the data socket ends the
+    worker and its later output is dropped as stale."""
+    b = Broker(BrokerConfig(frontend="tcp://127.0.0.1:0", backend="tcp://127.0.0.1:0", gc_tuning=False))
+    b.bind()
+    ctx = zmq.Context()
+    socks = {name: ctx.socket(zmq.DEALER) for name in ("ctl", "data", "evil", "client")}
+    thread = threading.Thread(target=b.run, daemon=True)
+    thread.start()
+    try:
+        for name, s in socks.items():
+            s.setsockopt(zmq.LINGER, 0)
+            if name != "client":
+                s.setsockopt(zmq.ROUTING_ID, {"ctl": b"w-1", "data": b"w-1/data", "evil": b"w-2"}[name])
+            s.connect(b.endpoint("frontend" if name == "client" else "backend"))
+        ctl, data, evil, client = socks["ctl"], socks["data"], socks["evil"], socks["client"]
+
+        def recv(sock: zmq.Socket, want: type[p.Message]) -> p.Message:
+            while True:
+                assert sock.poll(10_000), f"no {want.__name__}"
+                msg = p.decode(sock.recv_multipart(), p.BROKER_TO_CLIENT if sock is client else p.BROKER_TO_WORKER)
+                if isinstance(msg, want):
+                    return msg
+
+        ctl.send_multipart(p.encode(p.Ready("w", ["m"], 8, 100, 16, 1024, 5.0, data_id="w-1/data")))
+        recv(ctl, p.BrokerHeartbeat)
+        evil.send_multipart(p.encode(p.Ready("e", ["m"], 8, 100, 16, 1024, 5.0, data_id="w-1")))
+        wait_until(lambda: b.counters["malformed_worker_messages"] == 1, 10, what="the bad READY refused")
+        assert list(b.workers) == [b"w-1"] and list(b.data_sockets) == [b"w-1/data"]
+
+        client.send_multipart(p.encode(p.Submit("j1", "m", p.RequestInput(prompt="x"), {"max_tokens": 3})))
+        sub = recv(ctl, p.WorkerSubmit)
+        assert isinstance(sub, p.WorkerSubmit) and sub.job_id == "j1"
+        data.send_multipart(p.encode(p.Tokens([p.TokenChunk("j1", 0, 0, [4, 5, 6], "abc")])))
+        data.send_multipart(p.encode(p.Finished([p.FinishedJob("j1", 0, "length", None, (1, 3, 0))])))
+        got = recv(client, p.Stream)
+        assert isinstance(got, p.Stream) and got.chunks == [p.StreamChunk("j1", 0, [4, 5, 6], "abc")]
+        done = recv(client, p.Done)
+        assert isinstance(done, p.Done) and done.num_tokens == 3
+
+        data.send_multipart(p.encode(p.WorkerDisconnect()))
+        wait_until(lambda: not b.workers, 10, what="the worker gone")
+        assert b.data_sockets == {} and b.counters["workers_lost"] == 1
+        data.send_multipart(p.encode(p.Tokens([p.TokenChunk("j1", 0, 3, [7], "d")])))
+        wait_until(lambda: b.counters["stale_tokens_dropped"] == 1, 10, what="stale output dropped")
+    finally:
+        b.stop()
+        thread.join(10)
+        for s in socks.values():
+            s.close(linger=0)
+        ctx.term()

@@ -32,6 +32,7 @@ SAMPLES: list[p.Message] = [
     p.Pong(),
     p.StatsReply({"counters": {"dispatches": 3}, "workers": [{"name": "w"}]}),
     p.Ready("w-1", ["tiny-llama", "llama"], 128, 1000, 16, 2048, 0.2),
+    p.Ready("w-1", ["tiny-llama"], 128, 1000, 16, 2048, 0.2, data_id="w-1-ab12/data"),
     p.WorkerHeartbeat(1, 2, 3, 4),
     p.Tokens([p.TokenChunk("job-1", 1, 4, [9, 10], "xy", None)]),
     p.Finished([p.FinishedJob("job-1", 1, "stop", 2, (3, 6, 0))]),

@@ -1,6 +1,6 @@
 """The engine loop's per-step output (worker/process.py EngineLoop._emit), in-process: one TOKENS message
-(the [attempts, entries] body, as p.encode(p.Tokens(...)) makes it) then FINISHED and ERROR, and the
-hand-over to the IO thread (the loop waits for its `forwarded` event after pushing, when configured)."""
+(the [attempts, entries] body, as p.encode(p.Tokens(...)) makes it) then FINISHED and ERROR, on the data
+socket, or handed over to the IO thread (the loop then waits for its `forwarded` event, when configured)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,20 @@ class Recorder:
     def wait(self, timeout: float) -> bool:
         self.calls.append(("wait", timeout))
         return True
+
+
+class DataRecorder:
+    """Stands in for the engine loop's data socket."""
+
+    def __init__(self) -> None:
+        self.sent: list[p.Message] = []
+        self.linger: int | None = None
+
+    def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
+        self.sent.append(p.decode(frames, p.WORKER_TO_BROKER))
+
+    def close(self, linger: int) -> None:
+        self.linger = linger
 
 
 class FakeIO:
@@ -71,6 +85,17 @@ def test_one_tokens_message_then_finished_and_errors(wait: float) -> None:
         assert kinds == ["clear", "send", "send", "send", "wait"] and rec.calls[-1] == ("wait", wait)
     else:
         assert kinds == ["send", "send", "send"]
+
+
+def test_with_a_data_socket_the_loop_sends_there_and_does_not_wait() -> None:
+    loop, outbox = _loop(0.002)
+    data = DataRecorder()
+    loop.data = data  # type: ignore[assignment]
+    loop._emit(OUTPUTS)
+    assert outbox.calls == []
+    assert [type(m) for m in data.sent] == [p.Tokens, p.Finished, p.JobError]
+    assert loop.close(goodbye=True) and loop.data is None
+    assert type(data.sent[-1]) is p.WorkerDisconnect and data.linger == 500  # behind the output
 
 
 def test_a_step_with_nothing_to_send_neither_pushes_nor_waits() -> None:

@@ -1,16 +1,20 @@
 """The worker process: one engine behind the broker.
 
-Two threads:
-- the IO thread owns the DEALER socket to the broker. It forwards broker messages to the engine loop
-  (a queue), forwards the engine loop's encoded messages to the broker (an inproc PULL), and sends a
-  HEARTBEAT with the latest load every interval, so a long engine step never looks like death. When the
-  broker is silent for `liveness` intervals (or tells it to re-register) it asks the engine loop to
-  reset (abort everything), drops the loop's output until the loop hands it a fresh READY, and (when
-  silent) reconnects with a new socket (Paranoid Pirate).
+Two threads, two DEALER sockets to the broker's backend:
+- the IO thread owns the control socket. It forwards broker messages to the engine loop (a queue),
+  forwards the engine loop's READY to the broker (an inproc PULL), and sends a HEARTBEAT with the latest
+  load every interval, so a long engine step never looks like death. When the broker is silent for
+  `liveness` intervals (or tells it to re-register) it asks the engine loop to reset (abort everything),
+  drops the loop's output until the loop hands it a fresh READY, and (when silent) reconnects with a new
+  socket (Paranoid Pirate).
 - the engine loop (the main thread) drains its queue (SUBMIT -> add_request, CANCEL -> abort_request),
-  runs one engine step, and emits one TOKENS message per step (plus FINISHED/ERROR when any), then
-  waits (at most `handoff_wait`) until the IO thread has forwarded them: the IO thread needs the GIL to
-  do so, and the loop's next step would hold it (measured: up to the whole Python part of a step).
+  runs one engine step, and sends one TOKENS message per step (plus FINISHED/ERROR when any) on its own
+  data socket, whose routing id its READY names (`Ready.data_id`; a new socket and id at every reset, so
+  the output of an aborted generation never arrives under a new registration). Sending from the engine
+  thread saves the hop through the IO thread, which needs the GIL several times per message (wake, recv,
+  send) while the next step's Python holds it: on the H200 host that hop cost ~0.3 ms per message even
+  with the loop waiting for it (`broker_bench --worker real`). With `data_socket=False` the output goes
+  through the IO thread instead and the loop waits (at most `handoff_wait`) until it was forwarded.
 
 A request is `"{job_id}#{attempt}"` inside the engine, so a stale attempt never collides with a new one.
 A malformed or invalid job is answered with ERROR for that job alone. An exception in the IO thread is
@@ -72,10 +76,30 @@ class WorkerOptions:
     curve_server_key: bytes | None = None
     curve_keypair: tuple[bytes, bytes] | None = None
     idle_wait: float = 0.05  # the loop's longest sleep when it has nothing to run
-    # After emitting a step's messages the engine loop waits (GIL released) until the IO thread has
-    # forwarded them, at most this long (s; 0: no wait). Without it the IO thread waits for the GIL
-    # while the loop runs the next step's Python: up to ms per message (broker_bench --worker real).
+    # The engine loop sends its output on its own DEALER (see the module docstring); False: through the IO
+    # thread, after which the loop waits (GIL released) until it was forwarded, at most `handoff_wait` s (0:
+    # no wait; without it the IO thread waits for the GIL while the loop runs the next step's Python: up to
+    # ms per message, broker_bench --worker real).
+    data_socket: bool = True
     handoff_wait: float = 0.002
+
+
+def open_dealer(ctx: zmq.Context, opts: WorkerOptions, routing_id: str) -> zmq.Socket:
+    """A DEALER to the broker's backend with the worker's socket options (and CURVE keys if set)."""
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.ROUTING_ID, routing_id.encode())
+    s.setsockopt(zmq.SNDHWM, 100_000)
+    s.setsockopt(zmq.RCVHWM, 100_000)
+    s.setsockopt(zmq.MAXMSGSIZE, 2 * p.MAX_BODY_BYTES)
+    if opts.curve_server_key is not None and opts.curve_keypair is not None:
+        apply_client_curve(s, opts.curve_server_key, opts.curve_keypair)
+    try:
+        s.connect(opts.broker)
+    except zmq.ZMQError:
+        s.close(linger=0)
+        raise
+    return s
 
 
 class _Reset:
@@ -83,8 +107,8 @@ class _Reset:
 
 
 class IOThread(threading.Thread):
-    """Owns the broker socket. Talks to the engine loop through `inbound` (a queue) and the inproc
-    PUSH/PULL pair at `outbox_addr` (frames already encoded)."""
+    """Owns the control socket to the broker. Talks to the engine loop through `inbound` (a queue) and the
+    inproc PUSH/PULL pair at `outbox_addr` (frames already encoded)."""
 
     def __init__(self, ctx: zmq.Context, opts: WorkerOptions, outbox_addr: str) -> None:
         super().__init__(name="tokenmill-worker-io", daemon=True)
@@ -94,6 +118,7 @@ class IOThread(threading.Thread):
         self.load = p.WorkerHeartbeat()  # replaced (atomically) by the engine loop after each step
         self._stopping = threading.Event()
         self.forwarded = threading.Event()  # set after each pass over the outbox (see EngineLoop._emit)
+        self.say_goodbye = True  # send DISCONNECT on the way out (False: the engine loop sent it)
         self._outbox = ctx.socket(zmq.PULL)
         self._outbox.bind(outbox_addr)
         self._dealer: zmq.Socket | None = None
@@ -116,7 +141,7 @@ class IOThread(threading.Thread):
             self._close()
 
     def _close(self) -> None:
-        if self._dealer is not None:
+        if self._dealer is not None and self.say_goodbye:
             with contextlib.suppress(zmq.ZMQError):
                 self._dealer.send_multipart(p.encode(p.WorkerDisconnect()), zmq.NOBLOCK)
             self._dealer.close(linger=500)
@@ -125,19 +150,7 @@ class IOThread(threading.Thread):
     def _connect(self) -> None:
         if self._dealer is not None:
             self._dealer.close(linger=0)
-        s = self.ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.ROUTING_ID, f"{self.opts.name}-{secrets.token_hex(4)}".encode())
-        s.setsockopt(zmq.SNDHWM, 100_000)
-        s.setsockopt(zmq.RCVHWM, 100_000)
-        s.setsockopt(zmq.MAXMSGSIZE, 2 * p.MAX_BODY_BYTES)
-        if self.opts.curve_server_key is not None and self.opts.curve_keypair is not None:
-            apply_client_curve(s, self.opts.curve_server_key, self.opts.curve_keypair)
-        try:
-            s.connect(self.opts.broker)
-        except zmq.ZMQError:
-            s.close(linger=0)
-            raise
+        s = open_dealer(self.ctx, self.opts, f"{self.opts.name}-{secrets.token_hex(4)}")
         self._dealer = s
         self._poller = zmq.Poller()
         self._poller.register(s, zmq.POLLIN)
@@ -229,12 +242,15 @@ class IOThread(threading.Thread):
 
 
 class EngineLoop:
-    """Drives the engine on the calling thread; see the module docstring."""
+    """Drives the engine on the calling thread; see the module docstring. Without `ctx` (tests) the output
+    goes to `outbox` whatever `opts.data_socket` says."""
 
     def __init__(self, engine: EngineLike, io: IOThread, outbox: zmq.Socket, opts: WorkerOptions,
-                 ready: p.Ready) -> None:
+                 ready: p.Ready, ctx: zmq.Context | None = None) -> None:
         self.engine, self.io, self.outbox, self.opts = engine, io, outbox, opts
         self.ready = ready
+        self.ctx = ctx
+        self.data: zmq.Socket | None = None  # the data socket, opened at each reset (with ctx and data_socket)
         self.active: dict[str, tuple[str, int]] = {}  # engine request id -> (job id, attempt)
         self.stopping = threading.Event()
 
@@ -278,7 +294,26 @@ class EngineLoop:
         self.active.clear()
         if n:
             log.info("worker_reset", aborted=n)
-        self._push(self.ready)
+        ready = self.ready
+        if self.ctx is not None and self.opts.data_socket:
+            self.close()
+            data_id = f"{self.opts.name}-{secrets.token_hex(4)}/data"
+            self.data = open_dealer(self.ctx, self.opts, data_id)
+            ready = dataclasses.replace(ready, data_id=data_id)
+        self.outbox.send_multipart(p.encode(ready))  # through the IO thread: it stops dropping output
+
+    def close(self, goodbye: bool = False) -> bool:
+        """Close the data socket, if open: at a reset, dropping unsent output (its requests were aborted);
+        with `goodbye` (exit), after sending DISCONNECT behind the output and letting both go out (0.5 s at
+        most). Returns whether DISCONNECT was sent."""
+        if self.data is None:
+            return False
+        if goodbye:
+            with contextlib.suppress(zmq.ZMQError):
+                self.data.send_multipart(p.encode(p.WorkerDisconnect()), zmq.NOBLOCK)
+        self.data.close(linger=500 if goodbye else 0)
+        self.data = None
+        return goodbye
 
     def _submit(self, msg: p.WorkerSubmit) -> None:
         rid = f"{msg.job_id}#{msg.attempt}"
@@ -293,8 +328,9 @@ class EngineLoop:
         self.active[rid] = (msg.job_id, msg.attempt)
 
     def _emit(self, outputs: list[Any]) -> None:
-        """One TOKENS message for the step, then FINISHED and ERRORs (after the tokens they follow).
-        Then, with `handoff_wait`, wait (GIL and core released) until the IO thread has forwarded them."""
+        """One TOKENS message for the step, then FINISHED and ERRORs (after the tokens they follow), on the
+        data socket; or through the IO thread and then, with `handoff_wait`, wait (GIL and core released)
+        until it has forwarded them."""
         attempts: list[int] = []  # the TOKENS body's two columns (p.Tokens), built without TokenChunks
         entries: list[list[Any]] = []
         finished: list[p.FinishedJob] = []
@@ -321,11 +357,11 @@ class EngineLoop:
                     finished.append(p.FinishedJob(job_id, attempt, out.finish_reason, out.stop_reason, usage))
         if not (entries or finished or errors):
             return
-        wait = self.opts.handoff_wait
+        wait = 0.0 if self.data is not None else self.opts.handoff_wait
         if wait > 0:
             self.io.forwarded.clear()
         if entries:
-            self.outbox.send_multipart(p.encode_tokens(attempts, entries))
+            self._send(p.encode_tokens(attempts, entries))
         if finished:
             self._push(p.Finished(finished))
         for e in errors:
@@ -341,7 +377,16 @@ class EngineLoop:
         self.io.load = p.WorkerHeartbeat(s.num_running, s.num_waiting, s.num_free_blocks, s.num_cached_blocks)
 
     def _push(self, msg: p.Message) -> None:
-        self.outbox.send_multipart(p.encode(msg))
+        self._send(p.encode(msg))
+
+    def _send(self, frames: list[bytes]) -> None:
+        if self.data is None:
+            self.outbox.send_multipart(frames)
+            return
+        # On Again the broker is unreachable and 100k messages are queued; the IO thread's liveness check
+        # will reset this loop (as it drops output on its own socket in that case).
+        with contextlib.suppress(zmq.Again):
+            self.data.send_multipart(frames, zmq.NOBLOCK)
 
 
 def ready_message(engine: EngineLike, opts: WorkerOptions) -> p.Ready:
@@ -365,7 +410,7 @@ def run_worker(engine: EngineLike, opts: WorkerOptions, stop: threading.Event | 
     outbox.setsockopt(zmq.LINGER, 0)
     outbox.setsockopt(zmq.SNDHWM, 0)  # never block the engine loop; the IO thread drains it
     outbox.connect(outbox_addr)
-    loop = EngineLoop(engine, io, outbox, opts, ready_message(engine, opts))
+    loop = EngineLoop(engine, io, outbox, opts, ready_message(engine, opts), ctx)
     if stop is not None:
         def relay_stop() -> None:
             stop.wait()
@@ -379,6 +424,9 @@ def run_worker(engine: EngineLike, opts: WorkerOptions, stop: threading.Event | 
     try:
         loop.run()
     finally:
+        # Output, then DISCONNECT, in order on one socket: the broker must not migrate a job whose FINISHED
+        # is still on the way.
+        io.say_goodbye = not loop.close(goodbye=True)
         io.stop()
         io.join(2.0)
         outbox.close(linger=0)

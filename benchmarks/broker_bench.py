@@ -30,9 +30,10 @@ with 2 the worker and the client share the second core. The synthetic worker and
 their cyclic GC off (they stand in for an engine and an application; their pauses are not the broker's).
 
 `--worker real` runs the latency part through the real worker process code instead (worker/process.py:
-its IO thread, the engine loop and its data socket, its encoding) around PacedEngine, a fake engine that holds the GIL for
-`--engine-busy` of each step as a scheduler and model launch do; with 4+ cores the worker gets two (the
-engine loop on one, its IO threads on the other). `--busy-poll S` sets the broker's BrokerConfig.busy_poll.
+its IO thread, the engine loop and its data socket, its encoding) around PacedEngine, a fake engine that
+holds the GIL for `--engine-busy` of each step as a scheduler and model launch do; with 4+ cores the
+worker gets two (the engine loop on one, its IO threads on the other). `--busy-poll S` sets the broker's
+BrokerConfig.busy_poll.
 
     python -m tokenmill.benchmarks.broker_bench [--jobs 256 --steps 1000 --tokens-per-chunk 1]
     python -m tokenmill.benchmarks.broker_bench --latency-steps 6000   # 60 s: p99.9 from 6 messages
@@ -576,7 +577,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "real (throughput: synthetic; latency: worker/process.py's run_worker around PacedEngine, "
                    f"a fake engine holding the GIL {args.engine_busy:.0%} of each step; output "
                    + ("on the engine loop's data socket)" if args.worker_path == "data" else
-                      f"through the IO thread, handoff_wait {'default' if args.handoff_wait is None else args.handoff_wait})")),
+                      "through the IO thread, handoff_wait "
+                      f"{'default' if args.handoff_wait is None else args.handoff_wait})")),
         "broker": ("plain `tokenmill broker`" if args.untraced
                    else "Broker class + entry/send/exit timestamps per worker message and GC pause records"
                    + (f"; busy_poll {args.busy_poll} s" if args.busy_poll else "")),

@@ -15,7 +15,8 @@ class Usage:
     cached_tokens: int  # prompt tokens served from the prefix cache
 
 
-@dataclass(slots=True)  # read-only by convention: a frozen dataclass's __init__ costs 4x (a step builds one per request)
+# Not frozen: a frozen dataclass's __init__ costs 4x, and a step builds one per request. Read-only by convention.
+@dataclass(slots=True)
 class RequestOutput:
     """A step's new output of one request (read-only by convention).
 

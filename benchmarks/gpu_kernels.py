@@ -404,7 +404,7 @@ def prefill_flops(t: int) -> float:
 
 
 def section_prefill(ctx: Ctx) -> Row:
-    from tokenmill.kernels.paged_attention import PREFILL_CONFIG, PagedAttentionConfig
+    from tokenmill.kernels.paged_attention import LONG_PREFILL_CONFIG, PREFILL_CONFIG, PagedAttentionConfig
 
     gen = torch.Generator().manual_seed(1)
     lens = PREFILL_LENS
@@ -423,6 +423,8 @@ def section_prefill(ctx: Ctx) -> Row:
     # every candidate at every length (the default rule may pick by length)
     candidates = [
         PREFILL_CONFIG,
+        LONG_PREFILL_CONFIG,
+        PagedAttentionConfig(256, 64, 16, 3),
         PagedAttentionConfig(128, 64, 8, 3),
         PagedAttentionConfig(128, 64, 8, 4),
         PagedAttentionConfig(128, 128, 8, 2),

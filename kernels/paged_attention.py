@@ -99,26 +99,34 @@ class PagedAttentionConfig:
 # stages lost 25-30% of the bandwidth at batch 8-32. (On sm_90 two stages compile without async copies: 22 KB of
 # shared memory per program, so registers, not shared memory, bound the programs per SM.)
 DECODE_CONFIG = PagedAttentionConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
-# prefill: best of 9 configs on the H200 at 8k tokens (benchmarks/results/h200/gpu_kernels.md)
+# prefill: best of 9 configs on the H200 at 4k tokens (benchmarks/results/h200/gpu_kernels.md)
 PREFILL_CONFIG = PagedAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+# very long query runs: 64 tokens x 4 heads per tile halves the K/V reads per FLOP. H200, one causal sequence
+# (gpu_kernels_prefill_tiles.md): 311 / 399 / 425 TFLOP/s at 4k / 8k / 16k tokens vs PREFILL_CONFIG's 345 /
+# 374 / 400; at 4k its 512 programs (one per SM: 160 KB of shared memory) leave a long last wave.
+LONG_PREFILL_CONFIG = PagedAttentionConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
 
 # Mixed batches (many short query runs, e.g. decodes beside a few prefill chunks) waste most of a 128-row
 # tile per short request; fp32 cannot fit the large tile's shared memory (262 KB > 227 KB on the H200).
 MIXED_CONFIG = PagedAttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
 FP32_PREFILL_CONFIG = PagedAttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 _LONG_QUERY = 128  # mean query tokens per request from which the large prefill tile pays
+_VERY_LONG_QUERY = 8192  # ... and from which LONG_PREFILL_CONFIG does (measured at 4k: no; 8k, 16k: yes)
 
 
 def default_config(
     max_query_len: int, num_tokens: int, num_seqs: int, group_pad: int, itemsize: int
 ) -> PagedAttentionConfig:
     """The launch shape for a batch, from host ints only: decode tiles when every request fits one
-    (max_query_len x group rows <= decode block_m), else the large prefill tile for long query runs, the
-    medium tile for mixed batches, and a small-footprint tile in fp32."""
+    (max_query_len x group rows <= decode block_m), else the large prefill tiles for long query runs (the
+    largest for runs of 8k tokens and more), the medium tile for mixed batches, and a small-footprint tile
+    in fp32."""
     if max_query_len * group_pad <= max(DECODE_CONFIG.block_m, group_pad):
         return DECODE_CONFIG
     if itemsize >= 4:
         return FP32_PREFILL_CONFIG
+    if num_tokens >= _VERY_LONG_QUERY * num_seqs and group_pad == 4:  # the measured shape (Llama-3-8B)
+        return LONG_PREFILL_CONFIG
     return PREFILL_CONFIG if num_tokens >= _LONG_QUERY * num_seqs else MIXED_CONFIG
 
 

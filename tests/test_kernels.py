@@ -220,6 +220,15 @@ def test_prefill_tile_diagonal_alignment() -> None:
     check_attention(batch, config=SMALL)
 
 
+def test_prefill_long_tile_shape() -> None:
+    # LONG_PREFILL_CONFIG's tile (256 rows = 64 tokens x 4 heads, 64 keys per step) on ragged chunks with prefixes,
+    # tiles cut by request ends and tokens both sides of a key-block edge (fp16: its dtype class on the GPU)
+    from tokenmill.kernels.paged_attention import LONG_PREFILL_CONFIG
+
+    batch = make_batch([70, 1, 130, 64], [90, 40, 130, 200], 8, 2, 32, 16, torch.float16)
+    check_attention(batch, config=LONG_PREFILL_CONFIG)
+
+
 def test_prefill_default_config_and_heuristics() -> None:
     batch = make_batch([7, 1, 20], [30, 16, 20], 4, 2, 32, 8, torch.float16)
     check_attention(batch)  # default (prefill) config, heuristic splits
@@ -872,13 +881,18 @@ def test_default_config_by_batch_shape() -> None:
     from tokenmill.kernels.paged_attention import (
         DECODE_CONFIG,
         FP32_PREFILL_CONFIG,
+        LONG_PREFILL_CONFIG,
         MIXED_CONFIG,
         PREFILL_CONFIG,
         default_config,
     )
 
     assert default_config(1, 64, 64, 4, 2) is DECODE_CONFIG  # decode-only
-    assert default_config(8192, 8192, 1, 4, 2) is PREFILL_CONFIG  # one long prompt
+    assert default_config(4096, 4096, 1, 4, 2) is PREFILL_CONFIG  # one long prompt
+    assert default_config(8192, 8192, 1, 4, 2) is LONG_PREFILL_CONFIG  # one very long prompt (GQA group 4)
+    assert default_config(8192, 16384, 2, 4, 2) is LONG_PREFILL_CONFIG
+    assert default_config(8192, 12288, 2, 4, 2) is PREFILL_CONFIG  # mean query run below 8k
+    assert default_config(8192, 8192, 1, 8, 2) is PREFILL_CONFIG  # unmeasured group shape: the 128-row tile
     assert default_config(1000, 1500, 501, 4, 2) is MIXED_CONFIG  # 500 decodes beside one prompt
     assert default_config(8192, 8192, 1, 4, 4) is FP32_PREFILL_CONFIG  # the large tile does not fit in fp32
 

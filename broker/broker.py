@@ -48,7 +48,6 @@ from tokenmill.worker.sampling_params import InvalidRequestError, SamplingParams
 log = structlog.get_logger("tokenmill.broker")
 
 _STREAM_HEAD = [p.HEADER, bytes((p.Cmd.STREAM,))]
-_W_TOKENS = bytes((p.Cmd.W_TOKENS,))
 _array_header = msgpack.Packer(use_bin_type=True).pack_array_header
 _SEQ_END = 1 << 63
 _SENT, _BLOCKED, _GONE = "sent", "blocked", "gone"  # outcomes of Broker._send_raw
@@ -572,8 +571,8 @@ class Broker:
 
     def _on_worker_frames(self, frames: list[bytes]) -> None:
         ident = frames[0]
-        if (len(frames) == 4 and frames[2] == _W_TOKENS and frames[1] == p.HEADER
-                and (w := self.workers.get(ident) or self.data_sockets.get(ident)) is not None):
+        if (len(frames) == 4 and frames[2] == p.W_TOKENS_FRAME and frames[1] == p.HEADER
+                and (w := self._worker_of(ident)) is not None):
             # The relay hot path: a plain TOKENS batch from a registered worker is checked and relayed
             # without building a message object per chunk; one whose chunks all go to one caught-up
             # subscriber is forwarded as it came (_relay_batch). Anything else takes the strict decode.
@@ -600,7 +599,7 @@ class Broker:
         if isinstance(msg, p.Ready):
             self._on_ready(ident, msg, now)
             return
-        w = self.workers.get(ident) or self.data_sockets.get(ident)
+        w = self._worker_of(ident)
         if w is None:
             self._on_unknown_worker(ident, msg, now)
             return
@@ -615,6 +614,10 @@ class Broker:
             w.load = msg
         elif isinstance(msg, p.WorkerDisconnect):
             self._worker_dead(w, "disconnected")
+
+    def _worker_of(self, ident: bytes) -> WorkerInfo | None:
+        """The registered worker whose control or data socket has routing id `ident`."""
+        return self.workers.get(ident) or self.data_sockets.get(ident)
 
     def _on_ready(self, ident: bytes, msg: p.Ready, now: float) -> None:
         data_ident = msg.data_id.encode()

@@ -15,6 +15,7 @@ docs/protocol.md describes each message; this module is the executable definitio
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -851,24 +852,33 @@ def encode(msg: Message) -> list[bytes]:
     return [HEADER, bytes((msg.CMD,)), msgpack.packb(msg.to_wire(), use_bin_type=True)]
 
 
+W_TOKENS_FRAME = bytes((Cmd.W_TOKENS,))  # the command frame of a TOKENS message
+
+
 def encode_tokens(attempts: list[int], entries: list[list[Any]]) -> list[bytes]:
     """encode(Tokens(chunks)) from the body's two columns (Tokens): the worker's per-step hot path,
     which builds them directly instead of a TokenChunk per job."""
-    return [HEADER, _TOKENS_CMD, msgpack.packb([attempts, entries], use_bin_type=True)]
+    return [HEADER, W_TOKENS_FRAME, msgpack.packb([attempts, entries], use_bin_type=True)]
 
 
-_TOKENS_CMD = bytes((Cmd.W_TOKENS,))
+@functools.lru_cache(maxsize=8)
+def _unpack_limits(max_bytes: int) -> dict[str, Any]:
+    """msgpack unpacking options for untrusted bodies: the module's limits, no bin or ext types, str map
+    keys only (shared by unpack_body and split_tokens_body; read-only)."""
+    return {"raw": False, "strict_map_key": True, "use_list": True, "max_str_len": max_bytes, "max_bin_len": 0,
+            "max_array_len": MAX_ARRAY_LEN, "max_map_len": MAX_MAP_LEN, "max_ext_len": 0}
+
+
+def _check_body_size(body: bytes, max_bytes: int) -> None:
+    if len(body) > max_bytes:
+        raise ProtocolError(f"body of {len(body)} bytes exceeds the limit of {max_bytes}")
 
 
 def unpack_body(body: bytes, max_bytes: int = MAX_BODY_BYTES) -> Any:
     """msgpack-decode an untrusted body under the module's limits (no ext types, str map keys only)."""
-    if len(body) > max_bytes:
-        raise ProtocolError(f"body of {len(body)} bytes exceeds the limit of {max_bytes}")
+    _check_body_size(body, max_bytes)
     try:
-        return msgpack.unpackb(
-            body, raw=False, strict_map_key=True, use_list=True, max_str_len=max_bytes, max_bin_len=0,
-            max_array_len=MAX_ARRAY_LEN, max_map_len=MAX_MAP_LEN, max_ext_len=0,
-        )
+        return msgpack.unpackb(body, **_unpack_limits(max_bytes))
     except ProtocolError:
         raise
     except Exception as e:  # msgpack raises a zoo of types (ExtraData, StackError, ValueError, ...)
@@ -880,12 +890,8 @@ def split_tokens_body(body: bytes, max_bytes: int = MAX_BODY_BYTES) -> tuple[Any
     offset) where body[offset:] is the msgpack of `entries` alone (a STREAM body). Checks the framing
     only (a two-item array, nothing after it), not the items: the caller validates them (or decodes
     strictly). Raises ProtocolError."""
-    if len(body) > max_bytes:
-        raise ProtocolError(f"body of {len(body)} bytes exceeds the limit of {max_bytes}")
-    up = msgpack.Unpacker(
-        raw=False, strict_map_key=True, use_list=True, max_buffer_size=max(len(body), 1), max_str_len=max_bytes,
-        max_bin_len=0, max_array_len=MAX_ARRAY_LEN, max_map_len=MAX_MAP_LEN, max_ext_len=0,
-    )
+    _check_body_size(body, max_bytes)
+    up = msgpack.Unpacker(max_buffer_size=max(len(body), 1), **_unpack_limits(max_bytes))
     try:
         up.feed(body)
         if up.read_array_header() != 2:

@@ -47,6 +47,15 @@ def num_sms(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=16)
+def l2_bytes(device: torch.device) -> int:
+    """L2 cache size of a CUDA device; 64 KiB under the interpreter (CPU), small like num_sms so that tiny test
+    shapes exercise the launch rules that depend on it."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).L2_cache_size)
+    return 64 << 10
+
+
+@functools.lru_cache(maxsize=16)
 def pdl_enabled(device: torch.device) -> bool:
     """Whether launchers on `device` use programmatic dependent launch: CUDA compute capability >= 9.0, not
     under the Triton interpreter, and TOKENMILL_PDL not set to 0 (A/B measurements, or a driver that

@@ -22,7 +22,10 @@ Kernel structure (one kernel + an optional reduce kernel):
   * Tiles are numbered without a host sync: request i's tiles start at query_start_loc[i] // BLOCK_Q + i,
     so the grid has T // BLOCK_Q + B tile slots (a few are empty) and a program finds its request by a
     binary search over query_start_loc. When every request fits one tile (decode: max_query_len <=
-    BLOCK_Q) program i simply takes request i.
+    BLOCK_Q) slot i simply is request i.
+  * Program order: prefill runs the heaviest (longest-context) tiles of every kv head first, so the causal tail
+    of the last wave is short, interleaving only as many kv heads as keep their K/V within half the L2
+    (`choose_heads_per_group`); decode is head-major.
   * Flash-decoding split: grid axis 2 cuts each tile's key range into num_splits segments (aligned to
     BLOCK_N). With num_splits > 1 every program writes its unnormalised partial (acc, running max m,
     running sum l) to fp32 workspaces and `_reduce_splits_kernel` combines them. The host picks
@@ -50,6 +53,7 @@ import triton
 import triton.language as tl
 
 from .kv_cache import check_kv_cache_args
+from .launch import l2_bytes as _l2_bytes
 from .launch import next_pow2 as _next_pow2
 from .launch import num_sms as _num_sms
 from .launch import pdl_launch_args, pdl_release, pdl_wait
@@ -101,9 +105,9 @@ class PagedAttentionConfig:
 DECODE_CONFIG = PagedAttentionConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
 # prefill: best of 9 configs on the H200 at 4k tokens (benchmarks/results/h200/gpu_kernels.md)
 PREFILL_CONFIG = PagedAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
-# very long query runs: 64 tokens x 4 heads per tile halves the K/V reads per FLOP. H200, one causal sequence
-# (gpu_kernels_prefill_tiles.md): 311 / 399 / 425 TFLOP/s at 4k / 8k / 16k tokens vs PREFILL_CONFIG's 345 /
-# 374 / 400; at 4k its 512 programs (one per SM: 160 KB of shared memory) leave a long last wave.
+# long query runs: 64 tokens x 4 heads per tile halves the K/V reads per FLOP. H200, one causal sequence, heaviest
+# tiles of all heads first (benchmarks/results/h200/NOTES.md): 381 / 414 / 430 TFLOP/s at 4k / 8k / 16k tokens vs
+# PREFILL_CONFIG's 354 / 386 / 402 (in head-major order the 256-row tile's last wave was long at 4k: 317).
 LONG_PREFILL_CONFIG = PagedAttentionConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
 
 # Mixed batches (many short query runs, e.g. decodes beside a few prefill chunks) waste most of a 128-row
@@ -111,7 +115,7 @@ LONG_PREFILL_CONFIG = PagedAttentionConfig(block_m=256, block_n=64, num_warps=8,
 MIXED_CONFIG = PagedAttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
 FP32_PREFILL_CONFIG = PagedAttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 _LONG_QUERY = 128  # mean query tokens per request from which the large prefill tile pays
-_VERY_LONG_QUERY = 8192  # ... and from which LONG_PREFILL_CONFIG does (measured at 4k: no; 8k, 16k: yes)
+_VERY_LONG_QUERY = 4096  # ... and from which LONG_PREFILL_CONFIG does (measured at 4k, 8k, 16k)
 
 
 def default_config(
@@ -137,6 +141,9 @@ def default_config(
 _PROGRAMS_PER_SM = 4
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 64
+# The reduce kernel splits head_dim into chunks while it has fewer programs than _REDUCE_PROGRAMS_PER_SM per SM
+# (batch 1: 32 heads -> 256 programs of 16 dims). H200, batch 1 at 32k keys: 39.8-40.2 us vs 40.2-40.7 unchunked.
+_REDUCE_PROGRAMS_PER_SM = 2
 
 
 def choose_num_splits(base_programs: int, max_kv_span: int, num_sms: int, block_n: int) -> int:
@@ -214,6 +221,19 @@ def _attn_segment(
     return acc, m_i, l_i
 
 
+def choose_heads_per_group(num_kv_heads: int, kv_bytes_per_head: int, l2_bytes: int, one_tile: bool) -> int:
+    """Program order of the attention grid: how many kv heads' tiles interleave (see _paged_attn_kernel).
+
+    Prefill: all heads interleaved (heaviest tiles of every head first) while their K/V fit in half the L2,
+    else the largest power-of-two divisor of num_kv_heads whose K/V does. Decode tiles keep head-major order."""
+    if one_tile:
+        return 1
+    hg = num_kv_heads & -num_kv_heads  # largest power of two dividing num_kv_heads
+    while hg > 1 and hg * kv_bytes_per_head > l2_bytes // 2:
+        hg //= 2
+    return hg
+
+
 @triton.jit
 def _paged_attn_kernel(
     q_ptr,  # [T, Hq, D]
@@ -232,6 +252,7 @@ def _paged_attn_kernel(
     pos_ptr,  # [T] positions (FUSE_ROPE)
     slot_ptr,  # [T] cache slots of this step's k/v, -1: not written (FUSE_ROPE)
     num_seqs,
+    heads_per_group,  # kv heads per program-order group (divides Hkv; see choose_heads_per_group)
     num_splits,  # runtime, so that a changing split count does not recompile
     num_q_heads,
     qk_scale,
@@ -267,12 +288,22 @@ def _paged_attn_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch protocol (kernels/launch.py)
 ):
     pdl_wait(PDL)
-    kvh = tl.program_id(1)
-    if ONE_TILE_PER_SEQ:
+    # ---- which kv head, tile slot and split -------------------------------------------------------
+    # Prefill: axis 0 enumerates (kv head, tile slot) in groups of `heads_per_group` kv heads, group-major and
+    # inside a group slot-major with the head fastest; slots run in reverse, heaviest (longest-context) tiles
+    # first, so the causal tail of the last wave is short; the group bounds how many heads' K/V the programs in
+    # flight share in L2 (H200, one causal 4k sequence: 317 -> 381 TFLOP/s, 256-row tiles).
+    if ONE_TILE_PER_SEQ:  # grid (slots, kv heads, splits), head-major: with a flat axis 0 decode took 145 registers
+        # instead of 114 on sm_90 (3 programs per SM instead of 4: batch 128 at 4k keys 5% slower on the H200)
         pid = tl.program_id(0)
-    else:
-        # heaviest (latest, longest-context) tiles first: shortens the causal tail of the last wave
-        pid = tl.num_programs(0) - 1 - tl.program_id(0)
+        kvh = tl.program_id(1)
+    else:  # grid (slots x kv heads, 1, splits)
+        num_kv_heads = num_q_heads // GROUP
+        n_slots = tl.num_programs(0) // num_kv_heads
+        group_size = n_slots * heads_per_group
+        in_group = tl.program_id(0) % group_size
+        kvh = (tl.program_id(0) // group_size) * heads_per_group + in_group % heads_per_group
+        pid = n_slots - 1 - in_group // heads_per_group
     split = tl.program_id(2)
 
     # ---- which request / which query tile of it -------------------------------------------------
@@ -408,13 +439,14 @@ def _reduce_splits_kernel(
     stride_oh,
     SPLITS_PAD: tl.constexpr,  # power of two >= num_splits (bucketed: few compiled variants)
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # dims per program (grid axis 2 covers HEAD_DIM // BLOCK_D chunks)
     PDL: tl.constexpr,  # programmatic dependent launch protocol (kernels/launch.py)
 ):
     pdl_wait(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     smask = offs_s < num_splits
     row = (t.to(tl.int64) * num_q_heads + h) * num_splits + offs_s  # [SPLITS_PAD]
     m = tl.load(part_m_ptr + row, mask=smask, other=float("-inf"))
@@ -426,7 +458,7 @@ def _reduce_splits_kernel(
     denom = tl.sum(w * l_s, 0)
     denom = tl.where(denom > 0.0, denom, 1.0)
     acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=smask[:, None], other=0.0)
-    o = tl.sum(acc * w[:, None], 0) / denom  # [HEAD_DIM]
+    o = tl.sum(acc * w[:, None], 0) / denom  # [BLOCK_D]
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
     pdl_release(PDL)
 
@@ -537,8 +569,8 @@ def paged_attention(
     one_tile = max_query_len <= block_q
     num_tile_slots = num_seqs if one_tile else num_tokens // block_q + num_seqs
 
+    kv_span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + max_query_len)
     if num_splits is None:
-        kv_span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + max_query_len)
         num_splits = choose_num_splits(num_tile_slots * num_kv_heads, kv_span, _num_sms(device), config.block_n)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -550,13 +582,15 @@ def paged_attention(
     else:  # unused by the kernel; any fp32 tensor keeps the signature uniform
         part_acc = part_m = part_l = torch.empty((1,), dtype=torch.float32, device=device)
 
-    grid = (num_tile_slots, num_kv_heads, num_splits)
+    kv_bytes_per_head = kv_span * head_dim * 2 * q.element_size()  # K + V of the longest request
+    heads_per_group = choose_heads_per_group(num_kv_heads, kv_bytes_per_head, _l2_bytes(device), one_tile)
+    grid = (num_tile_slots, num_kv_heads, num_splits) if one_tile else (num_tile_slots * num_kv_heads, 1, num_splits)
     pdl = pdl_launch_args(device)
     kn, vn, cs, pos, slots = rope if rope is not None else (q, q, q[0], seq_lens, seq_lens)  # unused if no rope
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_m, part_l,
         kn, vn, cs, pos, slots,
-        num_seqs, num_splits, num_q_heads, float(scale) * _LOG2E, int(sliding_window or 0),
+        num_seqs, heads_per_group, num_splits, num_q_heads, float(scale) * _LOG2E, int(sliding_window or 0),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -570,9 +604,14 @@ def paged_attention(
     )  # fmt: skip
     if num_splits > 1:
         splits_pad = max(8, _next_pow2(num_splits))
-        _reduce_splits_kernel[(num_tokens, num_q_heads)](
+        rows = num_tokens * num_q_heads
+        d_chunks = min(head_dim // 16, _next_pow2(_REDUCE_PROGRAMS_PER_SM * _num_sms(device) // rows + 1) // 2)
+        d_chunks = max(1, d_chunks)  # a power of two dividing head_dim
+        block_d = head_dim // d_chunks
+        _reduce_splits_kernel[(num_tokens, num_q_heads, d_chunks)](
             part_acc, part_m, part_l, out, num_q_heads, num_splits, out.stride(0), out.stride(1),
-            SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, num_warps=4 if head_dim * splits_pad >= 4096 else 2, **pdl,
+            SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            num_warps=4 if block_d * splits_pad >= 4096 else 2, **pdl,
         )  # fmt: skip
     return out
 

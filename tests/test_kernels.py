@@ -234,6 +234,32 @@ def test_prefill_default_config_and_heuristics() -> None:
     check_attention(batch)  # default (prefill) config, heuristic splits
 
 
+@pytest.mark.parametrize("l2_kib", [1, 40, 1024])
+def test_prefill_program_order_head_groups(l2_kib: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 4 kv heads, 70 keys (8.75 KiB of K/V per head): the L2 size picks 1, 2 or 4 interleaved heads per program
+    # group; every (head, tile) must be covered exactly once in each order, splits included
+    import tokenmill.kernels.paged_attention as pa
+
+    batch = make_batch([30, 1, 45], [70, 16, 45], 8, 4, 32, 16, torch.float16)
+    kv_per_head = 70 * 32 * 2 * 2
+    hg = pa.choose_heads_per_group(4, kv_per_head, l2_kib << 10, one_tile=False)
+    assert hg == {1: 1, 40: 2, 1024: 4}[l2_kib]
+    monkeypatch.setattr(pa, "_l2_bytes", lambda device: l2_kib << 10)
+    for num_splits in (1, 2):
+        check_attention(batch, num_splits=num_splits, config=SMALL)
+
+
+def test_choose_heads_per_group() -> None:
+    from tokenmill.kernels.paged_attention import choose_heads_per_group
+
+    l2 = 50 << 20  # H200: one 4k-token sequence's K/V (2 MiB per head) fits 8 heads, 16k tokens (8 MiB) 2
+    assert choose_heads_per_group(8, 2 << 20, l2, one_tile=False) == 8
+    assert choose_heads_per_group(8, 8 << 20, l2, one_tile=False) == 2
+    assert choose_heads_per_group(8, 64 << 20, l2, one_tile=False) == 1
+    assert choose_heads_per_group(6, 1, l2, one_tile=False) == 2  # a power of two that divides Hkv
+    assert choose_heads_per_group(8, 1, l2, one_tile=True) == 1  # decode: head-major
+
+
 @pytest.mark.parametrize("window", [1, 5, 16])
 def test_sliding_window(window: int) -> None:
     batch = make_batch([1, 6, 12, 1], [17, 40, 12, 50], 4, 2, 32, 8, torch.float32)
@@ -251,6 +277,13 @@ def test_split_k_decode_many_partitions(num_splits: int) -> None:
     # more splits than key blocks of the short request: empty segments must not disturb the reduction
     batch = make_batch([1, 1, 1], [200, 3, 65], 8, 2, 64, 16, torch.float16)
     check_attention(batch, num_splits=num_splits, config=SMALL)
+
+
+def test_split_reduce_head_dim_chunks() -> None:
+    # one decode row x 2 heads = 2 reduce rows on the interpreter's 4 "SMs": the reduce kernel splits head_dim 64
+    # into 4 programs of 16 dims each
+    batch = make_batch([1], [150], 2, 1, 64, 16, torch.float16)
+    check_attention(batch, num_splits=5, config=SMALL)
 
 
 def test_decode_with_multi_token_tile() -> None:
@@ -743,7 +776,7 @@ def _sm90_compile_all() -> None:
     attention("fp16", 3, 64, cfg_p.block_m, True, False, True, cfg_p.num_warps, cfg_p.num_stages)
     attention("bf16", 1, 64, cfg_d.block_m, False, True, True, cfg_d.num_warps, cfg_d.num_stages)
     f32 = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "out_ptr": "*bf16"}
-    build(pa._reduce_splits_kernel, f32, {"SPLITS_PAD": 64, "HEAD_DIM": 128}, 4, 1)
+    build(pa._reduce_splits_kernel, f32, {"SPLITS_PAD": 64, "HEAD_DIM": 128, "BLOCK_D": 16}, 4, 1)
     bf = dict.fromkeys(("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "q_ptr", "x_ptr", "res_ptr", "w_ptr",
                         "out_ptr", "res_out_ptr"), "*bf16")  # fmt: skip
     bf |= {"slot_ptr": "*i64", "pos_ptr": "*i64", "cos_sin_ptr": "*fp32"}
@@ -888,10 +921,10 @@ def test_default_config_by_batch_shape() -> None:
     )
 
     assert default_config(1, 64, 64, 4, 2) is DECODE_CONFIG  # decode-only
-    assert default_config(4096, 4096, 1, 4, 2) is PREFILL_CONFIG  # one long prompt
-    assert default_config(8192, 8192, 1, 4, 2) is LONG_PREFILL_CONFIG  # one very long prompt (GQA group 4)
+    assert default_config(2048, 2048, 1, 4, 2) is PREFILL_CONFIG  # one long prompt
+    assert default_config(4096, 4096, 1, 4, 2) is LONG_PREFILL_CONFIG  # one very long prompt (GQA group 4)
     assert default_config(8192, 16384, 2, 4, 2) is LONG_PREFILL_CONFIG
-    assert default_config(8192, 12288, 2, 4, 2) is PREFILL_CONFIG  # mean query run below 8k
+    assert default_config(4096, 6144, 2, 4, 2) is PREFILL_CONFIG  # mean query run below 4k
     assert default_config(8192, 8192, 1, 8, 2) is PREFILL_CONFIG  # unmeasured group shape: the 128-row tile
     assert default_config(1000, 1500, 501, 4, 2) is MIXED_CONFIG  # 500 decodes beside one prompt
     assert default_config(8192, 8192, 1, 4, 4) is FP32_PREFILL_CONFIG  # the large tile does not fit in fp32

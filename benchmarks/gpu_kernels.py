@@ -404,7 +404,13 @@ def prefill_flops(t: int) -> float:
 
 
 def section_prefill(ctx: Ctx) -> Row:
-    from tokenmill.kernels.paged_attention import LONG_PREFILL_CONFIG, PREFILL_CONFIG, PagedAttentionConfig
+    from tokenmill.kernels.paged_attention import (
+        LONG_PREFILL_CONFIG,
+        LONG_PREFILL_CONFIG_DEEP,
+        PREFILL_CONFIG,
+        PREFILL_CONFIG_DEEP,
+        PagedAttentionConfig,
+    )
 
     gen = torch.Generator().manual_seed(1)
     lens = PREFILL_LENS
@@ -424,14 +430,14 @@ def section_prefill(ctx: Ctx) -> Row:
     candidates = [
         PREFILL_CONFIG,
         LONG_PREFILL_CONFIG,
+        PREFILL_CONFIG_DEEP,
+        LONG_PREFILL_CONFIG_DEEP,
+        PagedAttentionConfig(256, 64, 8, 5),
         PagedAttentionConfig(256, 64, 16, 3),
-        PagedAttentionConfig(128, 64, 8, 3),
-        PagedAttentionConfig(128, 64, 8, 4),
+        PagedAttentionConfig(256, 32, 16, 5),
+        PagedAttentionConfig(128, 64, 8, 5),
         PagedAttentionConfig(128, 128, 8, 2),
         PagedAttentionConfig(64, 64, 4, 3),
-        PagedAttentionConfig(64, 128, 4, 3),
-        PagedAttentionConfig(64, 128, 8, 3),
-        PagedAttentionConfig(128, 64, 4, 3),
         PagedAttentionConfig(128, 32, 4, 4),
     ]
     sets = {t: make_sets([t], [t], pool_blocks, 1, gen)[0] for t in lens}

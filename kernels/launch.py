@@ -56,6 +56,15 @@ def l2_bytes(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=16)
+def shared_memory_per_program(device: torch.device) -> int:
+    """The most shared memory one program may use on a CUDA device (opt-in limit: 227 KB on Hopper, 163 KB on
+    A100); 0 under the interpreter and when torch does not report it, so launchers keep their small defaults."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return 0
+    return int(getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0))
+
+
+@functools.lru_cache(maxsize=16)
 def pdl_enabled(device: torch.device) -> bool:
     """Whether launchers on `device` use programmatic dependent launch: CUDA compute capability >= 9.0, not
     under the Triton interpreter, and TOKENMILL_PDL not set to 0 (A/B measurements, or a driver that

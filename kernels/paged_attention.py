@@ -57,6 +57,7 @@ from .launch import l2_bytes as _l2_bytes
 from .launch import next_pow2 as _next_pow2
 from .launch import num_sms as _num_sms
 from .launch import pdl_launch_args, pdl_release, pdl_wait
+from .launch import shared_memory_per_program as _shared_limit
 from .rotary import check_rotary_args
 
 _LOG2E = 1.4426950408889634
@@ -109,6 +110,14 @@ PREFILL_CONFIG = PagedAttentionConfig(block_m=128, block_n=128, num_warps=8, num
 # tiles of all heads first (benchmarks/results/h200/NOTES.md): 381 / 414 / 430 TFLOP/s at 4k / 8k / 16k tokens vs
 # PREFILL_CONFIG's 354 / 386 / 402 (in head-major order the 256-row tile's last wave was long at 4k: 317).
 LONG_PREFILL_CONFIG = PagedAttentionConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
+# Deeper pipelines where the shared memory allows (Hopper: 227 KB per program). With the block-table load in front
+# of each K/V load, Triton 3.6 keeps K/V two iterations ahead (three buffers) only from num_stages 5; at 3 or 4 it
+# waits for every outstanding copy at the top of each iteration, so each step's load latency is exposed. H200, one
+# causal sequence, TFLOP/s at 4k / 8k / 16k: (256, 64, 16 warps, 5) 416-419 / 445-450 / 457-466 vs
+# LONG_PREFILL_CONFIG's 381-383 / 411-412 / 429-430; (128, 128, 8, 5) 348-350 / 390-392 / 413-415 vs 349-350 /
+# 382 / 399, and a 2,048-token chunk after an 8k prefix 611-615 vs 643-646 us (NOTES.md).
+PREFILL_CONFIG_DEEP = PagedAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=5)
+LONG_PREFILL_CONFIG_DEEP = PagedAttentionConfig(block_m=256, block_n=64, num_warps=16, num_stages=5)
 
 # Mixed batches (many short query runs, e.g. decodes beside a few prefill chunks) waste most of a 128-row
 # tile per short request; fp32 cannot fit the large tile's shared memory (262 KB > 227 KB on the H200).
@@ -116,22 +125,42 @@ MIXED_CONFIG = PagedAttentionConfig(block_m=64, block_n=64, num_warps=4, num_sta
 FP32_PREFILL_CONFIG = PagedAttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 _LONG_QUERY = 128  # mean query tokens per request from which the large prefill tile pays
 _VERY_LONG_QUERY = 4096  # ... and from which LONG_PREFILL_CONFIG does (measured at 4k, 8k, 16k)
+_SHARED_MARGIN = 2 << 10  # block-table buffers and barriers beside q and the K/V buffers (sm_90: 512-1,024 B)
+
+
+def shared_bytes(config: PagedAttentionConfig, head_dim: int, itemsize: int) -> int:
+    """Shared memory of a prefill config, estimated as Triton 3.6 lays it out: the q tile plus K and V buffers
+    (two below 5 pipeline stages, three from 5), without _SHARED_MARGIN. Sizes on sm_90 for head_dim 128 in bf16:
+    (128, 128, 8, 5) 230,400 B, (256, 64, 16, 5) 164,352 B."""
+    buffers = 3 if config.num_stages >= 5 else 2
+    return (config.block_m + 2 * buffers * config.block_n) * head_dim * itemsize
 
 
 def default_config(
-    max_query_len: int, num_tokens: int, num_seqs: int, group_pad: int, itemsize: int
+    max_query_len: int,
+    num_tokens: int,
+    num_seqs: int,
+    group_pad: int,
+    itemsize: int,
+    head_dim: int = 128,
+    shared_limit: int = 0,
 ) -> PagedAttentionConfig:
     """The launch shape for a batch, from host ints only: decode tiles when every request fits one
     (max_query_len x group rows <= decode block_m), else the large prefill tiles for long query runs (the
-    largest for runs of 8k tokens and more), the medium tile for mixed batches, and a small-footprint tile
-    in fp32."""
+    largest for runs of 4k tokens and more), the medium tile for mixed batches, and a small-footprint tile
+    in fp32. The deep-pipeline variants of the large tiles are taken when they fit `shared_limit` (the device's
+    shared memory per program)."""
     if max_query_len * group_pad <= max(DECODE_CONFIG.block_m, group_pad):
         return DECODE_CONFIG
     if itemsize >= 4:
         return FP32_PREFILL_CONFIG
     if num_tokens >= _VERY_LONG_QUERY * num_seqs and group_pad == 4:  # the measured shape (Llama-3-8B)
-        return LONG_PREFILL_CONFIG
-    return PREFILL_CONFIG if num_tokens >= _LONG_QUERY * num_seqs else MIXED_CONFIG
+        shallow, deep = LONG_PREFILL_CONFIG, LONG_PREFILL_CONFIG_DEEP
+    elif num_tokens >= _LONG_QUERY * num_seqs:
+        shallow, deep = PREFILL_CONFIG, PREFILL_CONFIG_DEEP
+    else:
+        return MIXED_CONFIG
+    return deep if shared_bytes(deep, head_dim, itemsize) + _SHARED_MARGIN <= shared_limit else shallow
 
 
 # Split heuristic knobs: at most this many programs per SM (the most decode programs that ran in one wave on the
@@ -563,7 +592,9 @@ def paged_attention(
     group = num_q_heads // num_kv_heads
     group_pad = _next_pow2(group)
     if config is None:
-        config = default_config(max_query_len, num_tokens, num_seqs, group_pad, q.element_size())
+        config = default_config(
+            max_query_len, num_tokens, num_seqs, group_pad, q.element_size(), head_dim, _shared_limit(device)
+        )
     block_m = max(config.block_m, group_pad)
     block_q = block_m // group_pad
     one_tile = max_query_len <= block_q

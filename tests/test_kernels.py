@@ -220,13 +220,14 @@ def test_prefill_tile_diagonal_alignment() -> None:
     check_attention(batch, config=SMALL)
 
 
-def test_prefill_long_tile_shape() -> None:
-    # LONG_PREFILL_CONFIG's tile (256 rows = 64 tokens x 4 heads, 64 keys per step) on ragged chunks with prefixes,
+@pytest.mark.parametrize("deep", [False, True])
+def test_prefill_long_tile_shape(deep: bool) -> None:
+    # the long-run tiles (256 rows = 64 tokens x 4 heads, 64 keys per step) on ragged chunks with prefixes,
     # tiles cut by request ends and tokens both sides of a key-block edge (fp16: its dtype class on the GPU)
-    from tokenmill.kernels.paged_attention import LONG_PREFILL_CONFIG
+    from tokenmill.kernels.paged_attention import LONG_PREFILL_CONFIG, LONG_PREFILL_CONFIG_DEEP
 
     batch = make_batch([70, 1, 130, 64], [90, 40, 130, 200], 8, 2, 32, 16, torch.float16)
-    check_attention(batch, config=LONG_PREFILL_CONFIG)
+    check_attention(batch, config=LONG_PREFILL_CONFIG_DEEP if deep else LONG_PREFILL_CONFIG)
 
 
 def test_prefill_default_config_and_heuristics() -> None:
@@ -733,6 +734,7 @@ def _sm90_compile_all() -> None:
     import tokenmill.kernels.rotary as rot
 
     target = GPUTarget("cuda", 90, 32)
+    built_shared: list[int] = []  # shared memory of each kernel built, in order
 
     def build(fn: Any, ptrs: dict[str, str], consts: dict[str, Any], num_warps: int, num_stages: int) -> str:
         names = list(fn.arg_names)
@@ -747,21 +749,22 @@ def _sm90_compile_all() -> None:
         kernel = triton_compile(ASTSource(fn, signature, constexprs, attrs), target=target,
                                 options={"num_warps": num_warps, "num_stages": num_stages,
                                          "launch_pdl": True})  # fmt: skip
+        built_shared.append(int(kernel.metadata.shared))
         ptx = str(kernel.asm["ptx"])
         wait, release = ptx.find("griddepcontrol.wait"), ptx.rfind("griddepcontrol.launch_dependents")
         first_load = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i > -1)
         assert -1 < wait < first_load and ptx.rfind("st.global") < release, (fn.__name__, consts)
         return str(kernel.asm["ttgir"])
 
-    def attention(dt: str, group: int, head_dim: int, block_m: int, split: bool, one_tile: bool,
-                  window: bool, num_warps: int, num_stages: int, rope: bool = False) -> str:  # fmt: skip
+    def attention(dt: str, group: int, head_dim: int, block_m: int, split: bool, one_tile: bool, window: bool,
+                  num_warps: int, num_stages: int, rope: bool = False, block_n: int = 64) -> str:  # fmt: skip
         gpad = 1 << (group - 1).bit_length()
         ptrs = {n: f"*{dt}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "kn_ptr", "vn_ptr")}
         ptrs |= {n: "*i32" for n in ("bt_ptr", "seq_lens_ptr", "qsl_ptr")}
         ptrs |= {"cs_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64"}
         ptrs |= {n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}
         consts = {"GROUP": group, "GROUP_PAD": gpad, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, "BLOCK_M": block_m,
-                  "BLOCK_Q": block_m // gpad, "BLOCK_N": 64, "SPLIT": split, "ONE_TILE_PER_SEQ": one_tile,
+                  "BLOCK_Q": block_m // gpad, "BLOCK_N": block_n, "SPLIT": split, "ONE_TILE_PER_SEQ": one_tile,
                   "USE_WINDOW": window, "DOT_PRECISION": "tf32", "FUSE_ROPE": rope}  # fmt: skip
         return build(pa._paged_attn_kernel, ptrs, consts, num_warps, num_stages)
 
@@ -773,6 +776,13 @@ def _sm90_compile_all() -> None:
     prefill = attention("bf16", 4, 128, cfg_p.block_m, False, False, False, cfg_p.num_warps, cfg_p.num_stages)
     assert "warp_group_dot" in prefill, "prefill does not use wgmma"
     assert "async_copy_global_to_local" in prefill, "prefill loop is not pipelined"
+    for deep in (pa.PREFILL_CONFIG_DEEP, pa.LONG_PREFILL_CONFIG_DEEP):
+        ttgir = attention("bf16", 4, 128, deep.block_m, False, False, False, deep.num_warps, deep.num_stages,
+                          block_n=deep.block_n)
+        # K/V kept two iterations ahead: three buffers, and the wait at the top of the loop leaves copies in flight
+        assert f"memdesc<3x{deep.block_n}x128xbf16" in ttgir and "{num = 3 : i32}" in ttgir, deep
+        shared = built_shared[-1]
+        assert shared <= pa.shared_bytes(deep, 128, 2) + pa._SHARED_MARGIN <= 232_448, (deep, shared)
     attention("fp16", 3, 64, cfg_p.block_m, True, False, True, cfg_p.num_warps, cfg_p.num_stages)
     attention("bf16", 1, 64, cfg_d.block_m, False, True, True, cfg_d.num_warps, cfg_d.num_stages)
     f32 = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "out_ptr": "*bf16"}
@@ -915,8 +925,10 @@ def test_default_config_by_batch_shape() -> None:
         DECODE_CONFIG,
         FP32_PREFILL_CONFIG,
         LONG_PREFILL_CONFIG,
+        LONG_PREFILL_CONFIG_DEEP,
         MIXED_CONFIG,
         PREFILL_CONFIG,
+        PREFILL_CONFIG_DEEP,
         default_config,
     )
 
@@ -928,6 +940,16 @@ def test_default_config_by_batch_shape() -> None:
     assert default_config(8192, 8192, 1, 8, 2) is PREFILL_CONFIG  # unmeasured group shape: the 128-row tile
     assert default_config(1000, 1500, 501, 4, 2) is MIXED_CONFIG  # 500 decodes beside one prompt
     assert default_config(8192, 8192, 1, 4, 4) is FP32_PREFILL_CONFIG  # the large tile does not fit in fp32
+    # deep pipelines where the shared memory allows: Hopper (227 KB) takes both, A100 (163 KB) only the 256-row
+    # tile, head_dim 64 halves the need; the interpreter / unknown devices (0) keep the shallow ones
+    hopper, a100 = 232_448, 166_912
+    assert default_config(2048, 2048, 1, 4, 2, 128, hopper) is PREFILL_CONFIG_DEEP
+    assert default_config(4096, 4096, 1, 4, 2, 128, hopper) is LONG_PREFILL_CONFIG_DEEP
+    assert default_config(2048, 2048, 1, 4, 2, 128, a100) is PREFILL_CONFIG
+    assert default_config(4096, 4096, 1, 4, 2, 128, a100) is LONG_PREFILL_CONFIG_DEEP
+    assert default_config(2048, 2048, 1, 4, 2, 64, a100) is PREFILL_CONFIG_DEEP
+    assert default_config(1, 64, 64, 4, 2, 128, hopper) is DECODE_CONFIG
+    assert default_config(1000, 1500, 501, 4, 2, 128, hopper) is MIXED_CONFIG
 
 
 def test_pdl_only_on_hopper_cuda(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -44,6 +44,7 @@ Kernel structure (one kernel + an optional reduce kernel):
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -51,6 +52,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .kv_cache import check_kv_cache_args
 from .launch import l2_bytes as _l2_bytes
@@ -61,6 +63,7 @@ from .launch import shared_memory_per_program as _shared_limit
 from .rotary import check_rotary_args
 
 _LOG2E = 1.4426950408889634
+_log = logging.getLogger(__name__)
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -126,6 +129,12 @@ FP32_PREFILL_CONFIG = PagedAttentionConfig(block_m=64, block_n=64, num_warps=4, 
 _LONG_QUERY = 128  # mean query tokens per request from which the large prefill tile pays
 _VERY_LONG_QUERY = 4096  # ... and from which LONG_PREFILL_CONFIG does (measured at 4k, 8k, 16k)
 _SHARED_MARGIN = 2 << 10  # block-table buffers and barriers beside q and the K/V buffers (sm_90: 512-1,024 B)
+
+
+# The shallow tile of each deep one, and the devices on which a deep tile ran out of shared memory (the estimate
+# below was short for that device or Triton version): their launches keep to the shallow tiles from then on.
+_SHALLOW_OF = {PREFILL_CONFIG_DEEP: PREFILL_CONFIG, LONG_PREFILL_CONFIG_DEEP: LONG_PREFILL_CONFIG}
+_NO_DEEP_TILES: set[torch.device] = set()
 
 
 def shared_bytes(config: PagedAttentionConfig, head_dim: int, itemsize: int) -> int:
@@ -591,9 +600,11 @@ def paged_attention(
 
     group = num_q_heads // num_kv_heads
     group_pad = _next_pow2(group)
+    defaulted = config is None
     if config is None:
+        shared_limit = 0 if device in _NO_DEEP_TILES else _shared_limit(device)
         config = default_config(
-            max_query_len, num_tokens, num_seqs, group_pad, q.element_size(), head_dim, _shared_limit(device)
+            max_query_len, num_tokens, num_seqs, group_pad, q.element_size(), head_dim, shared_limit
         )
     block_m = max(config.block_m, group_pad)
     block_q = block_m // group_pad
@@ -618,21 +629,32 @@ def paged_attention(
     grid = (num_tile_slots, num_kv_heads, num_splits) if one_tile else (num_tile_slots * num_kv_heads, 1, num_splits)
     pdl = pdl_launch_args(device)
     kn, vn, cs, pos, slots = rope if rope is not None else (q, q, q[0], seq_lens, seq_lens)  # unused if no rope
-    _paged_attn_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_m, part_l,
-        kn, vn, cs, pos, slots,
-        num_seqs, heads_per_group, num_splits, num_q_heads, float(scale) * _LOG2E, int(sliding_window or 0),
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cs.stride(0),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=num_splits > 1,
-        ONE_TILE_PER_SEQ=one_tile, USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FUSE_ROPE=rope is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
-    )  # fmt: skip
+    try:
+        _paged_attn_kernel[grid](
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_m, part_l,
+            kn, vn, cs, pos, slots,
+            num_seqs, heads_per_group, num_splits, num_q_heads, float(scale) * _LOG2E, int(sliding_window or 0),
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1),
+            kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cs.stride(0),
+            GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=num_splits > 1,
+            ONE_TILE_PER_SEQ=one_tile, USE_WINDOW=sliding_window is not None,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FUSE_ROPE=rope is not None,
+            num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
+        )  # fmt: skip
+    except OutOfResources as exc:
+        if not defaulted or config not in _SHALLOW_OF:
+            raise
+        _NO_DEEP_TILES.add(device)
+        _log.warning("paged_attention: %s does not fit %s (%s); using %s from now on", config, device, exc,
+                     _SHALLOW_OF[config])  # fmt: skip
+        return paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=max_query_len,
+            max_seq_len=max_seq_len, sliding_window=sliding_window, out=out, num_splits=num_splits, rope=rope,
+        )  # fmt: skip
     if num_splits > 1:
         splits_pad = max(8, _next_pow2(num_splits))
         rows = num_tokens * num_q_heads

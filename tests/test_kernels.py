@@ -261,6 +261,39 @@ def test_choose_heads_per_group() -> None:
     assert choose_heads_per_group(8, 1, l2, one_tile=True) == 1  # decode: head-major
 
 
+def test_deep_tile_out_of_shared_memory_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a device that reports room for the deep tiles but whose compile needs more (another Triton version): the
+    # launch raises OutOfResources, the call completes with the shallow tile, and later calls skip the deep one
+    from triton.runtime.errors import OutOfResources
+
+    import tokenmill.kernels.paged_attention as pa
+
+    real = pa._paged_attn_kernel
+    stages: list[int] = []
+
+    class TooDeep:
+        def __getitem__(self, grid: Any) -> Any:
+            def launch(*args: Any, **kwargs: Any) -> Any:
+                stages.append(kwargs["num_stages"])
+                if kwargs["num_stages"] >= 5:
+                    raise OutOfResources(240_000, 232_448, "shared memory")
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(pa, "_shared_limit", lambda device: 232_448)
+    monkeypatch.setattr(pa, "_paged_attn_kernel", TooDeep())
+    monkeypatch.setattr(pa, "_NO_DEEP_TILES", set())
+    batch = make_batch([300, 1], [320, 20], 8, 2, 32, 16, torch.float16)
+    assert pa.default_config(300, 301, 2, 4, 2, 32, 232_448) is pa.PREFILL_CONFIG_DEEP  # what the call first picks
+    check_attention(batch)
+    assert stages == [5, 3] and {batch.q.device} == pa._NO_DEEP_TILES
+    check_attention(batch)
+    assert stages == [5, 3, 3]
+    with pytest.raises(OutOfResources):  # an explicit config is the caller's: no fallback
+        check_attention(batch, config=pa.PREFILL_CONFIG_DEEP)
+
+
 @pytest.mark.parametrize("window", [1, 5, 16])
 def test_sliding_window(window: int) -> None:
     batch = make_batch([1, 6, 12, 1], [17, 40, 12, 50], 4, 2, 32, 8, torch.float32)

@@ -42,35 +42,30 @@ from tokenmill.broker.security import ZapAuthenticator, make_curve_server
 from tokenmill.client import protocol as p
 from tokenmill.client.errors import ProtocolError
 from tokenmill.client.keys import load_allowed_keys, load_keypair
-from tokenmill.client.protocol import valid_token_ids
+from tokenmill.client.protocol import plain_entry
 from tokenmill.worker.sampling_params import InvalidRequestError, SamplingParams
 
 log = structlog.get_logger("tokenmill.broker")
 
 _STREAM_HEAD = [p.HEADER, bytes((p.Cmd.STREAM,))]
 _array_header = msgpack.Packer(use_bin_type=True).pack_array_header
-_SEQ_END = 1 << 63
 _SENT, _BLOCKED, _GONE = "sent", "blocked", "gone"  # outcomes of Broker._send_raw
 
 
 def _plain_chunks(attempts: Any, entries: Any) -> list[tuple[Any, ...]] | None:
     """The chunks [job_id, attempt, seq, token_ids, text, logprobs] of an unpacked TOKENS body
-    [attempts, entries] if every one has the common plain shape (no logprobs, valid fields), i.e.
+    [attempts, entries] if every one has the common plain shape (p.plain_entry, a valid attempt), i.e.
     exactly when p.decode would accept the message with no logprobs; else None (the caller then decodes
     strictly, which says what is wrong). Builds no message objects per chunk."""
     if type(attempts) is not list or type(entries) is not list or len(attempts) != len(entries):
         return None
-    max_id, max_attempt = p.MAX_ID_LEN, p.MAX_ATTEMPT
+    max_attempt = p.MAX_ATTEMPT
     out = []
     for attempt, e in zip(attempts, entries):
-        if type(e) is not list or len(e) != 5:
+        if not (type(e) is list and len(e) == 5 and type(attempt) is int and 0 <= attempt <= max_attempt
+                and p.plain_entry(*e)):
             return None
-        job_id, seq, ids, text, lps = e
-        if not (type(job_id) is str and 0 < len(job_id) <= max_id and type(attempt) is int
-                and 0 <= attempt <= max_attempt and type(seq) is int and 0 <= seq < _SEQ_END
-                and type(text) is str and lps is None and valid_token_ids(ids)):
-            return None
-        out.append((job_id, attempt, seq, ids, text, None))
+        out.append((e[0], attempt, e[1], e[2], e[3], None))
     return out
 
 
@@ -730,13 +725,12 @@ class Broker:
         cid: bytes | None = None
         try:
             # An entry that is no 5-item array fails the unpacking (ValueError, TypeError) or, if it is a
-            # string or map of 5, the type tests. A str key found in self.jobs is a valid job id; the
-            # type tests keep 1.0 or True from passing the equality tests as 1.
+            # string or map of 5, the type tests. The type tests keep 1.0 or True from passing the equality
+            # tests as 1.
             for attempt, (job_id, seq, ids, text, lps) in zip(attempts, entries):
-                if (type(job_id) is not str or (job := jobs.get(job_id)) is None or job.state is not running
-                        or job.worker != ident or type(attempt) is not int or job.attempt != attempt
-                        or type(seq) is not int or seq != job.num_tokens or type(text) is not str
-                        or lps is not None or not valid_token_ids(ids) or len(subs := job.subscribers) != 1):
+                if (not plain_entry(job_id, seq, ids, text, lps) or (job := jobs.get(job_id)) is None
+                        or job.state is not running or job.worker != ident or type(attempt) is not int
+                        or job.attempt != attempt or seq != job.num_tokens or len(subs := job.subscribers) != 1):
                     return False
                 if cid is None:
                     cid = next(iter(subs))

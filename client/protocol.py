@@ -163,6 +163,13 @@ def valid_token_ids(v: Any) -> bool:
     return not v or (all(type(t) is int for t in v) and min(v) >= 0 and max(v) <= MAX_TOKEN_ID)
 
 
+def plain_entry(job_id: Any, seq: Any, token_ids: Any, text: Any, logprobs: Any) -> bool:
+    """True for the fields of a STREAM entry [job_id, seq, token_ids, text, logprobs] in the common plain shape
+    (no logprobs) that the strict validators accept as they are: the hot paths' check."""
+    return (type(job_id) is str and 0 < len(job_id) <= MAX_ID_LEN and type(seq) is int and 0 <= seq < 1 << 63
+            and type(text) is str and logprobs is None and valid_token_ids(token_ids))
+
+
 def _list(v: Any, name: str, max_len: int = MAX_ARRAY_LEN) -> list[Any]:
     if not isinstance(v, list):
         raise _fail(f"{name}: expected a list, got {type(v).__name__}")
@@ -468,11 +475,8 @@ class StreamChunk(NamedTuple):
 
     @staticmethod
     def from_wire(obj: Any) -> StreamChunk:
-        if type(obj) is list and len(obj) == 5:
-            job_id, seq, ids, text, lps = obj
-            if (type(job_id) is str and 0 < len(job_id) <= MAX_ID_LEN and type(seq) is int and 0 <= seq < 1 << 63
-                    and type(text) is str and lps is None and valid_token_ids(ids)):
-                return StreamChunk(job_id, seq, ids, text, None)
+        if type(obj) is list and len(obj) == 5 and plain_entry(*obj):
+            return StreamChunk(*obj)
         job_id, seq, ids, text, lps = _tuple(obj, "stream chunk", 5)
         ids = _token_ids(ids, "token_ids")
         return StreamChunk(_ident(job_id, "job_id"), _int(seq, "seq"), ids, _str(text, "text"),

@@ -64,7 +64,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from tokenmill.client import protocol as p
+from tokenmill.protocol import wire as p
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu"
 PERCENTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p99.9", 0.999))

@@ -23,10 +23,10 @@ from tqdm import tqdm
 
 from tokenmill.benchmarks.common import write_results
 from tokenmill.benchmarks.datasets import sharegpt_pairs
+from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.registry_fetch import embedded_model_path, sharegpt_path
-from tokenmill.worker.sampling_params import SamplingParams
 
 
 def chat_requests(engine: LLMEngine, n: int, max_prompt: int, max_output: int) -> list[tuple[list[int], int]]:

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from tokenmill.benchmarks.common import write_results
+from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.config import EngineConfig, SchedulerConfig
 from tokenmill.worker.engine import LLMEngine
-from tokenmill.worker.sampling_params import SamplingParams
 
 GIB = 1 << 30
 

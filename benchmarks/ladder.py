@@ -38,8 +38,8 @@ from tokenmill.benchmarks.throughput import (
     workload_tokenizer,
 )
 from tokenmill.benchmarks.workloads import BenchRequest, Workload, shared_prefix_workload, sharegpt_workload
+from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.engine import LLMEngine
-from tokenmill.worker.sampling_params import SamplingParams
 
 NOT_BUILT = ("quantization (INT8/INT4 weight-only, FP8)", "speculative decoding (EAGLE draft heads)")
 

@@ -32,9 +32,9 @@ from tokenmill.benchmarks.common import (
     write_results,
 )
 from tokenmill.benchmarks.workloads import BenchRequest, Workload, length_tokenizer, sharegpt_workload
+from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.worker.engine import LLMEngine
-from tokenmill.worker.sampling_params import SamplingParams
 from tokenmill.worker.scheduler import ScheduledBatch
 from tokenmill.worker.tokenizer import Tokenizer
 

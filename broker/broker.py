@@ -39,11 +39,11 @@ import zmq
 from tokenmill.broker.jobs import Job, JobState
 from tokenmill.broker.registry import PrefixIndex, WorkerInfo, pick_worker
 from tokenmill.broker.security import ZapAuthenticator, make_curve_server
-from tokenmill.client import protocol as p
-from tokenmill.client.errors import ProtocolError
-from tokenmill.client.keys import load_allowed_keys, load_keypair
-from tokenmill.client.protocol import plain_entry
-from tokenmill.worker.sampling_params import InvalidRequestError, SamplingParams
+from tokenmill.protocol import InvalidRequest, SamplingParams
+from tokenmill.protocol import wire as p
+from tokenmill.protocol.errors import ProtocolError
+from tokenmill.protocol.keys import load_allowed_keys, load_keypair
+from tokenmill.protocol.wire import plain_entry
 
 log = structlog.get_logger("tokenmill.broker")
 
@@ -396,7 +396,7 @@ class Broker:
             return
         try:
             max_tokens = SamplingParams.from_dict(msg.params).max_tokens
-        except InvalidRequestError as e:
+        except InvalidRequest as e:
             self.counters["rejected_invalid"] += 1
             self._send_client(ident, p.Fail(msg.job_id, "invalid", str(e)[:1000]))
             return

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgpack
 
-from tokenmill.client.protocol import Done, Fail, RequestInput
+from tokenmill.protocol.wire import Done, Fail, RequestInput
 
 _pack = msgpack.Packer(use_bin_type=True).pack  # the broker is single-threaded; one Packer serves it
 

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from tokenmill.client.protocol import Ready, WorkerHeartbeat
+from tokenmill.protocol.wire import Ready, WorkerHeartbeat
 
 
 @dataclass(eq=False)

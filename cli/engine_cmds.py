@@ -51,7 +51,7 @@ def register(sub: Any) -> None:
 
 
 def _params(args: argparse.Namespace) -> Any:
-    from tokenmill.worker.sampling_params import SamplingParams
+    from tokenmill.protocol.sampling import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
@@ -83,12 +83,12 @@ def _guard(fn: Any) -> Any:
     """User-facing errors become one clear line on stderr and exit status 2."""
 
     def run(args: argparse.Namespace) -> int:
+        from tokenmill.protocol import InvalidRequest
         from tokenmill.worker.loader import ModelLoadError
-        from tokenmill.worker.sampling_params import InvalidRequestError
 
         try:
             return int(fn(args))
-        except (InvalidRequestError, ModelLoadError, FileNotFoundError) as e:
+        except (InvalidRequest, ModelLoadError, FileNotFoundError) as e:
             print(f"tokenmill: error: {e}", file=sys.stderr)
             return 2
 

@@ -174,7 +174,7 @@ def _build_engine(args: argparse.Namespace) -> Any:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from tokenmill.client.keys import load_keypair, load_public_key
+    from tokenmill.protocol.keys import load_keypair, load_public_key
     from tokenmill.worker.process import WorkerOptions, run_worker
 
     configure_logging(args.log_level, args.log_json)
@@ -281,7 +281,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_generate(args: argparse.Namespace) -> int:
-    from tokenmill.client.keys import generate_keypair, install_public_key
+    from tokenmill.protocol.keys import generate_keypair, install_public_key
 
     names = args.name or ["broker", "worker", "client"]
     for name in names:

@@ -7,7 +7,7 @@
 
 from tokenmill.client.async_client import AsyncClient, AsyncJobHandle, run
 from tokenmill.client.client import DEFAULT_ADDRESS, Client, JobHandle, Result, StreamEvent, Usage
-from tokenmill.client.errors import (
+from tokenmill.protocol.errors import (
     BrokerUnavailable,
     Cancelled,
     DeadlineExceeded,

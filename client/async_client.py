@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
-from tokenmill.client import protocol as p
 from tokenmill.client.client import (
     DEFAULT_ADDRESS,
     Assembly,
@@ -34,8 +33,9 @@ from tokenmill.client.client import (
     make_submit,
     terminal_error,
 )
-from tokenmill.client.errors import BrokerUnavailable, DeadlineExceeded, TokenmillError
-from tokenmill.client.keys import apply_client_curve, load_keypair, load_public_key
+from tokenmill.protocol import wire as p
+from tokenmill.protocol.errors import BrokerUnavailable, DeadlineExceeded, TokenmillError
+from tokenmill.protocol.keys import apply_client_curve, load_keypair, load_public_key
 
 T = TypeVar("T")
 

@@ -26,8 +26,8 @@ from typing import Any
 
 import zmq
 
-from tokenmill.client import protocol as p
-from tokenmill.client.errors import (
+from tokenmill.protocol import wire as p
+from tokenmill.protocol.errors import (
     BrokerUnavailable,
     DeadlineExceeded,
     InvalidRequest,
@@ -35,7 +35,7 @@ from tokenmill.client.errors import (
     TokenmillError,
     error_from_fail,
 )
-from tokenmill.client.keys import apply_client_curve, load_keypair, load_public_key
+from tokenmill.protocol.keys import apply_client_curve, load_keypair, load_public_key
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenmill.client.client import Client, StreamEvent
-from tokenmill.client.errors import TokenmillError
+from tokenmill.protocol.errors import TokenmillError
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:

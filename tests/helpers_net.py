@@ -123,9 +123,9 @@ def reference_greedy(prompts: Sequence[str], max_tokens: int) -> list[tuple[list
     thread (on a busy 2-core machine torch's default threading is ~15x slower here)."""
     import torch
 
+    from tokenmill.protocol.sampling import SamplingParams
     from tokenmill.worker.config import EngineConfig
     from tokenmill.worker.engine import LLMEngine
-    from tokenmill.worker.sampling_params import SamplingParams
 
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -178,15 +178,15 @@ class FakeEngine:
     def add_request(self, request_id: str, prompt: str | None = None, *,
                     prompt_token_ids: Sequence[int] | None = None, messages: list[dict[str, Any]] | None = None,
                     params: Any = None, priority: int = 0, resume_token_ids: Sequence[int] = ()) -> None:
-        from tokenmill.worker.sampling_params import InvalidRequestError
+        from tokenmill.protocol import InvalidRequest
 
         if messages is not None:
             prompt = "".join(m["content"] for m in messages)
         ids = list(prompt.encode()) if prompt is not None else list(prompt_token_ids or [])
         if not ids:
-            raise InvalidRequestError("the prompt is empty")
+            raise InvalidRequest("the prompt is empty")
         if len(resume_token_ids) >= params.max_tokens:
-            raise InvalidRequestError("nothing left to generate")
+            raise InvalidRequest("nothing left to generate")
         self.reqs[request_id] = _FakeReq(ids, list(resume_token_ids), params.max_tokens, len(resume_token_ids))
 
     def abort_request(self, request_id: str) -> bool:

@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from test_scheduler import FakeModel, Workload, check_state, make_scheduler, reference, workloads
 from tiny_hf import save_tiny_model
 
+from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.block_manager import ROOT_HASH, hash_block
 from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.outputs import RequestOutput
 from tokenmill.worker.request import PLACEHOLDER, Request
-from tokenmill.worker.sampling_params import SamplingParams
 from tokenmill.worker.scheduler import ScheduledBatch, Scheduler
 from tokenmill.worker.transfer import HostCopy, ship
 

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from tiny_hf import save_tiny_model
 
+from tokenmill.protocol import InvalidRequest, SamplingParams
 from tokenmill.worker.config import CacheConfig, EngineConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.loader import ModelLoadError
 from tokenmill.worker.registry_fetch import embedded_model_path
-from tokenmill.worker.sampling_params import InvalidRequestError, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def check_rejected_beside_neighbour(engine: LLMEngine, bad: Callable[[], Any], m
     engine.add_request(rid, prompt_token_ids=[5, 6, 7, 8], params=SamplingParams(temperature=0, max_tokens=6,
                                                                                   ignore_eos=True))
     first = [t for out in engine.step() if out.request_id == rid for t in out.new_token_ids]
-    with pytest.raises(InvalidRequestError, match=match):
+    with pytest.raises(InvalidRequest, match=match):
         bad()
     assert len(finish_neighbour(engine, rid, first)) == 6
     engine.blocks.check_integrity()
@@ -114,7 +114,7 @@ def test_bad_models_fail_clearly_while_an_engine_keeps_serving(engine: LLMEngine
             try:
                 LLMEngine(config)
             except ModelLoadError as e:  # re-raised as the engine-level error type the test expects
-                raise InvalidRequestError(str(e)) from e
+                raise InvalidRequest(str(e)) from e
 
         check_rejected_beside_neighbour(engine, load, match, f"good-model-{case}")
 

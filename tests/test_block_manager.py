@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.block_manager import ROOT_HASH, BlockManager, extend_block_hashes, hash_block
 from tokenmill.worker.request import Request
-from tokenmill.worker.sampling_params import SamplingParams
 
 PARAMS = SamplingParams()
 # A few shared token streams: prompts start with a prefix of one of them, so prefix hits are common.

@@ -13,7 +13,7 @@ import pytest
 from helpers_net import addr, free_port, procs_ctx, wait_until, wait_workers
 
 from tokenmill.client import BrokerUnavailable, Cancelled, Client, Forbidden
-from tokenmill.client.keys import generate_keypair
+from tokenmill.protocol.keys import generate_keypair
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -29,7 +29,7 @@ from tokenmill.client import (
     StreamEvent,
     UnknownJob,
 )
-from tokenmill.client import protocol as p
+from tokenmill.protocol import wire as p
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenmill.client import Client
-from tokenmill.client import protocol as p
-from tokenmill.client.errors import ProtocolError
+from tokenmill.protocol import wire as p
+from tokenmill.protocol.errors import ProtocolError
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from tokenmill.broker.broker import Broker, BrokerConfig, _plain_chunks
 from tokenmill.broker.jobs import Job
 from tokenmill.broker.registry import WorkerInfo
-from tokenmill.client import protocol as p
-from tokenmill.client.errors import ProtocolError
+from tokenmill.protocol import wire as p
+from tokenmill.protocol.errors import ProtocolError
 
 W = b"worker-1"
 

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from greedy_ref import compare_greedy, hf_greedy
 
+from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.config import EngineConfig, SchedulerConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.registry_fetch import embedded_model_path
-from tokenmill.worker.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

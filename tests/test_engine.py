@@ -12,10 +12,10 @@ import torch
 from greedy_ref import compare_greedy, hf_greedy
 from tiny_hf import ARCHS, load_hf, save_tiny_model
 
+from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.request import Request
-from tokenmill.worker.sampling_params import SamplingParams
 from tokenmill.worker.scheduler import ScheduledBatch
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)

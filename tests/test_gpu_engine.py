@@ -11,9 +11,9 @@ import pytest
 import torch
 from tiny_hf import ARCHS, save_tiny_model
 
+from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.config import EngineConfig, SchedulerConfig
 from tokenmill.worker.engine import LLMEngine
-from tokenmill.worker.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.sampler import (
     Sampler,
     SamplingMetadata,
@@ -23,7 +24,6 @@ from tokenmill.worker.sampler import (
     random_bits,
     vocab_counters,
 )
-from tokenmill.worker.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 SAMPLER = Sampler()

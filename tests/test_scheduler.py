@@ -17,10 +17,10 @@ from typing import Literal
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.block_manager import BlockManager
 from tokenmill.worker.config import SchedulerConfig
 from tokenmill.worker.request import Request, RequestStatus
-from tokenmill.worker.sampling_params import SamplingParams
 from tokenmill.worker.scheduler import ScheduledBatch, Scheduler
 
 VOCAB = 16

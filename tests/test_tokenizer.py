@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmill.benchmarks.datasets import sharegpt_pairs
+from tokenmill.protocol import InvalidRequest
 from tokenmill.worker.registry_fetch import embedded_model_path
-from tokenmill.worker.sampling_params import InvalidRequestError
 from tokenmill.worker.tokenizer import (
     DEFAULT_CHAT_TEMPLATE,
     Tokenizer,
@@ -236,12 +236,12 @@ def test_template_features_match_transformers_renderer(tok: Tokenizer, add_gener
 
 def test_strftime_now_and_template_errors(tok: Tokenizer) -> None:
     custom = _with_template(tok, "{{ strftime_now('%Y') }}{{ raise_exception('no ' + messages[0]['role']) }}")
-    with pytest.raises(InvalidRequestError, match="no user"):
+    with pytest.raises(InvalidRequest, match="no user"):
         custom.apply_chat_template([{"role": "user", "content": "x"}])
     year_template = _with_template(tok, "{{ strftime_now('%Y') }}")
     year = year_template.apply_chat_template([{"role": "user", "content": "x"}])
     assert re.fullmatch(r"20\d\d", year)
-    with pytest.raises(InvalidRequestError, match="chat template failed"):
+    with pytest.raises(InvalidRequest, match="chat template failed"):
         _with_template(tok, "{% for %}").apply_chat_template([{"role": "user", "content": "x"}])
 
 
@@ -266,7 +266,7 @@ def test_default_chatml_template() -> None:
     [{"role": "user", "content": "hi"}, ("assistant", "x")],
 ])
 def test_invalid_messages_raise(tok: Tokenizer, messages: Any) -> None:
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(InvalidRequest):
         tok.apply_chat_template(messages)
 
 

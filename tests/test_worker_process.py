@@ -16,7 +16,7 @@ import pytest
 import zmq
 from helpers_net import FAKE, TINY, Procs, addr, fake_text, free_port, procs_ctx
 
-from tokenmill.client import protocol as p
+from tokenmill.protocol import wire as p
 
 pytestmark = pytest.mark.timeout(120)
 

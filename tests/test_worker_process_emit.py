@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tokenmill.client import protocol as p
+from tokenmill.protocol import wire as p
 from tokenmill.worker.outputs import RequestOutput, Usage
 from tokenmill.worker.process import EngineLoop, WorkerOptions
 

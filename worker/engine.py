@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
+from tokenmill.protocol import InvalidRequest, SamplingParams
 from tokenmill.worker.block_manager import BlockManager
 from tokenmill.worker.config import EngineConfig
 from tokenmill.worker.detokenizer import IncrementalDetokenizer
@@ -19,7 +20,6 @@ from tokenmill.worker.loader import ModelSource, resolve_model
 from tokenmill.worker.model_runner import ModelRunner, PendingStep
 from tokenmill.worker.outputs import CompletionOutput, EngineStats, RequestOutput, Usage
 from tokenmill.worker.request import Request
-from tokenmill.worker.sampling_params import InvalidRequestError, SamplingParams
 from tokenmill.worker.scheduler import ScheduledBatch, Scheduler
 from tokenmill.worker.tokenizer import Tokenizer
 
@@ -102,14 +102,14 @@ class LLMEngine:
     ) -> None:
         """Queue a request. Exactly one of prompt / prompt_token_ids / messages. `resume_token_ids` are
         output tokens an earlier attempt already delivered: they count toward max_tokens and the sampling
-        positions continue after them. Raises InvalidRequestError; nothing else is affected."""
+        positions continue after them. Raises InvalidRequest; nothing else is affected."""
         if request_id in self._live:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params)
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("params must be SamplingParams or a mapping of its fields")
+            raise InvalidRequest("params must be SamplingParams or a mapping of its fields")
         ids = self._prompt_ids(prompt, prompt_token_ids, messages)
         resume = list(resume_token_ids)
         self._validate(ids, resume, params)
@@ -130,43 +130,43 @@ class LLMEngine:
     def _prompt_ids(self, prompt: str | None, token_ids: Sequence[int] | None,
                     messages: list[dict[str, Any]] | None) -> list[int]:
         if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
-            raise InvalidRequestError("give exactly one of prompt, prompt_token_ids or messages")
+            raise InvalidRequest("give exactly one of prompt, prompt_token_ids or messages")
         if messages is not None:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             return self.tokenizer.encode(text, add_special_tokens=False)
         if prompt is not None:
             if not isinstance(prompt, str):
-                raise InvalidRequestError("prompt must be a string")
+                raise InvalidRequest("prompt must be a string")
             return self.tokenizer.encode(prompt)
         assert token_ids is not None
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
-            raise InvalidRequestError("prompt_token_ids must be integers")
+            raise InvalidRequest("prompt_token_ids must be integers")
         return list(token_ids)
 
     def _validate(self, ids: list[int], resume: list[int], params: SamplingParams) -> None:
         vocab = self.runner.arch.vocab_size
         if not ids:
-            raise InvalidRequestError("the prompt is empty")
+            raise InvalidRequest("the prompt is empty")
         bad = [t for t in ids + resume if not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         unknown = [t for t in params.stop_token_ids if t >= vocab]
         if unknown:
-            raise InvalidRequestError(f"stop token id {unknown[0]} is not in the vocabulary (size {vocab})")
+            raise InvalidRequest(f"stop token id {unknown[0]} is not in the vocabulary (size {vocab})")
         n = len(ids) + len(resume)
         if n >= self.max_model_len:
-            raise InvalidRequestError(
+            raise InvalidRequest(
                 f"the prompt has {n} tokens but the model's context is {self.max_model_len} tokens "
                 "(at least one must be left to generate)")
         sched = self.config.scheduler
         if not sched.enable_chunked_prefill and n > sched.max_num_batched_tokens:
-            raise InvalidRequestError(f"the prompt has {n} tokens, more than max_num_batched_tokens="
+            raise InvalidRequest(f"the prompt has {n} tokens, more than max_num_batched_tokens="
                                       f"{sched.max_num_batched_tokens}, and chunked prefill is off")
         if len(resume) >= params.max_tokens:
-            raise InvalidRequestError(f"{len(resume)} tokens already delivered, max_tokens is {params.max_tokens}")
+            raise InvalidRequest(f"{len(resume)} tokens already delivered, max_tokens is {params.max_tokens}")
         worst = min(len(ids) + params.max_tokens, self.max_model_len)
         if self.blocks.blocks_for(worst) > self.blocks.num_blocks:
-            raise InvalidRequestError(
+            raise InvalidRequest(
                 f"the request needs up to {worst} tokens of KV cache but the cache holds "
                 f"{self.blocks.num_blocks * self.blocks.block_size}; lower max_tokens or the prompt")
 

@@ -37,10 +37,10 @@ from typing import Any, Protocol
 import structlog
 import zmq
 
-from tokenmill.client import protocol as p
-from tokenmill.client.errors import ProtocolError
-from tokenmill.client.keys import apply_client_curve
-from tokenmill.worker.sampling_params import InvalidRequestError, SamplingParams
+from tokenmill.protocol import InvalidRequest, SamplingParams
+from tokenmill.protocol import wire as p
+from tokenmill.protocol.errors import ProtocolError
+from tokenmill.protocol.keys import apply_client_curve
 
 log = structlog.get_logger("tokenmill.worker")
 
@@ -322,7 +322,7 @@ class EngineLoop:
             self.engine.add_request(rid, msg.input.prompt, prompt_token_ids=msg.input.prompt_token_ids,
                                     messages=msg.input.messages, params=params, priority=msg.priority,
                                     resume_token_ids=msg.resume_token_ids)
-        except (InvalidRequestError, ValueError, TypeError) as e:
+        except (InvalidRequest, ValueError, TypeError) as e:
             self._push(p.JobError(msg.job_id, msg.attempt, "invalid", str(e)[:1000]))
             return
         self.active[rid] = (msg.job_id, msg.attempt)

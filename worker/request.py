@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from tokenmill.worker.sampling_params import SamplingParams
+from tokenmill.protocol.sampling import SamplingParams
 
 # Stands in `token_ids` for a token that a launched step is still sampling (async scheduling).
 PLACEHOLDER = -1

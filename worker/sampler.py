@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from tokenmill.worker.sampling_params import SamplingParams
+from tokenmill.protocol.sampling import SamplingParams
 
 log = logging.getLogger("tokenmill.sampler")
 

@@ -30,7 +30,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
-from tokenmill.worker.sampling_params import InvalidRequestError
+from tokenmill.protocol import InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -391,19 +391,19 @@ class Tokenizer:
             template = _compile_template(self._chat_template or DEFAULT_CHAT_TEMPLATE)
             return str(template.render(**variables))
         except (jinja2.TemplateError, TypeError, ValueError) as e:
-            raise InvalidRequestError(f"chat template failed: {e}") from None
+            raise InvalidRequest(f"chat template failed: {e}") from None
 
 
 def validate_messages(messages: object) -> None:
-    """Raise InvalidRequestError unless `messages` is a non-empty list of {role: str, content: str}."""
+    """Raise InvalidRequest unless `messages` is a non-empty list of {role: str, content: str}."""
     if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("messages must be a non-empty list of {'role': str, 'content': str}")
+        raise InvalidRequest("messages must be a non-empty list of {'role': str, 'content': str}")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise InvalidRequestError(f"messages[{i}] must be a dict, got {type(message).__name__}")
+            raise InvalidRequest(f"messages[{i}] must be a dict, got {type(message).__name__}")
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
-                raise InvalidRequestError(f"messages[{i}]['{key}'] must be a string")
+                raise InvalidRequest(f"messages[{i}]['{key}'] must be a string")
 
 
 # ------------------------------------------------------------------------------------- chat template helpers

@@ -1,13 +1,14 @@
-"""Per-request sampling parameters, validated at construction (bad values fail the request alone)."""
+"""Per-request sampling parameters, validated at construction (bad values fail the request alone).
+
+The broker checks a SUBMIT's params with these rules before queueing it, and the worker builds its
+sampler from them, so both sides accept exactly the same set."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-
-class InvalidRequestError(ValueError):
-    """A request that can never be served as given (bad parameters, too long, unknown tokens)."""
+from tokenmill.protocol.errors import InvalidRequest
 
 
 @dataclass(frozen=True)
@@ -65,14 +66,14 @@ class SamplingParams:
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
         """Build from untrusted wire data; unknown keys are an error, not silently dropped."""
         if not isinstance(d, dict):
-            raise InvalidRequestError("sampling params must be a mapping")
+            raise InvalidRequest("sampling params must be a mapping")
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
-            raise InvalidRequestError(f"unknown sampling parameter(s): {sorted(unknown)}")
+            raise InvalidRequest(f"unknown sampling parameter(s): {sorted(unknown)}")
         try:
             return cls(**d)
         except TypeError as e:
-            raise InvalidRequestError(str(e)) from None
+            raise InvalidRequest(str(e)) from None
 
 
 def _num(x: object) -> bool:
@@ -81,12 +82,12 @@ def _num(x: object) -> bool:
 
 def _check(ok: bool, msg: str) -> None:
     if not ok:
-        raise InvalidRequestError(msg)
+        raise InvalidRequest(msg)
 
 
 def _as_tuple(v: object, typ: type, name: str) -> tuple:
     if isinstance(v, typ):
         v = (v,)
     if not isinstance(v, list | tuple) or not all(isinstance(x, typ) and not isinstance(x, bool) for x in v):
-        raise InvalidRequestError(f"{name} must be a list of {typ.__name__}")
+        raise InvalidRequest(f"{name} must be a list of {typ.__name__}")
     return tuple(v)

@@ -1,4 +1,5 @@
-"""tokenmill wire protocol: one torch-free module shared by the client SDK, the broker and the worker.
+"""tokenmill wire protocol: the message types and their one encode/decode pair, shared by the client SDK, the
+broker and the worker.
 
 Every message is a ZeroMQ multipart message of exactly three frames:
 
@@ -24,7 +25,7 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import msgpack
 
-from tokenmill.client.errors import ProtocolError
+from tokenmill.protocol.errors import ProtocolError
 
 HEADER = b"TM2"  # version 2: TOKENS bodies are [attempts, entries] (was one 6-item array per chunk)
 PROTOCOL_VERSION = 2
@@ -42,7 +43,7 @@ MAX_MESSAGES = 4096  # chat turns in one request
 
 FINISH_REASONS = frozenset({"stop", "length", "abort", "error"})
 
-# Codes of a FAIL reply; each maps to one exception class of tokenmill.client.errors.
+# Codes of a FAIL reply; each maps to one exception class of tokenmill.protocol.errors.
 FAIL_CODES = frozenset(
     {"overloaded", "deadline", "cancelled", "invalid", "failed", "forbidden", "unknown_job", "unavailable",
      "protocol", "conflict"}
@@ -937,8 +938,3 @@ def decode(frames: Sequence[bytes], allowed: frozenset[Cmd] | None = None,
     except (TypeError, ValueError, KeyError, AttributeError) as e:  # defensive: a validator slipped
         raise ProtocolError(f"malformed {cmd.name}: {type(e).__name__}: {e}") from None
 
-
-def fail_code_for(exc: BaseException) -> str:
-    """The FAIL code a worker or broker uses for an exception raised while handling one job."""
-    name = type(exc).__name__
-    return "invalid" if name in ("InvalidRequestError", "ProtocolError", "InvalidRequest") else "failed"

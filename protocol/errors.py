@@ -1,4 +1,5 @@
-"""Typed errors of the tokenmill client SDK. Every FAIL code of the protocol maps to one class."""
+"""Typed errors of tokenmill, shared by the SDK, the broker and the worker. Every FAIL code of the protocol
+maps to one class; `InvalidRequest` is also a ValueError (the engine raises it for a bad request)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class Cancelled(TokenmillError):
     code = "cancelled"
 
 
-class InvalidRequest(TokenmillError):
+class InvalidRequest(TokenmillError, ValueError):
     """The request can never be served as given (bad sampling parameters, prompt too long, ...)."""
 
     code = "invalid"

@@ -40,6 +40,7 @@ def make_job(job_id: str, client: bytes = b"c", worker: bytes | None = None, att
                               "created": 0.0, "deadline": None, "prefix_hashes": []}
     fields.update(kw)
     job = Job(job_id, **fields)
+    job.attempt = attempt
     if worker is not None:
-        job.state, job.worker, job.attempt = JobState.RUNNING, worker, attempt
+        job.state, job.worker = JobState.RUNNING, worker
     return job

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from itertools import repeat
-from typing import Any, cast
+from typing import Any
 
 import msgpack
 import structlog
@@ -96,9 +96,9 @@ class Fanout:
         if judged is None:
             return False
         admitted, client = judged
-        if client is not None:
+        if client is not None:  # (then every chunk was admitted: no None in `admitted`)
             assert body is not None
-            self._forward(client, cast(list[Job], admitted), entries, body[offset:])
+            self._forward(client, admitted, entries, body[offset:])  # type: ignore[arg-type]
         else:
             self._store_and_send(admitted, entries)
         return True

@@ -95,25 +95,27 @@ class Fanout:
         judged = self._admit(worker, attempts, entries, body is not None)
         if judged is None:
             return False
-        admitted, client = judged
+        admitted, client, tokens = judged
+        self.counters["tokens_in"] += tokens
         if client is not None:  # (then every chunk was admitted: no None in `admitted`)
             assert body is not None
-            self._forward(client, admitted, entries, body[offset:])  # type: ignore[arg-type]
+            self._forward(client, admitted, entries, body[offset:], tokens)  # type: ignore[arg-type]
         else:
             self._store_and_send(admitted, entries)
         return True
 
     def _admit(self, worker: bytes, attempts: Sequence[Any], entries: Sequence[Any],
-               plain: bool) -> tuple[list[Job | None], bytes | None] | None:
-        """Rules 1 and 2 for each chunk: its job (the chunk admitted) or None (dropped, counted); and the
-        client the whole batch can be forwarded to (only a `plain` batch can), or None. With `plain`,
-        first each chunk's shape: None, with every admission undone, if one is not plain."""
+               plain: bool) -> tuple[list[Job | None], bytes | None, int] | None:
+        """Rules 1 and 2 for each chunk: its job (the chunk admitted) or None (dropped, counted); the
+        client the whole batch can be forwarded to (only a `plain` batch can), or None; and the tokens
+        admitted. With `plain`, first each chunk's shape: None, with every admission undone, if one is
+        not plain."""
         get, running, max_attempt = self.jobs.get, JobState.RUNNING, p.MAX_ATTEMPT
         admitted: list[Job | None] = []
         add = admitted.append
         client: bytes | None = None
         forwardable = plain
-        stale = stale_tokens = 0
+        tokens = stale = stale_tokens = 0
         mismatches: list[tuple[str, int, int]] = []  # counted (and logged) once the batch is known valid
         try:
             for attempt, (job_id, seq, token_ids, text, logprobs) in zip(attempts, entries):
@@ -134,7 +136,9 @@ class Fanout:
                     add(None)
                     forwardable = False
                     continue
-                job.num_tokens = seq + len(token_ids)
+                n = len(token_ids)
+                job.num_tokens = seq + n
+                tokens += n
                 add(job)
                 if forwardable:
                     subs = job.subscribers
@@ -155,20 +159,18 @@ class Fanout:
         for job_id, got, expected in mismatches:
             self.counters["seq_mismatch"] += 1
             log.warning("seq_mismatch", job=job_id, got=got, expected=expected)
-        return admitted, (client if forwardable else None)
+        return admitted, (client if forwardable else None), tokens
 
-    def _forward(self, cid: bytes, admitted: list[Job], entries: Sequence[list[Any]], stream_body: bytes) -> None:
+    def _forward(self, cid: bytes, admitted: list[Job], entries: Sequence[list[Any]], stream_body: bytes,
+                 tokens: int) -> None:
         """The forward case: send the body as it came, then store the chunks."""
         error: zmq.ZMQError | None = None
         try:
             status = self.clients.send_raw(cid, [*STREAM_HEAD, stream_body])
         except zmq.ZMQError as e:  # neither a full queue nor a gone peer: re-raised once the chunks are stored
             status, error = Sent.BLOCKED, e
-        tokens = 0
         for job, entry in zip(admitted, entries):
             job.store(entry)
-            tokens += len(entry[2])
-        self.counters["tokens_in"] += tokens
         self.counters["batches_forwarded"] += 1
         self._delivered(cid, status, admitted, repeat(1), tokens)
         if error is not None:
@@ -178,25 +180,21 @@ class Fanout:
         """Store each admitted chunk; send the direct ones (one body per client), then flush the rest."""
         bodies: dict[bytes, _Body] = {}
         rest: list[Job] = []
-        tokens = 0
         for job, entry in zip(admitted, entries):
             if job is None:
                 continue
             index = len(job.ends)
             encoded = job.store(entry)
-            n = len(entry[2])
-            tokens += n
             subs = job.subscribers
             if len(subs) == 1:
                 [(cid, cursor)] = subs.items()
                 if cursor == index:  # the direct case
                     if (body := bodies.get(cid)) is None:
                         body = bodies[cid] = _Body()
-                    body.add(job, encoded, 1, n)
+                    body.add(job, encoded, 1, len(entry[2]))
                     continue
             if subs:
                 rest.append(job)
-        self.counters["tokens_in"] += tokens
         for cid, body in bodies.items():
             self._send(cid, body)
         if rest:

@@ -1,8 +1,10 @@
 """The fan-out: the one path a worker's TOKENS batch takes to the job logs and the subscribed clients,
 and a job's log takes to the subscribers that lack part of it.
 
-The rules, stated here once. A batch reaching `relay` is valid as a whole (the decoder's rules: the
-caller checked it with `plain_batch` or the strict decoder). Then, for each chunk in order:
+The rules, stated here once. A batch is valid as a whole by the decoder's rules, or dropped whole: it
+reaches `relay` decoded strictly, or as it came off the wire, and then relay checks each chunk's plain
+shape on the way (protocol.plain_entry), refusing the batch, with nothing changed, at the first one
+that fails (the caller then decodes it strictly). Then, for each chunk in order:
 1. it counts only if the sending worker runs its job's current attempt (Job.runs); otherwise it is
    stale: dropped (stale_messages_dropped, stale_tokens_dropped);
 2. it must start where its job's log ends, with the batch's earlier chunks in it (Job.admit); otherwise

@@ -46,8 +46,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -272,7 +273,9 @@ def choose_heads_per_group(num_kv_heads: int, kv_bytes_per_head: int, l2_bytes: 
     return hg
 
 
-@triton.jit
+# Per-step ints (batch size, head grouping, split count, window, block-table width) are not specialized on: Triton
+# otherwise compiles a variant per value class (== 1, divisible by 16, other), i.e. while serving.
+@triton.jit(do_not_specialize=["num_seqs", "heads_per_group", "num_splits", "window", "stride_bt"])
 def _paged_attn_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
@@ -465,7 +468,7 @@ def _paged_attn_kernel(
     pdl_release(PDL)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(
     part_acc_ptr,  # [T, Hq, num_splits, D] fp32
     part_m_ptr,  # [T, Hq, num_splits] fp32
@@ -588,24 +591,115 @@ def paged_attention(
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
     else:
-        if out.shape != q.shape or out.dtype != q.dtype or out.device != device:
-            raise ValueError(
-                f"out must be {tuple(q.shape)} {q.dtype} on {device}, got "
-                f"{tuple(out.shape)} {out.dtype} on {out.device}"
-            )
-        if out.stride(-1) != 1:
-            raise ValueError(f"out must be contiguous in its last dim, got strides {out.stride()}")
+        _check_out(out, q)
     if num_tokens == 0 or num_seqs == 0:
         return out
-
-    group = num_q_heads // num_kv_heads
-    group_pad = _next_pow2(group)
     defaulted = config is None
+    plan = plan_paged_attention(q.shape, q.dtype, k_cache.shape, device, num_seqs, scale, max_query_len=max_query_len,
+                                max_seq_len=max_seq_len, sliding_window=sliding_window, num_splits=num_splits,
+                                config=config)  # fmt: skip
+    try:
+        plan.launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, rope)
+    except OutOfResources as exc:
+        if not defaulted or plan.config not in _SHALLOW_OF:
+            raise
+        _NO_DEEP_TILES.add(device)
+        _log.warning("paged_attention: %s does not fit %s (%s); using %s from now on", plan.config, device, exc,
+                     _SHALLOW_OF[plan.config])  # fmt: skip
+        return paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=max_query_len,
+            max_seq_len=max_seq_len, sliding_window=sliding_window, out=out, num_splits=num_splits, rope=rope,
+        )  # fmt: skip
+    return out
+
+
+def _check_out(out: torch.Tensor, q: torch.Tensor) -> None:
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(
+            f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got "
+            f"{tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    if out.stride(-1) != 1:
+        raise ValueError(f"out must be contiguous in its last dim, got strides {out.stride()}")
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """The launch decisions of one paged_attention call, made from host ints only (shapes, the batch's
+    upper bounds), so that the layers of one step can share them: `launch` per layer then does no more
+    host work than the kernel launches. Built by plan_paged_attention."""
+
+    config: PagedAttentionConfig
+    block_m: int
+    block_q: int
+    one_tile: bool
+    num_splits: int
+    heads_per_group: int
+    grid: tuple[int, int, int]
+    num_seqs: int
+    qk_scale: float  # scale * log2(e)
+    window: int  # 0: none
+    part: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # split partials acc, m, l (or 1-element dummies)
+    pdl: dict[str, Any]
+    reduce_grid: tuple[int, int, int]
+    reduce_block_d: int
+
+    def launch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor,
+               rope: DecodeRope | None = None) -> None:
+        """Attention of q [T, Hq, D] into out [T, Hq, D], T and the caches' shapes as planned (callers of a
+        shared plan guarantee it; paged_attention checks every argument before it plans)."""
+        _, num_q_heads, head_dim = q.shape
+        group = num_q_heads // k_cache.shape[2]
+        part_acc, part_m, part_l = self.part
+        kn, vn, cs, pos, slots = rope if rope is not None else (q, q, q[0], seq_lens, seq_lens)  # unused if no rope
+        cfg = self.config
+        _paged_attn_kernel[self.grid](
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_m, part_l,
+            kn, vn, cs, pos, slots,
+            self.num_seqs, self.heads_per_group, self.num_splits, num_q_heads, self.qk_scale, self.window,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1),
+            kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cs.stride(0),
+            GROUP=group, GROUP_PAD=_next_pow2(group), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+            BLOCK_M=self.block_m, BLOCK_Q=self.block_q, BLOCK_N=cfg.block_n, SPLIT=self.num_splits > 1,
+            ONE_TILE_PER_SEQ=self.one_tile, USE_WINDOW=self.window > 0,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FUSE_ROPE=rope is not None,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self.pdl,
+        )  # fmt: skip
+        if self.num_splits > 1:
+            _reduce_splits_kernel[self.reduce_grid](
+                part_acc, part_m, part_l, out, num_q_heads, self.num_splits, out.stride(0), out.stride(1),
+                SPLITS_PAD=max(8, _next_pow2(self.num_splits)), HEAD_DIM=head_dim, BLOCK_D=self.reduce_block_d,
+                num_warps=4 if self.reduce_block_d * max(8, _next_pow2(self.num_splits)) >= 4096 else 2, **self.pdl,
+            )  # fmt: skip
+
+
+def plan_paged_attention(
+    q_shape: Sequence[int],
+    dtype: torch.dtype,
+    cache_shape: Sequence[int],
+    device: torch.device,
+    num_seqs: int,
+    scale: float,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    config: PagedAttentionConfig | None = None,
+) -> AttentionPlan:
+    """Launch decisions for q of `q_shape` [T, Hq, D] against caches of `cache_shape` [blocks, block_size,
+    Hkv, D] over `num_seqs` requests (T, num_seqs >= 1). Arguments as paged_attention's, unchecked."""
+    num_tokens, num_q_heads, head_dim = q_shape
+    num_kv_heads = cache_shape[2]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    group_pad = _next_pow2(num_q_heads // num_kv_heads)
     if config is None:
         shared_limit = 0 if device in _NO_DEEP_TILES else _shared_limit(device)
-        config = default_config(
-            max_query_len, num_tokens, num_seqs, group_pad, q.element_size(), head_dim, shared_limit
-        )
+        config = default_config(max_query_len, num_tokens, num_seqs, group_pad, itemsize, head_dim, shared_limit)
     block_m = max(config.block_m, group_pad)
     block_q = block_m // group_pad
     one_tile = max_query_len <= block_q
@@ -624,49 +718,18 @@ def paged_attention(
     else:  # unused by the kernel; any fp32 tensor keeps the signature uniform
         part_acc = part_m = part_l = torch.empty((1,), dtype=torch.float32, device=device)
 
-    kv_bytes_per_head = kv_span * head_dim * 2 * q.element_size()  # K + V of the longest request
+    kv_bytes_per_head = kv_span * head_dim * 2 * itemsize  # K + V of the longest request
     heads_per_group = choose_heads_per_group(num_kv_heads, kv_bytes_per_head, _l2_bytes(device), one_tile)
     grid = (num_tile_slots, num_kv_heads, num_splits) if one_tile else (num_tile_slots * num_kv_heads, 1, num_splits)
-    pdl = pdl_launch_args(device)
-    kn, vn, cs, pos, slots = rope if rope is not None else (q, q, q[0], seq_lens, seq_lens)  # unused if no rope
-    try:
-        _paged_attn_kernel[grid](
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_m, part_l,
-            kn, vn, cs, pos, slots,
-            num_seqs, heads_per_group, num_splits, num_q_heads, float(scale) * _LOG2E, int(sliding_window or 0),
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_tables.stride(0), out.stride(0), out.stride(1),
-            kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cs.stride(0),
-            GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-            BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=num_splits > 1,
-            ONE_TILE_PER_SEQ=one_tile, USE_WINDOW=sliding_window is not None,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FUSE_ROPE=rope is not None,
-            num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
-        )  # fmt: skip
-    except OutOfResources as exc:
-        if not defaulted or config not in _SHALLOW_OF:
-            raise
-        _NO_DEEP_TILES.add(device)
-        _log.warning("paged_attention: %s does not fit %s (%s); using %s from now on", config, device, exc,
-                     _SHALLOW_OF[config])  # fmt: skip
-        return paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=max_query_len,
-            max_seq_len=max_seq_len, sliding_window=sliding_window, out=out, num_splits=num_splits, rope=rope,
-        )  # fmt: skip
-    if num_splits > 1:
-        splits_pad = max(8, _next_pow2(num_splits))
-        rows = num_tokens * num_q_heads
-        d_chunks = min(head_dim // 16, _next_pow2(_REDUCE_PROGRAMS_PER_SM * _num_sms(device) // rows + 1) // 2)
-        d_chunks = max(1, d_chunks)  # a power of two dividing head_dim
-        block_d = head_dim // d_chunks
-        _reduce_splits_kernel[(num_tokens, num_q_heads, d_chunks)](
-            part_acc, part_m, part_l, out, num_q_heads, num_splits, out.stride(0), out.stride(1),
-            SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            num_warps=4 if block_d * splits_pad >= 4096 else 2, **pdl,
-        )  # fmt: skip
-    return out
+    rows = num_tokens * num_q_heads
+    d_chunks = min(head_dim // 16, _next_pow2(_REDUCE_PROGRAMS_PER_SM * _num_sms(device) // rows + 1) // 2)
+    d_chunks = max(1, d_chunks)  # a power of two dividing head_dim
+    return AttentionPlan(
+        config=config, block_m=block_m, block_q=block_q, one_tile=one_tile, num_splits=num_splits,
+        heads_per_group=heads_per_group, grid=grid, num_seqs=num_seqs, qk_scale=float(scale) * _LOG2E,
+        window=int(sliding_window or 0), part=(part_acc, part_m, part_l), pdl=pdl_launch_args(device),
+        reduce_grid=(num_tokens, num_q_heads, d_chunks), reduce_block_d=head_dim // d_chunks,
+    )
 
 
 def paged_attention_ref(

@@ -116,6 +116,9 @@ class EngineConfig:
     seed: int = 0
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     cuda_graphs: bool = True  # decode-only steps replay captured graphs (CUDA only)
+    # with cuda_graphs: steps with prompt tokens (up to max_num_batched_tokens) replay piecewise graphs, attention
+    # launched between the pieces (CUDA, Triton backend)
+    piecewise_graphs: bool = True
     # Schedule step N+1 while step N runs on the device (one step in flight). None: on for CUDA only.
     async_scheduling: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from tokenmill.worker.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.worker.config import CacheConfig, EngineConfig, ModelArch
-from tokenmill.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from tokenmill.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, graph_batch_sizes, mixed_graph_sizes
 from tokenmill.worker.loader import ModelSource, build_model
 from tokenmill.worker.request import PLACEHOLDER, Request
 from tokenmill.worker.sampler import Sampler, SamplingMetadata
@@ -115,6 +116,21 @@ class ModelRunner:
                 self.model, self.kv_caches, graph_batch_sizes(config.scheduler.max_num_seqs),
                 -(-max_model_len // self.block_size), max_model_len, self.arch.hidden_size, self.device)
             self.graphs.capture()
+        self.piecewise: PiecewiseGraphs | None = None
+        if self.device.type == "cuda" and config.cuda_graphs and config.piecewise_graphs and \
+                hasattr(self.backend, "split"):
+            self._capture_piecewise(config)
+
+    def _capture_piecewise(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        sched = config.scheduler
+        self.piecewise = PiecewiseGraphs(self.model, self.backend, self.kv_caches,
+                                         mixed_graph_sizes(sched.max_num_batched_tokens), self.arch.num_heads,
+                                         self.arch.head_dim, self.device)
+        self.piecewise.capture()
+        variants = self.piecewise.warm_up_attention(sched.max_num_seqs, self.max_model_len)
+        log.info("piecewise CUDA graphs and %d attention variants ready in %.1f s", variants,
+                 time.perf_counter() - t0)
 
     # -- KV cache sizing --------------------------------------------------------------------------
     @property
@@ -216,6 +232,8 @@ class ModelRunner:
     def _forward(self, ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         if self.graphs is not None and meta.is_decode_only and self.graphs.bucket(meta.num_seqs) is not None:
             return self.graphs.run(ids, positions, meta)
+        if self.piecewise is not None and self.piecewise.bucket(ids.shape[0]) is not None:
+            return self.piecewise.run(ids, positions, meta)
         return self.model(ids, positions, self.kv_caches, meta)
 
     @torch.inference_mode()

@@ -36,6 +36,15 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+class AttentionSplit(Protocol):
+    """Where a piecewise CUDA-graph capture cuts the model: called instead of the attention kernel with
+    q [T, Hq, D] (this step's keys and values already in the caches), it returns the tensor [T, Hq, D] that
+    will hold the attention output when the graph pieces are replayed."""
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                 sliding_window: int | None) -> torch.Tensor: ...
+
+
 class AttentionBackend(Protocol):
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D].
     Returns [T, Hq, D] in q's dtype. Must write k, v into the caches at meta.slot_mapping first."""

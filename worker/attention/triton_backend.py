@@ -12,7 +12,7 @@ import torch
 from tokenmill.kernels.kv_cache import write_kv_cache
 from tokenmill.kernels.paged_attention import DecodeRope, paged_attention
 from tokenmill.kernels.rotary import rotary_and_cache
-from tokenmill.worker.attention.backend import AttentionMetadata
+from tokenmill.worker.attention.backend import AttentionMetadata, AttentionSplit
 
 
 class TritonBackend:
@@ -23,6 +23,11 @@ class TritonBackend:
     # decode-only steps fold rotary + cache write into the attention kernel; TOKENMILL_DECODE_ROPE=0 keeps the
     # separate rotary kernel (A/B measurements)
     decode_rope_in_attention = os.environ.get("TOKENMILL_DECODE_ROPE", "1") != "0"
+
+    def __init__(self) -> None:
+        # Set only while worker/cuda_graphs.py captures piecewise graphs: attention calls go to it instead of
+        # launching (the capture ends a graph piece there and launches attention between the pieces).
+        self.split: AttentionSplit | None = None
 
     def forward(
         self,
@@ -60,8 +65,8 @@ class TritonBackend:
         rotary_and_cache(q, k, v, cos_sin_cache, positions, k_cache, v_cache, meta.slot_mapping)
         return self._attend(q, k_cache, v_cache, meta, scale, sliding_window)
 
-    @staticmethod
     def _attend(
+        self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
@@ -70,6 +75,9 @@ class TritonBackend:
         sliding_window: int | None,
         rope: DecodeRope | None = None,
     ) -> torch.Tensor:
+        if self.split is not None:
+            assert rope is None, "piecewise capture runs the separate rotary + cache-write kernel"
+            return self.split(q, k_cache, v_cache, scale, sliding_window)
         return paged_attention(
             q,
             k_cache,

@@ -183,9 +183,10 @@ class PiecewiseGraphs:
         """One request of t new tokens: max_query_len > 1 keeps rotary + cache write out of the attention
         kernel (in the pieces); slots -1 write nothing."""
         qsl = torch.tensor([0, t], dtype=torch.int32, device=self.device)
+        blocks = -(-t // self.kv_caches[0][0].shape[1])  # the warm-up runs attend over t keys, all in block 0
         return AttentionMetadata(
-            query_start_loc=qsl, seq_lens=qsl[1:], block_tables=torch.zeros((1, 1), dtype=torch.int32,
-                                                                             device=self.device),
+            query_start_loc=qsl, seq_lens=qsl[1:],
+            block_tables=torch.zeros((1, blocks), dtype=torch.int32, device=self.device),
             slot_mapping=self.slot_mapping[:t], max_query_len=t, max_seq_len=t, query_lens_cpu=[t], seq_lens_cpu=[t],
         )
 
@@ -271,9 +272,10 @@ class PiecewiseGraphs:
             qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=self.device)
             seq_lens = torch.tensor([ctx] * n, dtype=torch.int32, device=self.device)
             tables = torch.zeros((n, -(-ctx // block_size)), dtype=torch.int32, device=self.device)
-            plan = self._plan((t, *call.q.shape[1:]), call.q.dtype, kc.shape, self.device, n, call.scale,
-                              max_query_len=max(q_lens), max_seq_len=ctx, sliding_window=call.sliding_window)
-            plan.launch(call.q[:t], kc, vc, tables, seq_lens, qsl, self.attn_out[:t])
+            q = self.calls[t][0].q  # [t, Hq, D]: this bucket's first layer
+            plan = self._plan(q.shape, q.dtype, kc.shape, self.device, n, call.scale, max_query_len=max(q_lens),
+                              max_seq_len=ctx, sliding_window=call.sliding_window)
+            plan.launch(q, kc, vc, tables, seq_lens, qsl, self.attn_out[:t])
         torch.cuda.synchronize()
         return len(seen)
 

@@ -102,6 +102,8 @@ class ModelRunner:
         self.model = build_model(source, self.backend, self.device, self.dtype)
         self.sampler = Sampler()
         self.sampler.warm_up(self.arch.vocab_size, self.device)
+        self._wants_piecewise = (self.device.type == "cuda" and config.cuda_graphs and config.piecewise_graphs
+                                 and hasattr(self.backend, "split"))
         self.num_blocks = self._size_kv_cache(config.cache)
         shape = (self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
         # Zeroed so that padding rows of a graph replay read finite values.
@@ -117,8 +119,7 @@ class ModelRunner:
                 -(-max_model_len // self.block_size), max_model_len, self.arch.hidden_size, self.device)
             self.graphs.capture()
         self.piecewise: PiecewiseGraphs | None = None
-        if self.device.type == "cuda" and config.cuda_graphs and config.piecewise_graphs and \
-                hasattr(self.backend, "split"):
+        if self._wants_piecewise:
             self._capture_piecewise(config)
 
     def _capture_piecewise(self, config: EngineConfig) -> None:
@@ -159,12 +160,16 @@ class ModelRunner:
         cache what is left of `utilization * total`."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
         self._profile_step()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         other = total - free - torch.cuda.memory_reserved(self.device)  # other processes, CUDA context
-        return int(total * utilization - peak - max(other, 0))
+        # The piecewise graphs' pool holds the activations of their largest bucket (max_num_batched_tokens
+        # tokens): as much again as the worst-case step, kept apart from the caching allocator's memory.
+        graph_pool = peak - before if self._wants_piecewise else 0
+        return int(total * utilization - peak - graph_pool - max(other, 0))
 
     @torch.inference_mode()
     def _profile_step(self) -> None:

@@ -6,7 +6,8 @@
 # gpu_suite.sh); the baseline as a tarball: git archive -o .cache/before.tar <commit>
 # Device call: run(command="bash benchmarks/gpu_ab.sh", carry=[".whl", ".cache"], timeout_s=600)
 # Environment: AB_TESTS (pytest paths, "" skips), AB_SECTIONS (suite sections, default engine,sharegpt,prefix),
-# AB_BUDGET_S (per suite run, default 150), AB_EXTRA (a command run after, in this tree).
+# AB_BUDGET_S (per suite run, default 150), AB_SIDES (default "before after"), AB_EXTRA (a command run after,
+# in this tree).
 set -uo pipefail
 start=$SECONDS
 OUT=${OUT:-/tmp/out}; R="$OUT/ab"; mkdir -p "$R"
@@ -25,7 +26,7 @@ if [ -n "${AB_TESTS-tests/}" ]; then
 fi
 echo "== tests done at $(( SECONDS - start )) s"
 sections=${AB_SECTIONS:-engine,sharegpt,prefix}
-for side in before after; do
+for side in ${AB_SIDES:-before after}; do
   t0=$SECONDS
   if [ $side = before ]; then pp=/tmp/before_site:$PYTHONPATH; else pp=$PYTHONPATH; fi
   (cd /tmp && PYTHONPATH=$pp timeout $(( ${AB_BUDGET_S:-150} + 30 )) python3 -m tokenmill.benchmarks.suite --device gpu \

@@ -110,10 +110,9 @@ def mixed_graph_sizes(max_tokens: int) -> list[int]:
 
 
 class _AttentionCall(NamedTuple):
-    """One attention layer between two graph pieces: q [bucket, Hq, D] lives in graph memory (the piece before
-    writes it), the output goes to PiecewiseGraphs.attn_out."""
+    """One attention layer between two graph pieces: it reads PiecewiseGraphs.attn_q (the piece before writes
+    it) and writes PiecewiseGraphs.attn_out (the piece after reads it)."""
 
-    q: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     scale: float
@@ -124,8 +123,9 @@ class _SplitRecorder:
     """The AttentionSplit of one bucket's capture: at each attention call it ends the graph piece being captured,
     notes the call, and begins the next piece in the same memory pool."""
 
-    def __init__(self, pool: Any, attn_out: torch.Tensor) -> None:
+    def __init__(self, pool: Any, attn_q: torch.Tensor, attn_out: torch.Tensor) -> None:
         self.pool = pool
+        self.attn_q = attn_q
         self.attn_out = attn_out
         self.pieces: list[torch.cuda.CUDAGraph] = []
         self.calls: list[_AttentionCall] = []
@@ -143,8 +143,11 @@ class _SplitRecorder:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                  sliding_window: int | None) -> torch.Tensor:
+        # q goes to the shared static buffer inside the piece: a recorded q tensor would pin its pool memory
+        # for the life of the graphs, every bucket's apart (tens of GB for an 8B model up to 8k tokens).
+        self.attn_q[: q.shape[0]].copy_(q)
         self.end()
-        self.calls.append(_AttentionCall(q, k_cache, v_cache, scale, sliding_window))
+        self.calls.append(_AttentionCall(k_cache, v_cache, scale, sliding_window))
         self.begin()
         return self.attn_out[: q.shape[0]]
 
@@ -159,7 +162,7 @@ class PiecewiseGraphs:
     replays the smallest bucket >= T; rows past T are padding (slot -1: no cache write; outputs ignored)."""
 
     def __init__(self, model: torch.nn.Module, backend: Any, kv_caches: KVCaches, sizes: Sequence[int],
-                 num_heads: int, head_dim: int, device: torch.device) -> None:
+                 num_heads: int, head_dim: int, hidden_size: int, device: torch.device) -> None:
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
@@ -170,10 +173,13 @@ class PiecewiseGraphs:
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.attn_out = torch.zeros((n, num_heads, head_dim), dtype=dtype, device=device)  # every layer's output
+        # Static buffers shared by every bucket and layer (the graphs own no tensor between replays, so all
+        # buckets share one pool of activation memory): attention input and output, the final hidden states.
+        self.attn_q = torch.zeros((n, num_heads, head_dim), dtype=dtype, device=device)
+        self.attn_out = torch.zeros((n, num_heads, head_dim), dtype=dtype, device=device)
+        self.hidden = torch.zeros((n, hidden_size), dtype=dtype, device=device)
         self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.calls: dict[int, list[_AttentionCall]] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
         self.device = device
         from tokenmill.kernels.paged_attention import plan_paged_attention  # Triton: CUDA machines only
 
@@ -200,11 +206,11 @@ class PiecewiseGraphs:
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up: Triton compiles outside the capture
                     self.model(*args)
-                recorder = _SplitRecorder(pool, self.attn_out)
+                recorder = _SplitRecorder(pool, self.attn_q, self.attn_out)
                 self.backend.split = recorder
                 try:
                     recorder.begin()
-                    self.outputs[t] = self.model(*args)
+                    self.hidden[:t].copy_(self.model(*args))
                     recorder.end()
                 finally:
                     self.backend.split = None
@@ -212,6 +218,7 @@ class PiecewiseGraphs:
             assert len({(c.scale, c.sliding_window) for c in recorder.calls}) == 1, "one attention plan per step"
             self.pieces[t], self.calls[t] = recorder.pieces, recorder.calls
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the warm-up forwards' memory, cached for the side stream
         log.info("captured piecewise CUDA graphs for %d token buckets (%s), %d pieces each", len(self.sizes),
                  self.sizes, len(self.pieces[self.sizes[0]]))
 
@@ -231,17 +238,17 @@ class PiecewiseGraphs:
         self.slot_mapping[t:g].fill_(-1)
         calls = self.calls[g]
         first = calls[0]
+        q, out = self.attn_q[:t], self.attn_out[:t]
         plan = self._plan(
-            (t, *first.q.shape[1:]), first.q.dtype, first.k_cache.shape, self.device, meta.num_seqs, first.scale,
+            q.shape, q.dtype, first.k_cache.shape, self.device, meta.num_seqs, first.scale,
             max_query_len=max(1, meta.max_query_len), max_seq_len=max(1, meta.max_seq_len),
             sliding_window=first.sliding_window)
-        out = self.attn_out[:t]
         for piece, call in zip(self.pieces[g], calls):
             piece.replay()
-            plan.launch(call.q[:t], call.k_cache, call.v_cache, meta.block_tables, meta.seq_lens,
+            plan.launch(q, call.k_cache, call.v_cache, meta.block_tables, meta.seq_lens,
                         meta.query_start_loc, out)
         self.pieces[g][-1].replay()
-        return self.outputs[g][:t]
+        return self.hidden[:t]
 
     @torch.inference_mode()
     def warm_up_attention(self, max_num_seqs: int, max_model_len: int) -> int:
@@ -260,7 +267,7 @@ class PiecewiseGraphs:
                 for q_lens in (_even(t, n), [1] * (n - 1) + [t - n + 1]):
                     for ctx in sorted({max(q_lens), min(1024, max_model_len), max_model_len}):
                         ctx = max(ctx, max(q_lens))
-                        plan = self._plan((t, *call.q.shape[1:]), call.q.dtype, kc.shape, self.device, n,
+                        plan = self._plan(self.attn_q[:t].shape, self.attn_q.dtype, kc.shape, self.device, n,
                                           call.scale, max_query_len=max(q_lens), max_seq_len=ctx,
                                           sliding_window=call.sliding_window)
                         key = (plan.config, plan.one_tile, plan.num_splits > 1,
@@ -272,7 +279,7 @@ class PiecewiseGraphs:
             qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=self.device)
             seq_lens = torch.tensor([ctx] * n, dtype=torch.int32, device=self.device)
             tables = torch.zeros((n, -(-ctx // block_size)), dtype=torch.int32, device=self.device)
-            q = self.calls[t][0].q  # [t, Hq, D]: this bucket's first layer
+            q = self.attn_q[:t]
             plan = self._plan(q.shape, q.dtype, kc.shape, self.device, n, call.scale, max_query_len=max(q_lens),
                               max_seq_len=ctx, sliding_window=call.sliding_window)
             plan.launch(q, kc, vc, tables, seq_lens, qsl, self.attn_out[:t])

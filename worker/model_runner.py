@@ -127,7 +127,7 @@ class ModelRunner:
         sched = config.scheduler
         self.piecewise = PiecewiseGraphs(self.model, self.backend, self.kv_caches,
                                          mixed_graph_sizes(sched.max_num_batched_tokens), self.arch.num_heads,
-                                         self.arch.head_dim, self.device)
+                                         self.arch.head_dim, self.arch.hidden_size, self.device)
         self.piecewise.capture()
         variants = self.piecewise.warm_up_attention(sched.max_num_seqs, self.max_model_len)
         log.info("piecewise CUDA graphs and %d attention variants ready in %.1f s", variants,

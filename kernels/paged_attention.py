@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -643,18 +643,25 @@ class AttentionPlan:
     pdl: dict[str, Any]
     reduce_grid: tuple[int, int, int]
     reduce_block_d: int
+    # the compiled attention and reduce variants, set by the first launch (see launch)
+    _compiled: list[Any] = field(default_factory=lambda: [None, None], repr=False, compare=False)
 
     def launch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor,
                rope: DecodeRope | None = None) -> None:
         """Attention of q [T, Hq, D] into out [T, Hq, D], T and the caches' shapes as planned (callers of a
-        shared plan guarantee it; paged_attention checks every argument before it plans)."""
+        shared plan guarantee it; paged_attention checks every argument before it plans).
+
+        The first launch goes through Triton's JIT, which picks the compiled variant for the arguments' types and
+        alignments; later launches of the same plan reuse that variant directly, which is what makes one plan
+        per step cheap for all layers. So every launch of one plan must pass tensors of the same dtypes and
+        16-byte alignment as the first (one step's layers do: the same buffers, caches of one shape)."""
         _, num_q_heads, head_dim = q.shape
         group = num_q_heads // k_cache.shape[2]
         part_acc, part_m, part_l = self.part
         kn, vn, cs, pos, slots = rope if rope is not None else (q, q, q[0], seq_lens, seq_lens)  # unused if no rope
         cfg = self.config
-        _paged_attn_kernel[self.grid](
+        args: tuple[Any, ...] = (
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_m, part_l,
             kn, vn, cs, pos, slots,
             self.num_seqs, self.heads_per_group, self.num_splits, num_q_heads, self.qk_scale, self.window,
@@ -663,18 +670,37 @@ class AttentionPlan:
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1),
             kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cs.stride(0),
+        )  # fmt: skip
+        constexprs = dict(
             GROUP=group, GROUP_PAD=_next_pow2(group), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
             BLOCK_M=self.block_m, BLOCK_Q=self.block_q, BLOCK_N=cfg.block_n, SPLIT=self.num_splits > 1,
             ONE_TILE_PER_SEQ=self.one_tile, USE_WINDOW=self.window > 0,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FUSE_ROPE=rope is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **self.pdl,
+            PDL=self.pdl["PDL"],
         )  # fmt: skip
+        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                   **{k: v for k, v in self.pdl.items() if k != "PDL"}}
+        self._compiled[0] = _run(_paged_attn_kernel, self._compiled[0], self.grid, args, constexprs, options)
         if self.num_splits > 1:
-            _reduce_splits_kernel[self.reduce_grid](
-                part_acc, part_m, part_l, out, num_q_heads, self.num_splits, out.stride(0), out.stride(1),
-                SPLITS_PAD=max(8, _next_pow2(self.num_splits)), HEAD_DIM=head_dim, BLOCK_D=self.reduce_block_d,
-                num_warps=4 if self.reduce_block_d * max(8, _next_pow2(self.num_splits)) >= 4096 else 2, **self.pdl,
-            )  # fmt: skip
+            splits_pad = max(8, _next_pow2(self.num_splits))
+            args = (part_acc, part_m, part_l, out, num_q_heads, self.num_splits, out.stride(0), out.stride(1))
+            constexprs = dict(SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, BLOCK_D=self.reduce_block_d,
+                              PDL=self.pdl["PDL"])
+            options["num_warps"] = 4 if self.reduce_block_d * splits_pad >= 4096 else 2
+            options.pop("num_stages")
+            self._compiled[1] = _run(_reduce_splits_kernel, self._compiled[1], self.reduce_grid, args, constexprs,
+                                     options)
+
+
+def _run(kernel: Any, compiled: Any, grid: tuple[int, int, int], args: tuple[Any, ...], constexprs: dict[str, Any],
+         options: dict[str, Any]) -> Any:
+    """Launch `kernel` through the JIT (compiled is None) or `compiled`, the variant an earlier launch of the same
+    plan returned (its launcher takes every parameter in signature order, constexprs included). Returns the
+    compiled variant for the next launch."""
+    if compiled is None:
+        return kernel[grid](*args, **constexprs, **options)
+    compiled[grid](*args, *constexprs.values())
+    return compiled
 
 
 def plan_paged_attention(

@@ -722,6 +722,9 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / f"{args.name}.md").write_text(_markdown(result))
     print(_markdown(result))
+    from tokenmill.benchmarks import summary
+
+    print("summary.json:", summary.record_file(args.out / f"{args.name}.json", date=summary.today()))
     return 0
 
 

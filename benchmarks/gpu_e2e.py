@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.benchmarks import summary
 from tokenmill.benchmarks.common import write_results
 from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.config import EngineConfig, SchedulerConfig
@@ -197,6 +198,7 @@ def main() -> None:
                     f"{f['blocks_total']} blocks, {f['preemptions']} preemptions, {f['output_tok_s']:.0f} out tok/s"
                     " | TRT-LLM FP8 17,744 tok/s |")
     write_results(args.out, f"gpu_e2e_{args.model}", results, "\n".join(rows))
+    print("summary.json:", summary.record_file(args.out / f"gpu_e2e_{args.model}.json"))
 
 
 if __name__ == "__main__":

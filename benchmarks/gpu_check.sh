@@ -3,6 +3,8 @@
 # (with a profile of batch-1 decode steps and the full-cache fill run).
 # Device call: run(command="bash benchmarks/gpu_check.sh [tests e2e ab kernels gemv broker]", carry=[".whl"])
 # Everything lands in $OUT/gpu_check.tgz (a call returns at most 8 files); the short logs are printed.
+# Copy the e2e / broker JSON and MD into benchmarks/results/h200/, then record their headline figures:
+#   python -m tokenmill.benchmarks.summary benchmarks/results/h200/gpu_e2e_llama3-8b.json ... (see benchmarks/README.md)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install -q --no-deps --no-build-isolation -e .

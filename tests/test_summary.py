@@ -206,3 +206,23 @@ def test_results_record_versions_and_an_overridable_commit(monkeypatch: pytest.M
     assert info["triton"] and info["torch"] and info["cpu_count"]
     monkeypatch.setenv("TOKENMILL_COMMIT", "0123abc")
     assert git_commit() == "0123abc"
+
+
+def test_suite_merge_records_the_merged_figures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`suite --merge` of the committed H200 run and a later fixed-only run: each figure with its run's commit."""
+    from tokenmill.benchmarks import suite
+
+    monkeypatch.setattr(suite, "make_plots", lambda result, out: [])
+    full = json.loads((RESULTS / "h200" / "suite.json").read_text()) | {"measured": "2026-11-30T23:00:00+00:00"}
+    part = {k: v for k, v in full.items() if k not in ("sharegpt", "hf", "hf_compare", "prefix", "serving")}
+    part |= {"commit": "second", "measured": "2026-12-02T11:00:00+00:00",
+             "fixed": full["fixed"] | {"output_tok_per_s": 14000.0}}
+    for name, r in (("a.json", full), ("b.json", part)):
+        (tmp_path / name).write_text(json.dumps(r))
+    suite.run_cli(suite.build_parser().parse_args(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                                                   "--out", str(tmp_path / "m")]))
+    data = summary.load(tmp_path / "m" / "summary.json")
+    assert data["fixed_1000x1000_out_tok_s"] == {"value": 14000.0, "commit": "second", "date": "2026-12-02",
+                                                 "source": "suite.json"}
+    assert data["sharegpt_200_req_s"]["commit"] == full["commit"]
+    assert data["sharegpt_200_req_s"]["date"] == "2026-11-30"

@@ -17,13 +17,15 @@ from typing import Any
 
 
 def git_commit() -> str:
-    """HEAD (short), "-dirty" when tracked files differ; TOKENMILL_COMMIT wins where set (a device copy of
-    the tree can carry a stale .git: say there which commit it is)."""
+    """HEAD (short), "-dirty" when tracked files other than results differ; TOKENMILL_COMMIT wins where set
+    (a device copy of the tree can carry a stale .git: say there which commit it is)."""
     if os.environ.get("TOKENMILL_COMMIT"):
         return os.environ["TOKENMILL_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+        # results/ left out: a run rewrites its own tracked result files as it goes
+        tree = ["--", ":/", ":(top,exclude)benchmarks/results"]
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", *tree],
                                capture_output=True, text=True, check=True).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):

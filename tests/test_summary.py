@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +207,24 @@ def test_results_record_versions_and_an_overridable_commit(monkeypatch: pytest.M
     assert info["triton"] and info["torch"] and info["cpu_count"]
     monkeypatch.setenv("TOKENMILL_COMMIT", "0123abc")
     assert git_commit() == "0123abc"
+
+
+def test_commit_is_dirty_for_code_changes_not_for_result_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    git = ["git", "-c", "user.email=t@127.0.0.1", "-c", "user.name=t"]
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "suite.json").write_text("{}")
+    (tmp_path / "worker").mkdir()
+    (tmp_path / "worker" / "engine.py").write_text("x = 1\n")
+    for cmd in (["init", "-q"], ["add", "."], ["commit", "-qm", "base"]):
+        subprocess.run([*git, *cmd], cwd=tmp_path, check=True)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    monkeypatch.delenv("TOKENMILL_COMMIT", raising=False)
+    monkeypatch.chdir(tmp_path / "worker")
+    (tmp_path / "benchmarks" / "results" / "suite.json").write_text('{"new": 1}')
+    assert git_commit() == head
+    (tmp_path / "worker" / "engine.py").write_text("x = 2\n")
+    assert git_commit() == head + "-dirty"
 
 
 def test_suite_merge_records_the_merged_figures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -188,7 +188,6 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
-        self.last_aux_hidden: torch.Tensor | None = None
         with torch.device(self.device):
             self.model = LlamaModel(arch, backend, linear_method, dtype)
             # Tied models read logits straight off embed_tokens.weight; lm_head is then None.
@@ -202,10 +201,8 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
-        capture_hidden: bool = False,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] int64; kv_caches[i] belongs to layer i. Returns [T, hidden].
-        With capture_hidden, last_aux_hidden holds the last layer's output before the final norm."""
+        """input_ids, positions: [T] int64; kv_caches[i] belongs to layer i. Returns [T, hidden]."""
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.model.layers)} layers")
         h = self.model.embed_tokens(input_ids)
@@ -213,8 +210,7 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             h, residual = layer(positions, h, residual, kv_cache, meta)
         assert residual is not None
-        out, stream = self.model.norm.add_forward(h, residual)
-        self.last_aux_hidden = stream if capture_hidden else None
+        out, _ = self.model.norm.add_forward(h, residual)
         return out
 
     def lm_head_weight(self) -> torch.Tensor:

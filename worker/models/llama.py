@@ -17,13 +17,13 @@ from tokenmill.worker.attention.backend import AttentionBackend, AttentionMetada
 from tokenmill.worker.config import ModelArch
 from tokenmill.worker.models.layers import (
     Linear,
-    LinearMethod,
     ModelLoadError,
     RMSNorm,
     RotaryEmbedding,
     SiluAndMul,
     VocabEmbedding,
 )
+from tokenmill.worker.quant.base import LinearMethod
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
 # Steps of at most this many tokens use the fused decode GEMMs (kernels/gemv.py). Measured on the H200
@@ -116,10 +116,11 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(arch, backend, rotary, linear_method, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype)
         self.mlp = LlamaMLP(arch, linear_method, dtype)
-        # Few-token steps (decode) on CUDA with the Triton backend and dense weights go through the fused
-        # skinny-GEMM kernels: each reads its weight once and computes its input on the fly (the norm,
-        # the SwiGLU product), so four projections replace seven kernels per layer.
-        self.skinny_decode = backend.name == "triton" and linear_method is None
+        # Few-token steps (decode) on CUDA with the Triton backend go through the linear methods' fused
+        # decode kernels: each reads its weight once and computes its input on the fly (the norm, the
+        # SwiGLU product), so four projections replace seven kernels per layer. A method whose format has
+        # no such kernel runs the unfused ops there instead (worker/quant/base.py).
+        self.skinny_decode = backend.name == "triton"
 
     def forward(
         self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
@@ -141,15 +142,13 @@ class LlamaDecoderLayer(nn.Module):
         self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward() for T <= SKINNY_MAX_TOKENS with the fused kernels; same numerics."""
-        from tokenmill.kernels.gemv import add_rmsnorm_matmul, silu_mul_matmul, skinny_matmul
-
-        attn, mlp, ln1, ln2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
-        qkv, residual = add_rmsnorm_matmul(h, residual, ln1.weight, ln1.eps, attn.qkv_proj.weight,
-                                           attn.qkv_proj.bias)
-        o = skinny_matmul(attn.attend(positions, qkv, kv_cache, meta), attn.o_proj.weight)
-        gate_up, residual = add_rmsnorm_matmul(o, residual, ln2.weight, ln2.eps, mlp.gate_up_proj.weight)
-        return silu_mul_matmul(gate_up, mlp.down_proj.weight), residual
+        """forward() for T <= SKINNY_MAX_TOKENS through the fused decode entry points of the layers'
+        linear methods (norm -> qkv, o_proj, norm -> gate_up, SwiGLU -> down); same numerics."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = attn.qkv_proj.forward_norm(self.input_layernorm, h, residual)
+        o = attn.o_proj.forward_skinny(attn.attend(positions, qkv, kv_cache, meta))
+        gate_up, residual = mlp.gate_up_proj.forward_norm(self.post_attention_layernorm, o, residual)
+        return mlp.down_proj.forward_silu_mul(gate_up), residual
 
 
 class LlamaModel(nn.Module):
@@ -213,15 +212,11 @@ class LlamaForCausalLM(nn.Module):
         out, _ = self.model.norm.add_forward(h, residual)
         return out
 
-    def lm_head_weight(self) -> torch.Tensor:
-        """[vocab, hidden]; embed_tokens.weight itself when the embeddings are tied."""
-        if self.lm_head is None:
-            return self.model.embed_tokens.weight
-        return self.lm_head.weight
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits [N, vocab] float32."""
-        return F.linear(hidden, self.lm_head_weight()).float()
+        """hidden: [N, hidden] -> logits [N, vocab] float32 (through embed_tokens.weight when tied)."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (possibly fused) parameters, casting dtype and device.

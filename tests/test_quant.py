@@ -7,6 +7,7 @@ of the dense layer. Runs on CPU (attention under the Triton interpreter, float32
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import pytest
 import torch
@@ -40,8 +41,9 @@ class TransposedLinearMethod(LinearMethod):
 
     @staticmethod
     def _matmul(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        y = x @ layer.weight_t
-        return y if layer.bias_t is None else y + layer.bias_t
+        weight_t, bias_t = cast(torch.Tensor, layer.weight_t), cast(torch.Tensor | None, layer.bias_t)
+        y = x @ weight_t
+        return y if bias_t is None else y + bias_t
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         self.calls.append((layer, "apply", x.shape[0]))

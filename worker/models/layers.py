@@ -81,18 +81,11 @@ def llama3_scaled_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tens
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Neox/HF convention: the pairs are (x[i], x[i + D/2]), not adjacent elements."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding with a precomputed cos/sin cache.
+    """The rotary position table of a model, shared by its attention layers (the attention backend rotates).
 
-    cos_sin_cache: [max_position, head_dim] float32: cos of each frequency pair, then sin (the table the
-    fused CUDA kernel reads; the CPU path repeats each half to HF's rotate_half layout).
-    Positions must lie in [0, max_position)."""
+    cos_sin_cache: [max_position, head_dim] float32: cos of each frequency pair, then sin (NeoX layout, as
+    kernels/rotary.py and kernels/attention_ref.py read it). Positions must lie in [0, max_position)."""
 
     cos_sin_cache: torch.Tensor
 
@@ -104,24 +97,6 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_position, dtype=torch.float32)
         angles = torch.outer(positions, inv_freq)  # [max_position, head_dim // 2]
         self.register_buffer("cos_sin_cache", torch.cat((angles.cos(), angles.sin()), dim=-1), persistent=False)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] int64; q: [T, Hq, D]; k: [T, Hkv, D]. Returns rotated (q, k), same dtypes.
-        On CUDA one fused kernel rotates q and k in place (they may be views of the fused qkv output)."""
-        if q.is_cuda:
-            from tokenmill.kernels.rotary import rotary_embedding
-
-            return rotary_embedding(q, k, self.cos_sin_cache, positions)
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # [T, 1, D]
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
 
 
 class Linear(nn.Module):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.worker.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.worker.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata, KVCache
 from tokenmill.worker.config import ModelArch
 from tokenmill.worker.models.layers import (
     Linear,
@@ -25,7 +25,6 @@ from tokenmill.worker.models.layers import (
 )
 from tokenmill.worker.quant.base import LinearMethod
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
 # Steps of at most this many tokens use the fused decode GEMMs (kernels/gemv.py). Measured on the H200
 # (bench_gemv): at 1 token they beat cuBLAS + the separate norm/SwiGLU kernels on all four projections
 # (115 vs 129 us per layer); at 8 tokens cuBLAS wins on qkv, gate_up and down, so batches go to cuBLAS.
@@ -36,24 +35,17 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 
 
 class LlamaAttention(nn.Module):
-    def __init__(
-        self,
-        arch: ModelArch,
-        backend: AttentionBackend,
-        rotary: RotaryEmbedding,
-        linear_method: LinearMethod | None,
-        dtype: torch.dtype,
-    ) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding,
+                 linear_method: LinearMethod | None, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
         self.q_size = arch.q_size
         self.kv_size = arch.kv_size
-        self.scale = arch.head_dim**-0.5
-        self.sliding_window = arch.sliding_window
         self.backend = backend
-        self.rotary = rotary  # shared by all layers; holds no parameters
+        # rotary: shared by all layers, holds no parameters; its table is on the model's device already
+        self.spec = AttentionLayer(arch.head_dim**-0.5, arch.sliding_window, rotary.cos_sin_cache)
         self.qkv_proj = Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.qkv_bias,
                                linear_method, dtype=dtype)
         self.o_proj = Linear(arch.q_size, arch.hidden_size, False, linear_method, dtype=dtype)
@@ -81,12 +73,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.backend.fuses_rope and q.is_cuda:
-            out = self.backend.forward_rope(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                            self.sliding_window, self.rotary.cos_sin_cache, positions)
-        else:
-            q, k = self.rotary(positions, q, k)
-            out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        out = self.backend.forward(self.spec, q, k, v, positions, kv_cache, meta)  # rotary inside
         return out.reshape(num_tokens, self.q_size)
 
 
@@ -103,14 +90,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self,
-        arch: ModelArch,
-        backend: AttentionBackend,
-        rotary: RotaryEmbedding,
-        linear_method: LinearMethod | None,
-        dtype: torch.dtype,
-    ) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding,
+                 linear_method: LinearMethod | None, dtype: torch.dtype) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype)
         self.self_attn = LlamaAttention(arch, backend, rotary, linear_method, dtype)

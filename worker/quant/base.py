@@ -24,15 +24,8 @@ class LinearMethod(ABC):
     all per-layer state lives on the layer)."""
 
     @abstractmethod
-    def create_weights(
-        self,
-        layer: nn.Module,
-        input_size: int,
-        output_size: int,
-        bias: bool,
-        dtype: torch.dtype,
-        device: torch.device | None,
-    ) -> None:
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
+                       device: torch.device | None) -> None:
         """Register on `layer` the parameters of an input_size -> output_size map (activations in `dtype`)."""
 
     @abstractmethod

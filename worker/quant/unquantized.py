@@ -22,15 +22,8 @@ def _bias(layer: nn.Module) -> torch.Tensor | None:
 class UnquantizedLinearMethod(LinearMethod):
     """weight [out, in] (nn.Linear layout, as checkpoints store it) and optionally bias [out]."""
 
-    def create_weights(
-        self,
-        layer: nn.Module,
-        input_size: int,
-        output_size: int,
-        bias: bool,
-        dtype: torch.dtype,
-        device: torch.device | None,
-    ) -> None:
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
+                       device: torch.device | None) -> None:
         weight = torch.empty(output_size, input_size, dtype=dtype, device=device)
         layer.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
         bias_param = None

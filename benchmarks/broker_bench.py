@@ -191,7 +191,7 @@ class PacedEngine:
         return bool(self.reqs)
 
     def stats(self) -> Any:
-        from tokenmill.worker.outputs import EngineStats
+        from tokenmill.worker.metrics import EngineStats
 
         return EngineStats(len(self.reqs), 0, 1 << 20, 0, 1 << 20, 16, 0, 0, 0)
 

@@ -262,7 +262,7 @@ def check_attn(
     config: Any = None,
     num_splits: int | None = None,
 ) -> float:
-    from tokenmill.kernels.paged_attention import paged_attention_ref
+    from tokenmill.kernels.attention_ref import paged_attention_ref
 
     s.out.fill_(float("nan"))
     out = run_attn(s, k_pool, v_pool, max_query_len, max_seq_len, config, num_splits).clone()

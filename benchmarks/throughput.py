@@ -363,7 +363,7 @@ def drive(engine: LLMEngine, workload: Workload, *, batch_size: int | None = Non
     rel = _Releaser(reqs, batch_size, sessions, window=window, ramp=ramp)
     timings: list[RequestTiming | None] = [None] * len(reqs)
     trace = StepTrace(engine.async_scheduling)
-    hits0, queries0, pre0 = engine.blocks.prefix_hits, engine.blocks.prefix_queries, engine.scheduler.num_preemptions
+    counters0 = replace(engine.counters)
     peak, longest = 0, 0.0  # longest: hand-over to finish, the most any request took so far
     handed: dict[int, float] = {}
     start = time.perf_counter()
@@ -405,8 +405,9 @@ def drive(engine: LLMEngine, workload: Workload, *, batch_size: int | None = Non
     duration = time.perf_counter() - start
     sent = [i for i, t in enumerate(timings) if t is not None]
     return EngineRun([t for t in timings if t is not None], sent, duration, trace.calls, peak,
-                     engine.scheduler.num_preemptions - pre0, engine.blocks.prefix_hits - hits0,
-                     engine.blocks.prefix_queries - queries0, trace)
+                     engine.counters.preemptions - counters0.preemptions,
+                     engine.counters.prefix_cache_hits - counters0.prefix_cache_hits,
+                     engine.counters.prefix_cache_queries - counters0.prefix_cache_queries, trace)
 
 
 def offline_throughput(engine: LLMEngine, workload: Workload, desc: str = "offline") -> dict[str, Any]:

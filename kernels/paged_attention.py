@@ -1,6 +1,6 @@
 """Paged attention over block tables for a flattened varlen batch (decode, prefill chunks, mixed).
 
-Layout (see worker/attention/backend.py):
+Layout (see worker/attention/backend.py; plain-torch reference: kernels/attention_ref.py):
     q            [T, Hq, D]                       the step's queries, rows of request i are
                                                   query_start_loc[i]:query_start_loc[i+1]
     k_cache,
@@ -45,7 +45,6 @@ Kernel structure (one kernel + an optional reduce kernel):
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -667,50 +666,3 @@ def paged_attention(
             num_warps=4 if block_d * splits_pad >= 4096 else 2, **pdl,
         )  # fmt: skip
     return out
-
-
-def paged_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    *,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
-    sliding_window: int | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Plain-torch reference (fp32 math, one request at a time; syncs with the host). Same semantics and
-    signature as `paged_attention`; max_query_len / max_seq_len are accepted and ignored."""
-    del max_query_len, max_seq_len
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    result = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    for i, seq_len in enumerate(lens):
-        q0, q1 = qsl[i], qsl[i + 1]
-        q_len = q1 - q0
-        if q_len == 0:
-            continue
-        n_blocks = math.ceil(seq_len / block_size)
-        blocks = block_tables[i, :n_blocks].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()  # [S, Hkv, D]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        k = k.repeat_interleave(group, dim=1)  # [S, Hq, D]
-        v = v.repeat_interleave(group, dim=1)
-        qi = q[q0:q1].float()  # [L, Hq, D]
-        scores = torch.einsum("lhd,shd->hls", qi, k) * scale  # [Hq, L, S]
-        qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]  # [L, 1]
-        kpos = torch.arange(seq_len, device=q.device)[None, :]  # [1, S]
-        visible = kpos <= qpos
-        if sliding_window is not None:
-            visible &= kpos > qpos - sliding_window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        result[q0:q1] = torch.einsum("hls,shd->lhd", probs, v).to(q.dtype)
-    return result

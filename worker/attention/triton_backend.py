@@ -5,8 +5,6 @@ No host sync: launch decisions use the host ints meta.max_query_len / meta.max_s
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from tokenmill.kernels.kv_cache import write_kv_cache
@@ -20,9 +18,11 @@ class TritonBackend:
 
     name = "triton"
     fuses_rope = True
-    # decode-only steps fold rotary + cache write into the attention kernel; TOKENMILL_DECODE_ROPE=0 keeps the
-    # separate rotary kernel (A/B measurements)
-    decode_rope_in_attention = os.environ.get("TOKENMILL_DECODE_ROPE", "1") != "0"
+
+    def __init__(self, decode_rope_in_attention: bool = True) -> None:
+        # Decode-only steps fold rotary + cache write into the attention kernel; False keeps the separate
+        # rotary kernel (EngineConfig.decode_rope_in_attention: A/B measurements).
+        self.decode_rope_in_attention = decode_rope_in_attention
 
     def forward(
         self,

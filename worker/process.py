@@ -75,6 +75,12 @@ class WorkerOptions:
     curve_keypair: tuple[bytes, bytes] | None = None
     idle_wait: float = 0.05  # the loop's longest sleep when it has nothing to run
 
+    def __post_init__(self) -> None:
+        if not self.heartbeat_interval > 0 or not self.idle_wait > 0:
+            raise ValueError("heartbeat_interval and idle_wait must be positive")
+        if self.liveness < 1 or self.capacity < 0:
+            raise ValueError(f"liveness must be >= 1 and capacity >= 0, got {self.liveness} and {self.capacity}")
+
 
 def open_dealer(ctx: zmq.Context, opts: WorkerOptions, routing_id: str) -> zmq.Socket:
     """A DEALER to the broker's backend with the worker's socket options (and CURVE keys if set)."""

@@ -215,9 +215,8 @@ SETTINGS: tuple[Setting, ...] = (
        "EngineConfig.seed"),  # (generate and chat: --seed is the request's own)
     _s("attention_backend", choice("auto", "torch", "triton"), "auto", "attention (auto: triton on CUDA)",
        ENGINE_CMDS, "EngineConfig.attention_backend"),
-    _s("decode_rope_in_attention", BOOL, True, "triton: decode-only steps rotate q/k and write the KV cache in the "
-       "attention kernel (off: a separate rotary kernel)", ENGINE_CMDS, "EngineConfig.decode_rope_in_attention",
-       env_name="TOKENMILL_DECODE_ROPE", flag_name="--decode-rope"),
+    _s("decode_rope", BOOL, True, "triton: decode-only steps rotate q/k and write the KV cache in the attention "
+       "kernel (off: a separate rotary kernel)", ENGINE_CMDS, "EngineConfig.decode_rope_in_attention"),
     _s("pdl", BOOL, True, "programmatic dependent launch of the Triton kernels on Hopper and later", ENGINE_CMDS,
        "EngineConfig.kernels.pdl"),
     _s("cuda_graphs", BOOL, True, "replay decode-only steps from captured CUDA graphs", ENGINE_CMDS,
@@ -423,3 +422,25 @@ def _blame(cls: type, ns: argparse.Namespace, command: str, err: Exception) -> s
             where = sources.get(s.name, f"default of {s.name}")
             return f"{where}: {err}"
     return f"{cls.__name__}: {err}"
+
+
+# ---- documentation ----------------------------------------------------------------------------------
+
+
+def settings_markdown() -> str:
+    """The README's table of settings (tests/test_settings.py checks that the README holds this text)."""
+    rows = ["| setting (file key) | flag | environment | value | default | commands | fills |",
+            "|---|---|---|---|---|---|---|"]
+    for s in SETTINGS:
+        if s.hidden:
+            continue
+        flag = "" if s.flag is None else f"`{s.flag}`" + (f" / `--no-{s.flag[2:]}`" if s.kind.is_bool else "")
+        commands = ", ".join(c for c in (BROKER, WORKER, UP, GENERATE, CHAT) if c in s.commands) or "-"
+        fills = ", ".join(f"`{f}`" for f in s.fields) or "-"
+        rows.append(f"| `{s.name}` | {flag or '-'} | `{s.env}` | {s.kind.describe} | {s.shown_default()} | "
+                    f"{commands} | {fills} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(settings_markdown(), end="")

@@ -45,7 +45,7 @@ def choose_interpreter() -> bool:
     the first decoration. It is made here, at the top of the module every kernel module imports before its
     own kernels, rather than by a start-up call of the engine: tests, benchmarks and library code import
     kernel modules directly, and on a CPU-only machine a compiled kernel only fails at its first launch.
-    It sets Triton's own knob (this process only), not the environment."""
+    It sets Triton's own knob, which Triton mirrors into TRITON_INTERPRET (child processes agree)."""
     if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
         triton.knobs.runtime.interpret = True
     return bool(triton.knobs.runtime.interpret)

@@ -28,10 +28,10 @@ rows = bench_gemv(ms=tuple(int(m) for m in '${GEMV_MS:-1,8}'.split(',')), tune=T
 json.dump(rows, open('$R/gemv.json', 'w'), indent=1, default=str)
 for r in rows: print({k: v for k, v in r.items() if k != 'sweep'})
 " > "$R/gemv.log" 2>&1; tail -30 "$R/gemv.log" ;;
-    ab)      # the engine e2e at batch 1 / 8 with AB_ENV set (e.g. TOKENMILL_PDL=0, TOKENMILL_DECODE_ROPE=0), beside e2e's
-             env ${AB_ENV:-TOKENMILL_PDL=1} timeout 80 python3 -m tokenmill.benchmarks.gpu_e2e --batches 1,8 \
-               --fill-requests 0 --out "$R/ab" > "$R/ab.log" 2>&1
-             echo "${AB_ENV:-}: $(grep -E '^batch|^latency' "$R/ab.log" | cut -c1-90 | tr '\n' ' ')" ;;
+    ab)      # the engine e2e at batch 1 / 8 with AB_ARGS (gpu_e2e flags, e.g. --no-pdl, --no-decode-rope), beside e2e's
+             timeout 80 python3 -m tokenmill.benchmarks.gpu_e2e --batches 1,8 --fill-requests 0 ${AB_ARGS:-} \
+               --out "$R/ab" > "$R/ab.log" 2>&1
+             echo "${AB_ARGS:-}: $(grep -E '^batch|^latency' "$R/ab.log" | cut -c1-90 | tr '\n' ' ')" ;;
     broker)  # the broker relay benchmark on this host's CPUs (issue 3)
              timeout ${BROKER_TIMEOUT:-200} python3 -m tokenmill.benchmarks.broker_bench ${BROKER_ARGS:---latency-steps 6000} \
                --out "$R/broker" > "$R/broker.log" 2>&1; tail -30 "$R/broker.log" ;;

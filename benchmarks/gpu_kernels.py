@@ -623,11 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     elif not torch.cuda.is_available():
         print("gpu_kernels.py needs a CUDA device (or --smoke)", file=sys.stderr)
         return 2
-    if DEV == "cpu":
-        import os
-
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    import triton
+    import triton  # (without CUDA the kernel modules choose Triton's interpreter: kernels/launch.py)
 
     t_start = time.perf_counter()
     ctx = Ctx(deadline=t_start + args.budget_s)

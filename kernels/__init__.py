@@ -11,20 +11,11 @@ for `import tokenmill.kernels.rmsnorm as m`):
     tokenmill.kernels.activation        silu_and_mul, silu_and_mul_ref
     tokenmill.kernels.gemv              skinny_matmul, add_rmsnorm_matmul, silu_mul_matmul (+ _ref), SkinnyConfig
 
+    tokenmill.kernels.config            KernelConfig, configure (process-wide settings, e.g. PDL)
+
 Each launcher checks shapes, dtypes, devices and strides (ValueError) and has a plain-torch `*_ref` twin
 (those of the attention path in attention_ref.py, which the CPU worker runs).
-Importing this package does not import Triton (the optional `gpu` extra); the submodules do.
-
-On a machine without CUDA, Triton kernels can only run under the interpreter, which must be chosen before
-any `@triton.jit` function is decorated; so this package turns `TRITON_INTERPRET=1` on (unless the variable
-is already set) when CUDA is unavailable.
+Importing this package (or `kernels.config`) imports neither torch nor Triton (the optional `gpu` extra) and
+changes nothing; the kernel modules do import them. On a machine without CUDA, the first kernel module
+imported turns Triton's interpreter on (kernels/launch.py, `choose_interpreter`).
 """
-
-from __future__ import annotations
-
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")

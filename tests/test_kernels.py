@@ -988,22 +988,25 @@ def test_default_config_by_batch_shape() -> None:
     assert default_config(1000, 1500, 501, 4, 2, 128, hopper) is MIXED_CONFIG
 
 
-def test_pdl_only_on_hopper_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pdl_only_on_hopper_cuda() -> None:
     """Programmatic dependent launch is never asked for off CUDA (the interpreter has no griddepcontrol) and
-    TOKENMILL_PDL=0 turns it off; the kernels' PDL constexpr is then False."""
-    from tokenmill.kernels.launch import pdl_enabled, pdl_launch_args
+    KernelConfig(pdl=False) turns it off (configure drops the per-device decision); the kernels' PDL constexpr
+    is then False."""
+    from tokenmill.kernels.config import KernelConfig, configure, current
+    from tokenmill.kernels.launch import pdl_launch_args
 
+    assert current() == KernelConfig() and current().pdl  # the default, as before the config existed
     assert pdl_launch_args(torch.device("cpu")) == {"PDL": False}
     if torch.cuda.is_available():
         dev = torch.device("cuda")
         want = torch.cuda.get_device_capability(dev) >= (9, 0)
-        pdl_enabled.cache_clear()
         assert pdl_launch_args(dev) == ({"PDL": True, "launch_pdl": True} if want else {"PDL": False})
-        monkeypatch.setenv("TOKENMILL_PDL", "0")
-        pdl_enabled.cache_clear()
-        assert pdl_launch_args(dev) == {"PDL": False}
-        monkeypatch.undo()
-        pdl_enabled.cache_clear()
+        try:
+            configure(KernelConfig(pdl=False))
+            assert pdl_launch_args(dev) == {"PDL": False}
+        finally:
+            configure(KernelConfig())
+        assert pdl_launch_args(dev) == ({"PDL": True, "launch_pdl": True} if want else {"PDL": False})
 
 
 def _decode_rope_case(

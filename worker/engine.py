@@ -7,8 +7,9 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -27,6 +28,19 @@ from tokenmill.worker.tokenizer import Tokenizer
 log = logging.getLogger("tokenmill.engine")
 
 Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One launched step, as a step observer sees it: the scheduler's batch (read it before the observer
+    returns: the engine updates its requests afterwards) and the host seconds `ModelRunner.launch` took to
+    enqueue it (the device may still be running it)."""
+
+    batch: ScheduledBatch
+    launch_s: float
+
+
+StepObserver = Callable[[StepRecord], None]
 
 
 class _Launched(NamedTuple):
@@ -61,7 +75,8 @@ class LLMEngine:
     """Continuous-batching engine over a paged KV cache with prefix caching and chunked prefill.
 
     `add_request` + `step` is the serving interface; `generate` (offline batch) and `stream` (one
-    request) are built on it."""
+    request) are built on it. `step_observer` (None by default), if set, is called with a StepRecord right
+    after each launch (benchmarks use it to trace the steps)."""
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
         config = replace(config or EngineConfig(), **overrides)
@@ -87,6 +102,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
+        self.step_observer: StepObserver | None = None
         log.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d, "
                  "async_scheduling=%s", self.model_name, self.runner.device, self.runner.dtype,
                  self.runner.num_blocks, config.cache.block_size, self.max_model_len, self.async_scheduling)
@@ -209,7 +225,13 @@ class LLMEngine:
         if not batch.requests:
             return None
         prev = self._inflight[-1].pending if self._inflight else None
-        pending = self.runner.launch(batch, self.eos_token_ids, prev)
+        observer = self.step_observer
+        if observer is None:
+            pending = self.runner.launch(batch, self.eos_token_ids, prev)
+        else:
+            t0 = time.perf_counter()
+            pending = self.runner.launch(batch, self.eos_token_ids, prev)
+            observer(StepRecord(batch, time.perf_counter() - t0))
         self.scheduler.begin_step(batch)
         return _Launched(batch, pending)
 

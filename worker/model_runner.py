@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from tokenmill.kernels.config import configure as configure_kernels
 from tokenmill.worker.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.worker.config import CacheConfig, EngineConfig, ModelArch
 from tokenmill.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
@@ -42,11 +43,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
+def make_backend(name: str, device: torch.device, decode_rope_in_attention: bool = True) -> AttentionBackend:
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         from tokenmill.worker.attention.triton_backend import TritonBackend
 
-        return TritonBackend()
+        return TritonBackend(decode_rope_in_attention)
     from tokenmill.worker.attention.torch_ref import TorchRefBackend
 
     return TorchRefBackend()
@@ -95,7 +96,8 @@ class ModelRunner:
         self.arch: ModelArch = source.arch
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.backend = make_backend(config.attention_backend, self.device)
+        configure_kernels(config.kernels)  # before the first kernel launch (and its per-device decisions)
+        self.backend = make_backend(config.attention_backend, self.device, config.decode_rope_in_attention)
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         self.model = build_model(source, self.backend, self.device, self.dtype)

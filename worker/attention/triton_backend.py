@@ -6,8 +6,6 @@ No host sync: launch decisions use the host ints meta.max_query_len / meta.max_s
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from tokenmill.kernels.paged_attention import DecodeRope, paged_attention
@@ -17,9 +15,11 @@ from tokenmill.worker.attention.backend import AttentionBackend, AttentionLayer,
 
 class TritonBackend(AttentionBackend):
     name = "triton"
-    # decode-only steps fold rotary + cache write into the attention kernel; TOKENMILL_DECODE_ROPE=0 keeps the
-    # separate rotary kernel (A/B measurements)
-    decode_rope_in_attention = os.environ.get("TOKENMILL_DECODE_ROPE", "1") != "0"
+
+    def __init__(self, decode_rope_in_attention: bool = True) -> None:
+        # Decode-only steps fold rotary + cache write into the attention kernel; False keeps the separate
+        # rotary kernel (EngineConfig.decode_rope_in_attention: A/B measurements).
+        self.decode_rope_in_attention = decode_rope_in_attention
 
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:

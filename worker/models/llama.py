@@ -26,8 +26,8 @@ from tokenmill.worker.models.layers import (
 from tokenmill.worker.quant.base import LinearMethod
 
 # Steps of at most this many tokens use the fused decode GEMMs (kernels/gemv.py). Measured on the H200
-# (bench_gemv): at 1 token they beat cuBLAS + the separate norm/SwiGLU kernels on all four projections
-# (115 vs 129 us per layer); at 8 tokens cuBLAS wins on qkv, gate_up and down, so batches go to cuBLAS.
+# (bench_gemv): at 1 token they beat cuBLAS + the separate norm/SwiGLU kernels on all four projections; at
+# 8 tokens cuBLAS wins on qkv, gate_up and down, so batches go to cuBLAS (figures: kernels/gemv.py's notes).
 SKINNY_MAX_TOKENS = 1
 
 # HF names that may appear in checkpoints but carry nothing we need.

@@ -1,6 +1,6 @@
 """Paged attention over block tables for a flattened varlen batch (decode, prefill chunks, mixed).
 
-Layout (see worker/attention/backend.py):
+Layout (see worker/attention/backend.py; plain-torch reference: kernels/attention_ref.py):
     q            [T, Hq, D]                       the step's queries, rows of request i are
                                                   query_start_loc[i]:query_start_loc[i+1]
     k_cache,
@@ -36,8 +36,8 @@ Kernel structure (one kernel + an optional reduce kernel):
   * Decode batches may fold the step's rotary embedding and KV-cache write in (FUSE_ROPE, `rope=DecodeRope`):
     every program rotates its q rows on load; the one program per (request, kv head) whose segment holds the
     token's own key rotates k and stores k and v into the cache before walking its keys (a CTA barrier makes
-    the stores visible to its loads). This replaces the rotary kernel of a decode step (H200: -0.05 ms per
-    batch-1 Llama-3-8B step).
+    the stores visible to its loads). This replaces the rotary kernel of a decode step (one launch fewer per
+    layer; the H200 figure is in benchmarks/results/h200/NOTES.md, "Figures behind the code's rules").
   * Programmatic dependent launch on Hopper (kernels/launch.py): both kernels wait on the previous kernel
     before their first load and release the next one after their last store.
 """
@@ -45,7 +45,6 @@ Kernel structure (one kernel + an optional reduce kernel):
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -104,22 +103,20 @@ class PagedAttentionConfig:
 
 # Defaults (tunable with benchmarks/gpu_kernels.py). Decode tiles are small (one token x its group);
 # prefill tiles are FlashAttention-sized.
-# decode: best geo-mean of 10 configs on the H200 (B=1 ctx=32k, B=32 ctx=4k, B=128 ctx=4k; gpu_kernels.md); three
-# stages lost 25-30% of the bandwidth at batch 8-32. (On sm_90 two stages compile without async copies: 22 KB of
-# shared memory per program, so registers, not shared memory, bound the programs per SM.)
+# Measured figures behind these choices: benchmarks/results/h200/NOTES.md ("Figures behind the code's rules").
+# decode: the best geo-mean of the configs measured on the H200 over batch 1-128 (gpu_kernels.md); three stages
+# lose bandwidth at batch 8-32. (On sm_90 two stages compile without async copies: 22 KB of shared memory per
+# program, so registers, not shared memory, bound the programs per SM.)
 DECODE_CONFIG = PagedAttentionConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
 # prefill: best of 9 configs on the H200 at 4k tokens (benchmarks/results/h200/gpu_kernels.md)
 PREFILL_CONFIG = PagedAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
-# long query runs: 64 tokens x 4 heads per tile halves the K/V reads per FLOP. H200, one causal sequence, heaviest
-# tiles of all heads first (benchmarks/results/h200/NOTES.md): 381 / 414 / 430 TFLOP/s at 4k / 8k / 16k tokens vs
-# PREFILL_CONFIG's 354 / 386 / 402 (in head-major order the 256-row tile's last wave was long at 4k: 317).
+# long query runs: 64 tokens x 4 heads per tile halves the K/V reads per FLOP; faster than PREFILL_CONFIG from 4k
+# tokens per sequence (with the heaviest tiles of all heads first: in head-major order its last wave is long).
 LONG_PREFILL_CONFIG = PagedAttentionConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
 # Deeper pipelines where the shared memory allows (Hopper: 227 KB per program). With the block-table load in front
 # of each K/V load, Triton 3.6 keeps K/V two iterations ahead (three buffers) only from num_stages 5; at 3 or 4 it
-# waits for every outstanding copy at the top of each iteration, so each step's load latency is exposed. H200, one
-# causal sequence, TFLOP/s at 4k / 8k / 16k: (256, 64, 16 warps, 5) 416-419 / 445-450 / 457-466 vs
-# LONG_PREFILL_CONFIG's 381-383 / 411-412 / 429-430; (128, 128, 8, 5) 348-350 / 390-392 / 413-415 vs 349-350 /
-# 382 / 399, and a 2,048-token chunk after an 8k prefix 611-615 vs 643-646 us (NOTES.md).
+# waits for every outstanding copy at the top of each iteration, so each step's load latency is exposed. Both deep
+# variants beat their shallow tiles on the H200 from 2k-token chunks to 16k-token sequences.
 PREFILL_CONFIG_DEEP = PagedAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=5)
 LONG_PREFILL_CONFIG_DEEP = PagedAttentionConfig(block_m=256, block_n=64, num_warps=16, num_stages=5)
 
@@ -175,13 +172,13 @@ def default_config(
 
 # Split heuristic knobs: at most this many programs per SM (the most decode programs that ran in one wave on the
 # H200), never give a split fewer keys than _MIN_KEYS_PER_SPLIT, never more than _MAX_SPLITS splits.
-# One wave, rounded down: on the H200 batch 8 at 32k keys ran at 100% of the copy bandwidth with 8 splits (512
-# programs) and at 76% with 9 (576 programs: a second wave of long programs); batch 1 at 32k was best at 64.
+# One wave, rounded down: a second wave of long programs costs a large share of the bandwidth; batch 1 at 32k keys
+# was best at 64 splits (NOTES.md, "Figures behind the code's rules").
 _PROGRAMS_PER_SM = 4
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 64
 # The reduce kernel splits head_dim into chunks while it has fewer programs than _REDUCE_PROGRAMS_PER_SM per SM
-# (batch 1: 32 heads -> 256 programs of 16 dims). H200, batch 1 at 32k keys: 39.8-40.2 us vs 40.2-40.7 unchunked.
+# (batch 1: 32 heads -> 256 programs of 16 dims); slightly faster than unchunked at batch 1 on the H200.
 _REDUCE_PROGRAMS_PER_SM = 2
 
 
@@ -333,9 +330,9 @@ def _paged_attn_kernel(
     # Prefill: axis 0 enumerates (kv head, tile slot) in groups of `heads_per_group` kv heads, group-major and
     # inside a group slot-major with the head fastest; slots run in reverse, heaviest (longest-context) tiles
     # first, so the causal tail of the last wave is short; the group bounds how many heads' K/V the programs in
-    # flight share in L2 (H200, one causal 4k sequence: 317 -> 381 TFLOP/s, 256-row tiles).
-    if ONE_TILE_PER_SEQ:  # grid (slots, kv heads, splits), head-major: with a flat axis 0 decode took 145 registers
-        # instead of 114 on sm_90 (3 programs per SM instead of 4: batch 128 at 4k keys 5% slower on the H200)
+    # flight share in L2 (much faster than head-major at 4k on the H200: NOTES.md).
+    if ONE_TILE_PER_SEQ:  # grid (slots, kv heads, splits), head-major: with a flat axis 0 decode takes more
+        # registers on sm_90 (3 programs per SM instead of 4: slower at batch 128)
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
     else:  # grid (slots x kv heads, 1, splits)
@@ -385,8 +382,8 @@ def _paged_attn_kernel(
         seg_hi = kv_hi
     else:
         # Segments are whole BLOCK_N multiples and no longer: a floor of 256 keys per segment (so that a
-        # short context in a graph sized for max_model_len used fewer splits) made batch-1 decode at ~200
-        # tokens slower on the H200 (8.8 us vs 5.2 + 1.6 us reduce): one program then walks all keys.
+        # short context in a graph sized for max_model_len used fewer splits) made batch-1 decode of short
+        # contexts slower, since one program then walks all keys.
         seg = tl.cdiv(tl.cdiv(kv_hi - kv_lo, num_splits), BLOCK_N) * BLOCK_N
         seg_lo = kv_lo + split * seg
         seg_hi = tl.minimum(kv_hi, seg_lo + seg)
@@ -757,49 +754,3 @@ def plan_paged_attention(
         reduce_grid=(num_tokens, num_q_heads, d_chunks), reduce_block_d=head_dim // d_chunks,
     )
 
-
-def paged_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    *,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
-    sliding_window: int | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Plain-torch reference (fp32 math, one request at a time; syncs with the host). Same semantics and
-    signature as `paged_attention`; max_query_len / max_seq_len are accepted and ignored."""
-    del max_query_len, max_seq_len
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    result = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    for i, seq_len in enumerate(lens):
-        q0, q1 = qsl[i], qsl[i + 1]
-        q_len = q1 - q0
-        if q_len == 0:
-            continue
-        n_blocks = math.ceil(seq_len / block_size)
-        blocks = block_tables[i, :n_blocks].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()  # [S, Hkv, D]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        k = k.repeat_interleave(group, dim=1)  # [S, Hq, D]
-        v = v.repeat_interleave(group, dim=1)
-        qi = q[q0:q1].float()  # [L, Hq, D]
-        scores = torch.einsum("lhd,shd->hls", qi, k) * scale  # [Hq, L, S]
-        qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]  # [L, 1]
-        kpos = torch.arange(seq_len, device=q.device)[None, :]  # [1, S]
-        visible = kpos <= qpos
-        if sliding_window is not None:
-            visible &= kpos > qpos - sliding_window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        result[q0:q1] = torch.einsum("hls,shd->lhd", probs, v).to(q.dtype)
-    return result

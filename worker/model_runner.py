@@ -1,6 +1,6 @@
 """Turns a ScheduledBatch into one varlen forward over all its tokens, then samples. `launch` only
 enqueues the work and returns a PendingStep (the sampled ids stay on the device, where the next step
-reads its placeholder inputs); `PendingStep.result()` waits for the tokens on the host.
+reads the inputs that are still in flight); `PendingStep.result()` waits for the tokens on the host.
 
 Owns the device state: model weights, the paged KV cache (one [num_blocks, block_size, Hkv, D] key and
 value tensor per layer) and the sampler."""
@@ -17,11 +17,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from tokenmill.kernels.config import configure as configure_kernels
 from tokenmill.worker.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.worker.config import CacheConfig, EngineConfig, ModelArch
 from tokenmill.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, graph_batch_sizes, mixed_graph_sizes
 from tokenmill.worker.loader import ModelSource, build_model
-from tokenmill.worker.request import PLACEHOLDER, Request
+from tokenmill.worker.request import Request
 from tokenmill.worker.sampler import Sampler, SamplingMetadata
 from tokenmill.worker.scheduler import ScheduledBatch
 from tokenmill.worker.transfer import HostCopy, ship
@@ -43,11 +44,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
+def make_backend(name: str, device: torch.device, decode_rope_in_attention: bool = True) -> AttentionBackend:
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         from tokenmill.worker.attention.triton_backend import TritonBackend
 
-        return TritonBackend()
+        return TritonBackend(decode_rope_in_attention)
     from tokenmill.worker.attention.torch_ref import TorchRefBackend
 
     return TorchRefBackend()
@@ -62,8 +63,8 @@ class StepResult:
 
 
 class PendingStep:
-    """A launched step. Its sampled ids stay on the device, where the next step reads the inputs of
-    its placeholder tokens; `result()` waits for them on the host."""
+    """A launched step. Its sampled ids stay on the device, where the next step reads those of them
+    that are its inputs (tokens in flight); `result()` waits for them on the host."""
 
     def __init__(self, num_requests: int, rows: dict[Request, int], batch_index: list[int],
                  num_logprobs: list[int | None], sampled: Tensor | None, copy: HostCopy | None) -> None:
@@ -96,7 +97,8 @@ class ModelRunner:
         self.arch: ModelArch = source.arch
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.backend = make_backend(config.attention_backend, self.device)
+        configure_kernels(config.kernels)  # before the first kernel launch (and its per-device decisions)
+        self.backend = make_backend(config.attention_backend, self.device, config.decode_rope_in_attention)
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         self.model = build_model(source, self.backend, self.device, self.dtype)
@@ -193,9 +195,9 @@ class ModelRunner:
     # sampled ids come back through `HostCopy`: the host never waits for the stream while it prepares
     # a step, so it can prepare step N+1 while step N runs.
     def _host_inputs(self, batch: ScheduledBatch, prev: PendingStep | None) -> _HostInputs:
-        """Token ids, positions and attention metadata of `batch` as CPU tensors. A placeholder input
-        (always the last token of a chunk: placeholders trail) is left 0 and noted, with the row of
-        `prev`'s sampled ids that holds its value."""
+        """Token ids, positions and attention metadata of `batch` as CPU tensors. An input still in flight
+        (only ever the last token of a chunk: in-flight tokens trail the known ones) is left 0 and noted,
+        with the row of `prev`'s sampled ids that holds its value."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -205,10 +207,10 @@ class ModelRunner:
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
             chunk = req.token_ids[start : start + n]
-            if chunk[-1] == PLACEHOLDER:
+            if len(chunk) < n:
                 fix_index.append(len(ids) + n - 1)
                 fix_source.append(_source_row(prev, req))
-                chunk[-1] = 0
+                chunk.append(0)
             ids.extend(chunk)
             pos = range(start, start + n)
             positions.extend(pos)
@@ -228,12 +230,6 @@ class ModelRunner:
             ids[dev["fix_index"]] = prev.sampled[dev["fix_source"]]  # on the device, after prev's sampler
         return ids, dev["positions"], _attention_meta(dev, host.q_lens, host.seq_lens)
 
-    def prepare(self, batch: ScheduledBatch, prev: PendingStep | None = None,
-                ) -> tuple[Tensor, Tensor, AttentionMetadata]:
-        """Flattened input ids [T], positions [T] and attention metadata for the batch."""
-        host = self._host_inputs(batch, prev)
-        return self._device_inputs(ship(host.tensors, self.device), host, prev)
-
     def _forward(self, ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         if self.graphs is not None and meta.is_decode_only and self.graphs.bucket(meta.num_seqs) is not None:
             return self.graphs.run(ids, positions, meta)
@@ -241,24 +237,18 @@ class ModelRunner:
             return self.piecewise.run(ids, positions, meta)
         return self.model(ids, positions, self.kv_caches, meta)
 
-    @torch.inference_mode()
-    def forward_hidden(self, batch: ScheduledBatch) -> tuple[Tensor, AttentionMetadata]:
-        """Hidden states [T, hidden] of every scheduled token (KV written to the cache)."""
-        ids, positions, meta = self.prepare(batch)
-        return self._forward(ids, positions, meta), meta
-
     def _host_sampling(self, reqs: list[Request], eos_token_ids: tuple[int, ...], prev: PendingStep | None,
                        ) -> tuple[SamplingMetadata, dict[str, Tensor]]:
-        """SamplingMetadata on the CPU plus, for penalties, where placeholder outputs go: a placeholder
-        is padded (pad id V counts for nothing) and filled on the device from `prev`'s sampled ids."""
+        """SamplingMetadata on the CPU plus, for penalties, where in-flight outputs go: one is padded (pad
+        id V counts for nothing) and filled on the device from `prev`'s sampled ids."""
         vocab = self.arch.vocab_size
         outputs: list[list[int]] = []
         fix: list[tuple[int, int, int]] = []  # (row, column, row of prev.sampled)
         for row, r in enumerate(reqs):
             out = r.output_token_ids
-            if out and out[-1] == PLACEHOLDER:
-                out[-1] = vocab
-                fix.append((row, len(out) - 1, _source_row(prev, r)))
+            if r.num_inflight:
+                fix.append((row, len(out), _source_row(prev, r)))
+                out.append(vocab)
             outputs.append(out)
         meta = SamplingMetadata.build([r.params for r in reqs], [r.prompt_token_ids for r in reqs], outputs,
                                       [r.seed for r in reqs], eos_token_ids, vocab, torch.device("cpu"))
@@ -281,9 +271,9 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
                prev: PendingStep | None = None) -> PendingStep:
-        """Enqueue the forward and sampling of `batch` without waiting for the device. Inputs that are
-        placeholders are read on the device from `prev`, which must be the step launched just before
-        (it samples them). Call before the scheduler marks the batch launched (`begin_step`)."""
+        """Enqueue the forward and sampling of `batch` without waiting for the device. Inputs still in
+        flight are read on the device from `prev`, which must be the step launched just before (it
+        samples them). Call before the scheduler marks the batch launched (`begin_step`)."""
         sampling = [i for i in range(len(batch.requests)) if batch.samples(i)]
         reqs = [batch.requests[i] for i in sampling]
         host = self._host_inputs(batch, prev)
@@ -304,8 +294,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits_for_all(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits [T, vocab] of every scheduled token (tests compare chunked and whole prefill)."""
-        hidden, _ = self.forward_hidden(batch)
+        """Logits [T, vocab] of every scheduled token of a batch without tokens in flight (tests compare
+        chunked and whole prefill). KV is written to the cache; nothing is sampled."""
+        host = self._host_inputs(batch, None)
+        hidden = self._forward(*self._device_inputs(ship(host.tensors, self.device), host, None))
         return self.model.compute_logits(hidden)
 
 
@@ -320,9 +312,9 @@ def _i64(vals: Sequence[int]) -> Tensor:
 
 
 def _source_row(prev: PendingStep | None, req: Request) -> int:
-    """Row of `prev`'s sampled ids that holds `req`'s placeholder token."""
-    assert prev is not None and req in prev.rows and req.num_placeholders == 1, \
-        f"{req.request_id}: a placeholder input whose sampling step is not the previous one"
+    """Row of `prev`'s sampled ids that holds `req`'s token in flight."""
+    assert prev is not None and req in prev.rows and req.num_inflight == 1, \
+        f"{req.request_id}: an input in flight whose sampling step is not the previous one"
     return prev.rows[req]
 
 

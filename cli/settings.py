@@ -221,6 +221,8 @@ SETTINGS: tuple[Setting, ...] = (
        "EngineConfig.kernels.pdl"),
     _s("cuda_graphs", BOOL, True, "replay decode-only steps from captured CUDA graphs", ENGINE_CMDS,
        "EngineConfig.cuda_graphs"),
+    _s("piecewise_graphs", BOOL, True, "with cuda_graphs: steps with prompt tokens replay piecewise CUDA graphs "
+       "(attention launched between the pieces)", ENGINE_CMDS, "EngineConfig.piecewise_graphs"),
     _s("async_scheduling", AUTO_BOOL, None, "schedule step N+1 while step N runs on the device", ENGINE_CMDS,
        "EngineConfig.async_scheduling", default_text="auto (on for CUDA)"),
     _s("block_size", integer(1), 16, "tokens per KV-cache block (a power of two)", ENGINE_CMDS,

@@ -10,10 +10,11 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -197,13 +198,11 @@ class ModelRunner:
     def _host_inputs(self, batch: ScheduledBatch, prev: PendingStep | None) -> _HostInputs:
         """Token ids, positions and attention metadata of `batch` as CPU tensors. An input still in flight
         (only ever the last token of a chunk: in-flight tokens trail the known ones) is left 0 and noted,
-        with the row of `prev`'s sampled ids that holds its value."""
+        with the row of `prev`'s sampled ids that holds its value. Positions and slots are computed for all
+        tokens at once (numpy), so a step's host cost does not grow with its prompt tokens."""
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
         fix_index: list[int] = []
         fix_source: list[int] = []
-        bs = self.block_size
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
             chunk = req.token_ids[start : start + n]
@@ -212,13 +211,13 @@ class ModelRunner:
                 fix_source.append(_source_row(prev, req))
                 chunk.append(0)
             ids.extend(chunk)
-            pos = range(start, start + n)
-            positions.extend(pos)
-            slots.extend(req.block_ids[p // bs] * bs + p % bs for p in pos)
         q_lens = list(batch.num_new_tokens)
-        seq_lens = [r.num_computed_tokens + n for r, n in zip(batch.requests, q_lens)]
-        tensors = _attention_host(q_lens, seq_lens, [r.block_ids for r in batch.requests], slots)
-        tensors |= {"input_ids": _i64(ids), "positions": _i64(positions),
+        starts = [r.num_computed_tokens for r in batch.requests]
+        seq_lens = [s + n for s, n in zip(starts, q_lens)]
+        tables = _block_table(r.block_ids for r in batch.requests)
+        positions, slots = _positions_and_slots(np.asarray(q_lens), np.asarray(starts), tables, self.block_size)
+        tensors = _attention_host(q_lens, seq_lens, tables, slots)
+        tensors |= {"input_ids": _i64(ids), "positions": torch.from_numpy(positions),
                     "fix_index": _i64(fix_index), "fix_source": _i64(fix_source)}
         return _HostInputs(tensors, q_lens, seq_lens)
 
@@ -322,17 +321,37 @@ def attention_metadata(q_lens: list[int], seq_lens: list[int], tables: list[list
                        device: torch.device) -> AttentionMetadata:
     """AttentionMetadata on `device` from host lists (one shipped copy): query and context lengths per
     request, each request's block ids, and the cache slot of every new token."""
-    return _attention_meta(ship(_attention_host(q_lens, seq_lens, tables, slots), device), q_lens, seq_lens)
+    host = _attention_host(q_lens, seq_lens, _block_table(tables), np.asarray(slots, dtype=np.int64))
+    return _attention_meta(ship(host, device), q_lens, seq_lens)
 
 
-def _attention_host(q_lens: list[int], seq_lens: list[int], tables: list[list[int]],
-                    slots: list[int]) -> dict[str, Tensor]:
-    width = max(len(t) for t in tables)
+def _block_table(tables: Iterable[list[int]]) -> np.ndarray:
+    """[B, max blocks] int32, rows padded with block 0."""
+    rows = list(tables)
+    out = np.zeros((len(rows), max(len(t) for t in rows)), dtype=np.int32)
+    for i, t in enumerate(rows):
+        out[i, : len(t)] = t
+    return out
+
+
+def _positions_and_slots(q_lens: np.ndarray, starts: np.ndarray, tables: np.ndarray,
+                         block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per token of the flattened batch: its position (request i's tokens are starts[i] .. starts[i] + q_lens[i]
+    - 1) and its cache slot (block of that position in the request's table row * block_size + offset). int64."""
+    req = np.repeat(np.arange(len(q_lens)), q_lens)  # [T] request of each token
+    first = np.cumsum(q_lens) - q_lens  # [B] row of each request's first token
+    positions = (np.arange(len(req)) - first[req] + starts[req]).astype(np.int64)
+    slots = tables[req, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return positions, slots
+
+
+def _attention_host(q_lens: list[int], seq_lens: list[int], tables: np.ndarray,
+                    slots: np.ndarray) -> dict[str, Tensor]:
     return {
         "query_start_loc": torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32),
         "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
-        "block_tables": torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        "slot_mapping": _i64(slots),
+        "block_tables": torch.from_numpy(tables),
+        "slot_mapping": torch.from_numpy(slots),
     }
 
 

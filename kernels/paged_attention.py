@@ -270,10 +270,7 @@ def choose_heads_per_group(num_kv_heads: int, kv_bytes_per_head: int, l2_bytes: 
     return hg
 
 
-# Per-step ints (batch size, head grouping, split count, window, block-table width) are not specialized on: Triton
-# otherwise compiles a variant per value class (== 1, divisible by 16, other), i.e. while serving.
-@triton.jit(do_not_specialize=["num_seqs", "heads_per_group", "num_splits", "window", "stride_bt"])
-def _paged_attn_kernel(
+def _paged_attn_fn(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     v_cache_ptr,
@@ -465,8 +462,7 @@ def _paged_attn_kernel(
     pdl_release(PDL)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _reduce_splits_kernel(
+def _reduce_splits_fn(
     part_acc_ptr,  # [T, Hq, num_splits, D] fp32
     part_m_ptr,  # [T, Hq, num_splits] fp32
     part_l_ptr,  # [T, Hq, num_splits] fp32
@@ -499,6 +495,18 @@ def _reduce_splits_kernel(
     o = tl.sum(acc * w[:, None], 0) / denom  # [BLOCK_D]
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
     pdl_release(PDL)
+
+
+# Two compiled families of each kernel. Decode-only batches (one query token per request: CUDA-graph captured, every
+# shape fixed at capture) keep Triton's specialization on integer values (== 1, divisible by 16). Batches with
+# prompt tokens launch eagerly between graph pieces with per-step ints (batch size, head grouping, split count,
+# block-table width) that would otherwise pick a new variant per value class, compiled while serving: those ints
+# are not specialized on.
+_PER_STEP_INTS = ["num_seqs", "heads_per_group", "num_splits", "window", "stride_bt"]
+_paged_attn_kernel = triton.jit(_paged_attn_fn)
+_paged_attn_kernel_dyn = triton.jit(do_not_specialize=_PER_STEP_INTS)(_paged_attn_fn)
+_reduce_splits_kernel = triton.jit(_reduce_splits_fn)
+_reduce_splits_kernel_dyn = triton.jit(do_not_specialize=["num_splits"])(_reduce_splits_fn)
 
 
 def _check_int_tensor(name: str, t: torch.Tensor, ndim: int, device: torch.device) -> None:
@@ -640,6 +648,7 @@ class AttentionPlan:
     pdl: dict[str, Any]
     reduce_grid: tuple[int, int, int]
     reduce_block_d: int
+    dynamic: bool  # batches with prompt tokens: the kernels without per-step int specialization
     # the compiled attention and reduce variants, set by the first launch (see launch)
     _compiled: list[Any] = field(default_factory=lambda: [None, None], repr=False, compare=False)
 
@@ -677,7 +686,9 @@ class AttentionPlan:
         )  # fmt: skip
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
                    **{k: v for k, v in self.pdl.items() if k != "PDL"}}
-        self._compiled[0] = _run(_paged_attn_kernel, self._compiled[0], self.grid, args, constexprs, options)
+        kernels = (_paged_attn_kernel_dyn, _reduce_splits_kernel_dyn) if self.dynamic else \
+            (_paged_attn_kernel, _reduce_splits_kernel)
+        self._compiled[0] = _run(kernels[0], self._compiled[0], self.grid, args, constexprs, options)
         if self.num_splits > 1:
             splits_pad = max(8, _next_pow2(self.num_splits))
             args = (part_acc, part_m, part_l, out, num_q_heads, self.num_splits, out.stride(0), out.stride(1))
@@ -685,7 +696,7 @@ class AttentionPlan:
                               PDL=self.pdl["PDL"])
             options["num_warps"] = 4 if self.reduce_block_d * splits_pad >= 4096 else 2
             options.pop("num_stages")
-            self._compiled[1] = _run(_reduce_splits_kernel, self._compiled[1], self.reduce_grid, args, constexprs,
+            self._compiled[1] = _run(kernels[1], self._compiled[1], self.reduce_grid, args, constexprs,
                                      options)
 
 
@@ -752,5 +763,6 @@ def plan_paged_attention(
         heads_per_group=heads_per_group, grid=grid, num_seqs=num_seqs, qk_scale=float(scale) * _LOG2E,
         window=int(sliding_window or 0), part=(part_acc, part_m, part_l), pdl=pdl_launch_args(device),
         reduce_grid=(num_tokens, num_q_heads, d_chunks), reduce_block_d=head_dim // d_chunks,
+        dynamic=max_query_len > 1,
     )
 

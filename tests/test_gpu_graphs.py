@@ -43,9 +43,10 @@ def test_piecewise_graphs_greedy_identical(arch: str, tmp_path: Path) -> None:
 
 
 def _compiled_variants() -> int:
-    from tokenmill.kernels.paged_attention import _paged_attn_kernel, _reduce_splits_kernel
+    from tokenmill.kernels import paged_attention as pa
 
-    return sum(len(cache[0]) for k in (_paged_attn_kernel, _reduce_splits_kernel) for cache in k.device_caches.values())
+    kernels = (pa._paged_attn_kernel, pa._paged_attn_kernel_dyn, pa._reduce_splits_kernel, pa._reduce_splits_kernel_dyn)
+    return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
 
 
 def test_no_attention_compile_after_start_up(tmp_path: Path) -> None:

@@ -50,9 +50,17 @@ class FakeIO:
         self.forwarded = rec
 
 
+class FakeTokenizer:
+    token_bytes = tuple(bytes([65 + i]) for i in range(16))  # id i is the letter chr(65 + i)
+
+
+class FakeEngine:
+    tokenizer = FakeTokenizer()
+
+
 def _loop(wait: float) -> tuple[EngineLoop, Recorder]:
     rec = Recorder()
-    loop = EngineLoop(None, FakeIO(rec), rec, WorkerOptions(handoff_wait=wait), p.Ready(  # type: ignore[arg-type]
+    loop = EngineLoop(FakeEngine(), FakeIO(rec), rec, WorkerOptions(handoff_wait=wait), p.Ready(  # type: ignore[arg-type]
         "w", ["m"], 1, 1, 16, 64, 1.0))
     loop.active = {"a#0": ("a", 0), "b#2": ("b", 2), "c#0": ("c", 0), "d#1": ("d", 1)}
     return loop, rec
@@ -75,7 +83,8 @@ def test_one_tokens_message_then_finished_and_errors(wait: float) -> None:
     sends = [m for kind, m in rec.calls if kind == "send"]
     assert sends == [
         p.Tokens([p.TokenChunk("a", 0, 3, [5, 6], "xy"), p.TokenChunk("b", 2, 7, [], "held"),
-                  p.TokenChunk("c", 0, 0, [9], "q", [[[9, -0.25], [4, -2.0]]]), p.TokenChunk("d", 1, 4, [8], "e")]),
+                  p.TokenChunk("c", 0, 0, [9], "q", [[[9, -0.25, [74]], [4, -2.0, [69]]]]),
+                  p.TokenChunk("d", 1, 4, [8], "e")]),
         p.Finished([p.FinishedJob("d", 1, "length", None, (2, 5, 1))]),
         p.JobError("a", 0, "failed", "boom"),
     ]

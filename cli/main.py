@@ -8,7 +8,8 @@ import sys
 from collections.abc import Sequence
 
 # Each module has `register(subparsers) -> None`; commands set `func(args) -> int` as their default.
-COMMAND_MODULES = ("tokenmill.cli.engine_cmds", "tokenmill.cli.serve", "tokenmill.cli.bench")
+COMMAND_MODULES = ("tokenmill.cli.engine_cmds", "tokenmill.cli.serve", "tokenmill.cli.gateway_cmds",
+                   "tokenmill.cli.bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -543,8 +543,8 @@ class Done(Message):
     queue_time: float | None = None
 
     def to_wire(self) -> Any:
-        d = {"job_id": self.job_id, "finish_reason": self.finish_reason, "stop_reason": self.stop_reason,
-             "usage": list(self.usage), "num_tokens": self.num_tokens}
+        d: dict[str, Any] = {"job_id": self.job_id, "finish_reason": self.finish_reason,
+                             "stop_reason": self.stop_reason, "usage": list(self.usage), "num_tokens": self.num_tokens}
         if self.queue_time is not None:
             d["queue_time"] = self.queue_time
         return d

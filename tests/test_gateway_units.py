@@ -186,3 +186,27 @@ def test_api_keys_map_to_distinct_owners(tmp_path: Path) -> None:
 def test_config_is_validated(kw: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         GatewayConfig(**kw)
+
+
+def test_grafana_dashboard_uses_only_metrics_the_gateway_exposes() -> None:
+    import re
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tokenmill.gateway.metrics import GatewayMetrics
+
+    pool = PoolView(None, CFG)
+    pool.update(_stats(_worker(running=1)), now=0.0)
+    metrics = GatewayMetrics(pool)
+    metrics.ttft.labels("m").observe(0.1)  # label children exist once used
+    for fam in (metrics.request_success.labels("m", "stop"), metrics.request_errors.labels("m", "400")):
+        fam.inc()
+    for c in (metrics.prompt_tokens, metrics.generation_tokens, metrics.prefix_queries, metrics.prefix_hits):
+        c.labels("m").inc()
+    for h in (metrics.itl, metrics.tpot, metrics.e2e, metrics.queue_time):
+        h.labels("m").observe(0.1)
+    exposed = {s.name for fam in text_string_to_metric_families(metrics.exposition().decode()) for s in fam.samples}
+    dash = json.loads((Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "tokenmill.json").read_text())
+    used = {name for panel in dash["panels"] for t in panel["targets"]
+            for name in re.findall(r"tokenmill:[a-z0-9_]+", t["expr"])}
+    assert used and used <= exposed, sorted(used - exposed)

@@ -15,9 +15,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q "numpy<2.3" triton==3.6.0 -e ".[worker,gateway,test,bench]"
 	touch $(STAMP)
 
-# The main job: a broker and a worker on the embedded SmolLM2-135M-Instruct (Ctrl-C stops both).
+# The main job: a broker, a worker on the embedded SmolLM2-135M-Instruct and the OpenAI-compatible HTTP
+# gateway on http://127.0.0.1:8000/v1 (Ctrl-C stops them all).
 run: $(STAMP)
-	$(VENV)/bin/tokenmill up --workers 1
+	$(VENV)/bin/tokenmill serve --workers 1
 
 # One answer from the embedded model, in-process.
 chat: $(STAMP)

@@ -114,13 +114,23 @@ def _install_error_handlers(app: FastAPI, gw: Gateway) -> None:
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(exc.status_code, str(exc.detail)).response()
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next: Any) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > gw.cfg.max_body_bytes:
-            return APIError(413, f"request body over {gw.cfg.max_body_bytes} bytes").response()
-        response: Response = await call_next(request)
-        return response
+    app.add_middleware(BodyLimit, max_bytes=gw.cfg.max_body_bytes)
+
+
+class BodyLimit:
+    """413 for a request whose Content-Length exceeds `max_bytes`. A plain ASGI middleware: Starlette's
+    BaseHTTPMiddleware would relay every streamed chunk through a memory stream and an extra task."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            for name, value in scope.get("headers", ()):
+                if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                    await APIError(413, f"request body over {self.max_bytes} bytes").response()(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
 
 
 def _add_ops_routes(app: FastAPI, gw: Gateway) -> None:

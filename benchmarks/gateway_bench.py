@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,12 +60,19 @@ def _record(latencies: list[float], text: str) -> None:
         latencies.append((now - int(text)) / 1e6)
 
 
+async def _timed(streams: int, one: Callable[[list[float]], Awaitable[int]]) -> dict[str, Any]:
+    """Run `streams` copies of `one` (which records per-token latencies and returns its token count)."""
+    latencies: list[float] = []
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(one(latencies) for _ in range(streams)))
+    return {"latencies_ms": latencies, "tokens": sum(counts), "wall_s": time.perf_counter() - t0}
+
+
 async def _sdk_load(address: str, streams: int, tokens: int) -> dict[str, Any]:
     from tokenmill.client import AsyncClient
 
-    latencies: list[float] = []
     async with AsyncClient(address) as c:
-        async def one() -> int:
+        async def one(latencies: list[float]) -> int:
             n = 0
             async for ev in c.stream("x", model=MODEL, max_tokens=tokens):
                 if ev.text:
@@ -72,18 +80,14 @@ async def _sdk_load(address: str, streams: int, tokens: int) -> dict[str, Any]:
                     n += 1
             return n
 
-        t0 = time.perf_counter()
-        counts = await asyncio.gather(*(one() for _ in range(streams)))
-        wall = time.perf_counter() - t0
-    return {"latencies_ms": latencies, "tokens": sum(counts), "wall_s": wall}
+        return await _timed(streams, one)
 
 
 async def _openai_load(base_url: str, streams: int, tokens: int) -> dict[str, Any]:
     import openai
 
-    latencies: list[float] = []
     async with openai.AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=600) as c:
-        async def one() -> int:
+        async def one(latencies: list[float]) -> int:
             n = 0
             stream = await c.completions.create(model=MODEL, prompt="x", max_tokens=tokens, stream=True)
             async for chunk in stream:
@@ -92,10 +96,7 @@ async def _openai_load(base_url: str, streams: int, tokens: int) -> dict[str, An
                     n += 1
             return n
 
-        t0 = time.perf_counter()
-        counts = await asyncio.gather(*(one() for _ in range(streams)))
-        wall = time.perf_counter() - t0
-    return {"latencies_ms": latencies, "tokens": sum(counts), "wall_s": wall}
+        return await _timed(streams, one)
 
 
 async def _sse_load(base_url: str, streams: int, tokens: int) -> dict[str, Any]:
@@ -105,9 +106,7 @@ async def _sse_load(base_url: str, streams: int, tokens: int) -> dict[str, Any]:
     body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": tokens, "stream": True}).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
-    latencies: list[float] = []
-
-    async def one() -> int:
+    async def one(latencies: list[float]) -> int:
         reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(head + body)
         n = 0
@@ -123,9 +122,7 @@ async def _sse_load(base_url: str, streams: int, tokens: int) -> dict[str, Any]:
         writer.close()
         return n
 
-    t0 = time.perf_counter()
-    counts = await asyncio.gather(*(one() for _ in range(streams)))
-    return {"latencies_ms": latencies, "tokens": sum(counts), "wall_s": time.perf_counter() - t0}
+    return await _timed(streams, one)
 
 
 LOADS = {"sdk": _sdk_load, "sse": _sse_load, "openai": _openai_load}

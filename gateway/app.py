@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from importlib import metadata
 from typing import Any
@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.client import Usage
+from tokenmill.client import StreamEvent, Usage
 from tokenmill.gateway.config import GatewayConfig
 from tokenmill.gateway.errors import APIError
 from tokenmill.gateway.metrics import GatewayMetrics
@@ -67,8 +67,10 @@ class Gateway:
         await self.pool.stop()
         await self.tenants.close()
 
-    def error(self, model: str, err: APIError) -> JSONResponse:
+    def error(self, model: str, err: APIError, request_id: str = "") -> JSONResponse:
         self.metrics.request_errors.labels(model, str(err.status)).inc()
+        log.info("request_failed", request_id=request_id or None, model=model, status=err.status, code=err.code,
+                 error=err.message[:200])
         return err.response()
 
     def max_tokens(self, requested: int | None, worker: dict[str, Any]) -> int:
@@ -277,8 +279,26 @@ class _JobStream(StreamingResponse):
             self.run.cancel()
 
 
-async def _stream_tail(run: RequestRun, writer: ChunkWriter, usages: dict[int, Usage], n: int,
-                       err: APIError | None) -> AsyncIterator[str]:
+async def _stream_lines(run: RequestRun, writer: ChunkWriter, n: int, head: list[str],
+                        delta: Callable[[int, StreamEvent], str | None]) -> AsyncIterator[str]:
+    """The SSE lines of a streamed answer: `head`, then per event the line `delta(choice index, event)`
+    makes (None: nothing to send) or the choice's finish chunk, then the usage chunk (if asked for) or an
+    error object for a job that failed midway, then `data: [DONE]`. Unfinished jobs are cancelled on exit."""
+    usages: dict[int, Usage] = {}
+    err = None
+    try:
+        for first in head:
+            yield first
+        async for index, ev in run.events():
+            if ev.finish_reason is not None:
+                usages[index] = ev.usage or Usage(0, 0, 0)
+                yield writer.finish(index, ev.finish_reason, ev.stop_reason)
+            elif (line := delta(index, ev)) is not None:
+                yield line
+    except APIError as e:
+        err = e
+    finally:
+        run.cancel()
     if err is not None:
         yield writer.error(err.body())
     elif writer.include_usage:
@@ -289,51 +309,27 @@ async def _stream_tail(run: RequestRun, writer: ChunkWriter, usages: dict[int, U
     yield DONE_LINE
 
 
-async def _completion_events(run: RequestRun, writer: ChunkWriter, body: CompletionRequest,
-                             echo: dict[int, str]) -> AsyncIterator[str]:
+def _completion_events(run: RequestRun, writer: ChunkWriter, body: CompletionRequest,
+                       echo: dict[int, str]) -> AsyncIterator[str]:
     k = body.logprobs
-    usages: dict[int, Usage] = {}
-    offsets = {index: len(prefix) for index, prefix in echo.items()}
-    err = None
-    try:
-        for index, prefix in echo.items():
-            yield writer.text(index, prefix)
-        async for index, ev in run.events():
-            if ev.finish_reason is not None:
-                usages[index] = ev.usage or Usage(0, 0, 0)
-                yield writer.finish(index, ev.finish_reason, ev.stop_reason)
-            elif k is not None and ev.token_ids:
-                lp = completion_logprobs(event_logprobs(ev, k), offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp["tokens"])
-                yield writer.text(index, ev.text, lp)
-            elif ev.text:
-                yield writer.text(index, ev.text)
-    except APIError as e:
-        err = e
-    finally:
-        run.cancel()
-    async for line in _stream_tail(run, writer, usages, body.n, err):
-        yield line
+    offsets = {index: len(prefix) for index, prefix in echo.items()}  # text before each choice's next token
+
+    def delta(index: int, ev: StreamEvent) -> str | None:
+        if k is not None and ev.token_ids:
+            lp = completion_logprobs(event_logprobs(ev, k), offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp["tokens"])
+            return writer.text(index, ev.text, lp)
+        return writer.text(index, ev.text) if ev.text else None
+
+    head = [writer.text(index, prefix) for index, prefix in echo.items()]
+    return _stream_lines(run, writer, body.n, head, delta)
 
 
-async def _chat_events(run: RequestRun, writer: ChunkWriter, body: ChatCompletionRequest,
-                       k: int | None) -> AsyncIterator[str]:
-    usages: dict[int, Usage] = {}
-    err = None
-    try:
-        for c in run.choices:
-            yield writer.start(c.index)
-        async for index, ev in run.events():
-            if ev.finish_reason is not None:
-                usages[index] = ev.usage or Usage(0, 0, 0)
-                yield writer.finish(index, ev.finish_reason, ev.stop_reason)
-            elif k is not None and ev.token_ids:
-                yield writer.text(index, ev.text, chat_logprobs(event_logprobs(ev, k)))
-            elif ev.text:
-                yield writer.text(index, ev.text)
-    except APIError as e:
-        err = e
-    finally:
-        run.cancel()
-    async for line in _stream_tail(run, writer, usages, body.n, err):
-        yield line
+def _chat_events(run: RequestRun, writer: ChunkWriter, body: ChatCompletionRequest,
+                 k: int | None) -> AsyncIterator[str]:
+    def delta(index: int, ev: StreamEvent) -> str | None:
+        if k is not None and ev.token_ids:
+            return writer.text(index, ev.text, chat_logprobs(event_logprobs(ev, k)))
+        return writer.text(index, ev.text) if ev.text else None
+
+    return _stream_lines(run, writer, body.n, [writer.start(c.index) for c in run.choices], delta)

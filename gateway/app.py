@@ -112,6 +112,11 @@ def _install_error_handlers(app: FastAPI, gw: Gateway) -> None:
         msg = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", "invalid"))
         return gw.error("", APIError(400, msg, param=where or None, code="invalid"))
 
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("gateway_internal_error", error=type(exc).__name__)
+        return gw.error("", APIError(500, f"internal error: {type(exc).__name__}"))
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(exc.status_code, str(exc.detail)).response()

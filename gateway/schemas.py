@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenmill.gateway.errors import APIError
 
 MAX_TOKEN_ID = (1 << 31) - 1
+MAX_COUNT = 1 << 31  # bound on every count, so any accepted value fits the wire (msgpack integers)
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 Seed = Annotated[int, Field(ge=0, lt=1 << 63)]
 
@@ -31,10 +32,10 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1, max_length=512, description="a model name from GET /v1/models")
-    n: int = Field(1, ge=1, description="choices to generate (one job each)")
+    n: int = Field(1, ge=1, le=MAX_COUNT, description="choices to generate (one job each)")
     temperature: float | None = Field(None, ge=0.0, le=100.0, description="0: greedy; default 1")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, description="-1 or 0: off")
+    top_k: int | None = Field(None, ge=-1, le=MAX_COUNT, description="-1 or 0: off")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -43,13 +44,13 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = Field(None, description="strings that end a choice (not included in it)")
     stop_token_ids: list[TokenId] | None = Field(None, max_length=1024)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=MAX_COUNT)
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_COUNT)
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -103,7 +104,7 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
         description="a string, a list of strings, token ids, or a list of token-id lists (one prompt each)")
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_COUNT)
     logprobs: int | None = Field(None, ge=0, le=20, description="top logprobs per token (0: the sampled one)")
     echo: bool = Field(False, description="put the prompt in front of each choice's text")
     suffix: str | None = None
@@ -172,8 +173,9 @@ class ChatCompletionRequest(_Sampling):
     template on the worker)."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
-    max_tokens: int | None = Field(None, ge=1, description="default: what the model's context leaves")
-    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_COUNT, description="default: what the model's context leaves")
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT,
+                                              description="OpenAI's newer name for max_tokens")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")

@@ -121,6 +121,14 @@ def test_what_tokenmill_refuses_is_400(extra: dict[str, Any]) -> None:
     assert e.value.status == 400
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "n", "seed", "top_k", "min_tokens"])
+def test_numbers_past_what_the_wire_carries_are_refused(field: str) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", field: 1 << 70})
+
+
 def test_chat_messages_content_parts_and_tool_turns() -> None:
     r = ChatCompletionRequest.model_validate({"model": "m", "messages": [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},

@@ -305,7 +305,7 @@ def test_a_tenant_cannot_cancel_another_tenants_job(pool: Pool) -> None:
 
 
 def test_closing_a_stream_frees_its_kv_blocks(pool: Pool) -> None:
-    """The worker's blocks are back (as its heartbeat shows them, 0.2 s apart) within a second of the close;
+    """The worker's blocks are back (as its heartbeat shows them, 0.2 s apart) within 2 s of the close;
     the worker aborts a cancelled request before its next step (engine loop), so this bounds the lag of the
     gateway noticing the closed connection plus the cancel's trip."""
     with Client(pool.broker) as c:
@@ -321,7 +321,7 @@ def test_closing_a_stream_frees_its_kv_blocks(pool: Pool) -> None:
         wait_until(lambda: _kv_idle(c), 5, 0.02, what="blocks freed after the HTTP client left")
         freed = time.monotonic() - closed
         assert c.stats()["counters"]["cancels"] == before + 1
-        assert freed < 1.0
+        assert freed < 2.0
         print(f"blocks freed {freed * 1000:.0f} ms after the close (stats polls included)")
 
 

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from tokenmill.cli.settings import SettingError, SettingsParser
 
 # Each module has `register(subparsers) -> None`; commands set `func(args) -> int` as their default.
-COMMAND_MODULES = ("tokenmill.cli.engine_cmds", "tokenmill.cli.serve", "tokenmill.cli.bench")
+COMMAND_MODULES = ("tokenmill.cli.engine_cmds", "tokenmill.cli.serve", "tokenmill.cli.gateway_cmds",
+                   "tokenmill.cli.bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

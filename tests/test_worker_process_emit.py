@@ -31,8 +31,16 @@ class Outbox:
         raise AssertionError("output went to the IO thread")
 
 
+class FakeTokenizer:
+    token_bytes = tuple(bytes([65 + i]) for i in range(16))  # id i is the letter chr(65 + i)
+
+
+class FakeEngine:
+    tokenizer = FakeTokenizer()
+
+
 def _loop() -> tuple[EngineLoop, DataRecorder]:
-    loop = EngineLoop(None, None, Outbox(), WorkerOptions(), p.Ready(  # type: ignore[arg-type]
+    loop = EngineLoop(FakeEngine(), None, Outbox(), WorkerOptions(), p.Ready(  # type: ignore[arg-type]
         "w", ["m"], 1, 1, 16, 64, 1.0), None)  # type: ignore[arg-type]
     data = DataRecorder()
     loop.data = data  # type: ignore[assignment]
@@ -55,7 +63,8 @@ def test_one_tokens_message_then_finished_and_errors_on_the_data_socket() -> Non
     loop._emit(OUTPUTS)
     assert data.sent == [
         p.Tokens([p.TokenChunk("a", 0, 3, [5, 6], "xy"), p.TokenChunk("b", 2, 7, [], "held"),
-                  p.TokenChunk("c", 0, 0, [9], "q", [[[9, -0.25], [4, -2.0]]]), p.TokenChunk("d", 1, 4, [8], "e")]),
+                  p.TokenChunk("c", 0, 0, [9], "q", [[[9, -0.25, [74]], [4, -2.0, [69]]]]),
+                  p.TokenChunk("d", 1, 4, [8], "e")]),
         p.Finished([p.FinishedJob("d", 1, "length", None, (2, 5, 1))]),
         p.JobError("a", 0, "failed", "boom"),
     ]

@@ -129,7 +129,7 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("params must be SamplingParams or a mapping of its fields")
-        ids = self._prompt_ids(prompt, prompt_token_ids, messages)
+        ids = self._prompt_ids(prompt, prompt_token_ids, messages, _template_kwargs(params))
         resume = list(resume_token_ids)
         self._validate(ids, resume, params)
         req = Request(request_id, ids, params,
@@ -147,11 +147,11 @@ class LLMEngine:
         self.scheduler.add(req)
 
     def _prompt_ids(self, prompt: str | None, token_ids: Sequence[int] | None,
-                    messages: list[dict[str, Any]] | None) -> list[int]:
+                    messages: list[dict[str, Any]] | None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
         if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
             raise InvalidRequest("give exactly one of prompt, prompt_token_ids or messages")
         if messages is not None:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}))
             return self.tokenizer.encode(text, add_special_tokens=False)
         if prompt is not None:
             if not isinstance(prompt, str):
@@ -339,6 +339,15 @@ class LLMEngine:
             block_size=b.block_size, prefix_cache_queries=self.counters.prefix_cache_queries,
             prefix_cache_hits=self.counters.prefix_cache_hits, num_preemptions=self.counters.preemptions,
         )
+
+
+def _template_kwargs(params: SamplingParams) -> dict[str, Any]:
+    """Extra chat-template variables of a request (`params.extra["chat_template_kwargs"]`, as the HTTP
+    gateway passes vLLM's parameter of that name)."""
+    kw = params.extra.get("chat_template_kwargs") or {}
+    if not (isinstance(kw, dict) and all(isinstance(k, str) and k.isidentifier() for k in kw)):
+        raise InvalidRequest("chat_template_kwargs must be a mapping of variable names to values")
+    return kw
 
 
 def _accumulate(acc: CompletionOutput, out: RequestOutput) -> None:

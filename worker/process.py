@@ -241,6 +241,8 @@ class EngineLoop:
         self.data: zmq.Socket | None = None  # the data socket, opened at each reset
         self.active: dict[str, tuple[str, int]] = {}  # engine request id -> (job id, attempt)
         self.stopping = threading.Event()
+        self.steps = 0  # engine steps run (the heartbeat's progress counter)
+        self._byte_table: Callable[[int], list[int]] | None = None  # token id -> its bytes (_token_bytes)
 
     def run(self) -> None:
         while not self.stopping.is_set():
@@ -251,6 +253,7 @@ class EngineLoop:
             self._drain_inbound(block=not self.engine.has_unfinished_requests())
             if self.engine.has_unfinished_requests():
                 self._emit(self.engine.step())
+                self.steps += 1
             self._publish_load()
 
     def _drain_inbound(self, block: bool) -> None:
@@ -329,7 +332,8 @@ class EngineLoop:
             if out.new_token_ids or out.text_delta:
                 lps = None
                 if out.logprobs is not None:
-                    lps = [[[int(t), float(v)] for t, v in d.items()] for d in out.logprobs]
+                    tb = self._token_bytes
+                    lps = [[[int(t), float(v), tb(int(t))] for t, v in d.items()] for d in out.logprobs]
                 attempts.append(attempt)
                 entries.append([job_id, out.first_index, list(out.new_token_ids), out.text_delta, lps])
             if out.finished:
@@ -349,7 +353,15 @@ class EngineLoop:
 
     def _publish_load(self) -> None:
         s = self.engine.stats()
-        self.io.load = p.WorkerHeartbeat(s.num_running, s.num_waiting, s.num_free_blocks, s.num_cached_blocks)
+        self.io.load = p.WorkerHeartbeat(s.num_running, s.num_waiting, s.num_free_blocks, s.num_cached_blocks,
+                                         self.steps, getattr(s, "prefix_cache_queries", 0),
+                                         getattr(s, "prefix_cache_hits", 0), getattr(s, "num_preemptions", 0))
+
+    def _token_bytes(self, token_id: int) -> list[int]:
+        """A token's bytes for a logprobs entry (looked up through the engine's tokenizer)."""
+        if self._byte_table is None:
+            self._byte_table = token_byte_lookup(self.engine)
+        return self._byte_table(token_id)
 
     def _push(self, msg: p.Message) -> None:
         self._send(p.encode(msg))
@@ -360,6 +372,19 @@ class EngineLoop:
         # will reset this loop (as it drops output on its own socket in that case).
         with contextlib.suppress(zmq.Again):
             self.data.send_multipart(frames, zmq.NOBLOCK)
+
+
+def token_byte_lookup(engine: Any) -> Callable[[int], list[int]]:
+    """token id -> its bytes (at most MAX_TOKEN_BYTES) for logprobs entries: the tokenizer's byte table
+    (byte-level BPE), else the UTF-8 of the token decoded alone; [] when the engine has no tokenizer."""
+    n = p.MAX_TOKEN_BYTES
+    tok = getattr(engine, "tokenizer", None)
+    table = getattr(tok, "token_bytes", None)
+    if table is not None:
+        return lambda i: list(table[i][:n]) if 0 <= i < len(table) else []
+    if tok is not None:
+        return lambda i: list(tok.decode([i], skip_special_tokens=False).encode()[:n])
+    return lambda i: []
 
 
 def ready_message(engine: EngineLike, opts: WorkerOptions) -> p.Ready:

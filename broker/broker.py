@@ -459,7 +459,9 @@ class Broker:
         elif isinstance(msg, p.Finished):
             for f in msg.jobs:
                 if (job := self._current(w, f.job_id, f.attempt)) is not None:
-                    self._finish(job, p.Done(f.job_id, f.finish_reason, f.stop_reason, f.usage, job.num_tokens))
+                    queue_time = job.dispatched_at - job.created if job.dispatched_at is not None else None
+                    self._finish(job, p.Done(f.job_id, f.finish_reason, f.stop_reason, f.usage, job.num_tokens,
+                                             queue_time))
         elif isinstance(msg, p.JobError):
             if (job := self._current(w, msg.job_id, msg.attempt)) is not None:
                 self._finish(job, p.Fail(job.job_id, msg.code, msg.message))
@@ -570,6 +572,8 @@ class Broker:
     def _start(self, job: Job, w: WorkerInfo) -> None:
         job.state = JobState.RUNNING
         job.worker = w.ident
+        if job.dispatched_at is None:
+            job.dispatched_at = time.monotonic()
         w.assign(job.job_id)
         self.counters["dispatches"] += 1
         self._send_worker(w, p.WorkerSubmit(job.job_id, job.attempt, job.input, job.params, job.tokens,

@@ -57,6 +57,7 @@ class Job:
     attempt: int = 0
     failures: int = 0  # workers that died while running it
     queued_at: float = 0.0
+    dispatched_at: float | None = None  # first dispatch (monotonic); DONE's queue_time
     log: bytearray = field(default_factory=bytearray)
     ends: array[int] = field(default_factory=lambda: array("Q"))
     seqs: array[int] = field(default_factory=lambda: array("q"))

@@ -174,6 +174,7 @@ class Broker:
         self.run()
 
     def run(self) -> None:
+        """The loop (module docstring), until stop() or the end of a drain; then the shutdown."""
         assert self.frontend is not None and self.backend is not None, "call bind() first"
         poller = zmq.Poller()
         poller.register(self.frontend, zmq.POLLIN)
@@ -181,6 +182,7 @@ class Broker:
         if self.cfg.gc_tuning:
             self.gc.start()
         spin, spin_until = self.cfg.busy_poll, 0.0
+        on_worker = self.on_worker_message if self.observer is not None else self._on_worker_frames
         try:
             while not self._stop:
                 if spin_until and time.monotonic() < spin_until:
@@ -191,7 +193,7 @@ class Broker:
                     events = dict(poller.poll(self._poll_timeout_ms()))
                 # Workers first: a TOKENS batch is relayed before whatever clients sent meanwhile.
                 if self.backend in events:
-                    self._drain_socket(self.backend, self.on_worker_message)
+                    self._drain_socket(self.backend, on_worker)
                 if self.frontend in events:
                     self._drain_socket(self.frontend, self.on_client_message)
                 now = time.monotonic()
@@ -423,7 +425,8 @@ class Broker:
     # ---- workers ----------------------------------------------------------------------------------
 
     def on_worker_message(self, frames: list[Any]) -> None:
-        """Handle one message from the backend socket (routing id + frames)."""
+        """Handle one message from the backend socket (routing id + frames), between the observer's
+        hooks (run() calls the handler itself when there is no observer)."""
         obs = self.observer
         if obs is None:
             self._on_worker_frames(frames)
@@ -437,8 +440,18 @@ class Broker:
     def _on_worker_frames(self, frames: list[Any]) -> None:
         ident = frames[0]
         if (len(frames) == 4 and frames[2] == p.W_TOKENS_FRAME and frames[1] == p.HEADER
-                and (w := self.workers.sender(ident)) is not None and self._relay_plain(w, frames[3])):
-            return
+                and (w := self.workers.sender(ident)) is not None):
+            # The relay's hot path: a TOKENS body whose chunks all have the plain shape goes to the fan-out
+            # as it came, without a message object per chunk. Any other body is decoded strictly below,
+            # which says what is wrong, and relayed if it is valid.
+            body = frames[3]
+            try:
+                attempts, entries, offset = p.split_tokens_body(body, self.cfg.max_body_bytes)
+            except ProtocolError:
+                attempts = None
+            if attempts is not None and self.fanout.relay(w.ident, attempts, entries, body, offset):
+                w.last_seen = time.monotonic()
+                return
         try:
             msg = p.decode(frames[1:], p.WORKER_TO_BROKER, self.cfg.max_body_bytes)
         except ProtocolError as e:
@@ -469,19 +482,6 @@ class Broker:
             w.load = msg
         elif isinstance(msg, p.WorkerDisconnect):
             self._worker_dead(w, "disconnected")
-
-    def _relay_plain(self, w: WorkerInfo, body: bytes) -> bool:
-        """The relay's hot path: a TOKENS body whose chunks all have the plain shape goes to the fan-out
-        as it came, without a message object per chunk. False for any other body (the caller decodes it
-        strictly, which says what is wrong, and relays it if it is valid)."""
-        try:
-            attempts, entries, offset = p.split_tokens_body(body, self.cfg.max_body_bytes)
-        except ProtocolError:
-            return False
-        if not self.fanout.relay(w.ident, attempts, entries, body, offset):
-            return False
-        w.last_seen = time.monotonic()
-        return True
 
     def _current(self, w: WorkerInfo, job_id: str, attempt: int) -> Job | None:
         """The job if `w` runs its current attempt `attempt`; else None (stale output: dropped)."""

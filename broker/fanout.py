@@ -90,32 +90,17 @@ class Fanout:
         came off the wire, `body[offset:]` the msgpack of `entries`: then each chunk must also have the
         plain shape (protocol.plain_entry, an int attempt in range), checked here on the way; if one has
         not, nothing changes and this returns False (the caller decodes the batch strictly, which says
-        what is wrong, and relays it if it is valid). True once relayed."""
-        if body is not None and (type(attempts) is not list or type(entries) is not list
-                                 or len(attempts) != len(entries)):
-            return False
-        judged = self._admit(worker, attempts, entries, body is not None)
-        if judged is None:
-            return False
-        admitted, client, tokens = judged
-        self.counters["tokens_in"] += tokens
-        if client is not None:  # (then every chunk was admitted: no None in `admitted`)
-            assert body is not None
-            self._forward(client, admitted, entries, body[offset:], tokens)  # type: ignore[arg-type]
-        else:
-            self._store_and_send(admitted, entries)
-        return True
+        what is wrong, and relays it if it is valid). True once relayed.
 
-    def _admit(self, worker: bytes, attempts: Sequence[Any], entries: Sequence[Any],
-               plain: bool) -> tuple[list[Job | None], bytes | None, int] | None:
-        """Rules 1 and 2 for each chunk: its job (the chunk admitted) or None (dropped, counted); the
-        client the whole batch can be forwarded to (only a `plain` batch can), or None; and the tokens
-        admitted. With `plain`, first each chunk's shape: None, with every admission undone, if one is
-        not plain."""
+        One loop applies rules 1 and 2 to every chunk (and, for a plain batch, checks its shape first);
+        it notes whether the batch can be forwarded and to whom. Only then does anything go out."""
+        plain = body is not None
+        if plain and (type(attempts) is not list or type(entries) is not list or len(attempts) != len(entries)):
+            return False
         get, running, max_attempt = self.jobs.get, JobState.RUNNING, p.MAX_ATTEMPT
-        admitted: list[Job | None] = []
+        admitted: list[Job | None] = []  # per chunk: its job if admitted, else None (dropped)
         add = admitted.append
-        client: bytes | None = None
+        client: bytes | None = None  # the one client the whole batch can be forwarded to, while `forwardable`
         forwardable = plain
         tokens = stale = stale_tokens = 0
         mismatches: list[tuple[str, int, int]] = []  # counted (and logged) once the batch is known valid
@@ -154,14 +139,24 @@ class Fanout:
                     forwardable = subs.get(client) == len(job.ends)
         except (TypeError, ValueError):  # (plain only) an entry that is no plain array of 5: unpacking
             _undo(admitted, entries)  # fails, or (a string or map of 5) the type tests
-            return None
+            return False
+        if forwardable and client is not None:  # (then every chunk was admitted: no None in `admitted`)
+            assert body is not None
+            self._forward(client, admitted, entries, body[offset:], tokens)  # type: ignore[arg-type]
+        else:
+            self._store_and_send(admitted, entries)
+        self.counters["tokens_in"] += tokens
+        if stale or mismatches:
+            self._count_dropped(stale, stale_tokens, mismatches)
+        return True
+
+    def _count_dropped(self, stale: int, stale_tokens: int, mismatches: list[tuple[str, int, int]]) -> None:
         if stale:
             self.counters["stale_messages_dropped"] += stale
             self.counters["stale_tokens_dropped"] += stale_tokens
         for job_id, got, expected in mismatches:
             self.counters["seq_mismatch"] += 1
             log.warning("seq_mismatch", job=job_id, got=got, expected=expected)
-        return admitted, (client if forwardable else None), tokens
 
     def _forward(self, cid: bytes, admitted: list[Job], entries: Sequence[list[Any]], stream_body: bytes,
                  tokens: int) -> None:

@@ -33,14 +33,16 @@ def register(sub: Any) -> None:
     add_settings(g, GATEWAY)
     _add_repeated_args(g)
     g.add_argument("--model", action="append", default=None,
-                   help="a model this gateway answers for while no worker serves it (503, not 404); repeatable")
+                   help="a model this gateway answers for while no worker serves it (503, not 404); repeatable "
+                        "(default: none)")
     g.set_defaults(func=cmd_gateway)
 
 
 def _add_repeated_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=None,
                    help="accept only requests with 'Authorization: Bearer KEY' (repeatable; a key on the command "
-                        "line is visible to other users of the machine: prefer --api-key-file)")
+                        "line is visible to other users of the machine: prefer --api-key-file; default: none, no "
+                        "key needed)")
 
 
 def _gateway_config(args: argparse.Namespace, broker: str, models: tuple[str, ...]) -> Any:

@@ -54,8 +54,10 @@ def register(sub: Any) -> None:
 
     h = sub.add_parser("health", help="exit 0 if the gateway (--url) or broker (--broker) is healthy, else 1")
     where = h.add_mutually_exclusive_group(required=True)
-    where.add_argument("--url", default=None, help="a gateway's /health URL: healthy when it answers 200")
-    where.add_argument("--broker", default=None, help="a broker's client address: healthy when it answers")
+    where.add_argument("--url", default=None,
+                       help="a gateway's /health URL: healthy when it answers 200 (default: none)")
+    where.add_argument("--broker", default=None,
+                       help="a broker's client address: healthy when it answers (default: none; give --url or this)")
     h.add_argument("--worker", default=None, help="with --broker: healthy only while this worker is registered "
                                                   "and heard from (default: any worker, or none)")
     h.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default: 3)")

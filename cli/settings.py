@@ -313,7 +313,8 @@ def add_settings(parser: argparse.ArgumentParser, command: str) -> None:
     parser.epilog = (f"Each option also reads its environment variable; precedence: {PRECEDENCE}. Booleans: "
                      f"{'/'.join(_TRUE)} or {'/'.join(_FALSE)}.")
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
-                        help=f"TOML file of settings (keys: the option names with underscores) [env {CONFIG_ENV}]")
+                        help="TOML file of settings (keys: the option names with underscores) "
+                             f"[env {CONFIG_ENV}; default none]")
     for s in rows:
         if s.flag is None:
             continue

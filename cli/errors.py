@@ -91,6 +91,10 @@ def check_model(model: str, load_format: str) -> None:
         return
     path = Path(model).expanduser()
     if not path.exists():
+        from tokenmill.worker.loader.dummy import DUMMY_SHAPES
+
+        if model in DUMMY_SHAPES:
+            raise UserError(f"--model {model}: a dummy shape name needs --load-format dummy")
         raise UserError(f"--model {model}: no such file or folder (a .gguf file, a Hugging Face folder, "
                         "'embedded', or a dummy shape with --load-format dummy)")
 

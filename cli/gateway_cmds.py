@@ -78,7 +78,11 @@ def _config_or_exit(args: argparse.Namespace, broker: str, models: tuple[str, ..
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_json)
-    return _run_gateway(_config_or_exit(args, args.broker_address, tuple(args.model or ())))
+    cfg = _config_or_exit(args, args.broker_address, tuple(args.model or ()))
+    # uvicorn takes SIGINT / SIGTERM while it serves and hands them on when it returns: to this handler, so the
+    # gateway then exits with status 0 instead of dying of the signal.
+    stopper = Stopper().install()
+    return 0 if stopper.requested.is_set() else _run_gateway(cfg)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

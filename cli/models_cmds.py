@@ -58,8 +58,9 @@ def register(sub: Any) -> None:
                        help="a gateway's /health URL: healthy when it answers 200 (default: none)")
     where.add_argument("--broker", default=None,
                        help="a broker's client address: healthy when it answers (default: none; give --url or this)")
-    h.add_argument("--worker", default=None, help="with --broker: healthy only while this worker is registered "
-                                                  "and heard from (default: any worker, or none)")
+    h.add_argument("--worker", default=None, help="only this worker: with --broker, healthy while it is registered; "
+                                                  "with --url, unless the gateway reports it unhealthy or missing "
+                                                  "(default: the whole pool)")
     h.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default: 3)")
     h.set_defaults(func=cmd_health)
 
@@ -222,13 +223,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
 def cmd_health(args: argparse.Namespace) -> int:
     """Exit 0 when healthy; else one line saying why and exit 1."""
     if args.url:
-        try:
-            with urllib.request.urlopen(args.url, timeout=args.timeout) as r:
-                ok, why = r.status == 200, f"HTTP {r.status}"
-        except urllib.error.HTTPError as e:
-            ok, why = False, f"HTTP {e.code}: {e.read()[:200].decode(errors='replace')}"
-        except (urllib.error.URLError, OSError) as e:
-            ok, why = False, f"no answer ({getattr(e, 'reason', e)})"
+        ok, why = _url_health(args.url, args.timeout, args.worker)
     else:
         stats = _stats(args.broker, args.timeout)
         names = {str(w.get("name")) for w in stats.get("workers") or []}
@@ -238,3 +233,27 @@ def cmd_health(args: argparse.Namespace) -> int:
         print(f"tokenmill: unhealthy: {args.url or args.broker}: {why}", file=sys.stderr)
         return EXIT_FAILURE
     return 0
+
+
+def _url_health(url: str, timeout: float, worker: str | None) -> tuple[bool, str]:
+    """A gateway's /health: 200 is healthy. With `worker`, the verdict on that worker alone (a liveness probe
+    of the worker): unhealthy only when the gateway answers and reports it unhealthy, or does not list it
+    while the broker answers; a gateway that does not answer cannot tell, which is not the worker's fault."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            status, body = int(r.status), r.read()
+    except urllib.error.HTTPError as e:
+        status, body = int(e.code), e.read()
+    except (urllib.error.URLError, OSError) as e:
+        return worker is not None, f"no answer ({getattr(e, 'reason', e)})"
+    if worker is None:
+        return status == 200, f"HTTP {status}: {body[:200].decode(errors='replace')}"
+    try:
+        report = json.loads(body)
+    except ValueError:
+        return True, f"HTTP {status}, not a health report"
+    entry = next((w for w in report.get("workers") or [] if w.get("name") == worker), None)
+    if entry is not None:
+        return bool(entry.get("healthy")), f"worker {worker!r}: {entry.get('reason')}"
+    broker_down = report.get("reason") == "broker not answering"
+    return broker_down, f"worker {worker!r} is not in the pool ({report.get('reason')})"

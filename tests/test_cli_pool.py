@@ -101,6 +101,12 @@ def test_health_checks_for_compose_and_kubernetes(pool: Pool) -> None:
     _one_line(_cli("health", "--broker", pool.frontend, "--worker", "worker-z"), 1, "'worker-z' is not registered")
     _one_line(_cli("health", "--url", f"http://127.0.0.1:{free_port()}/health", "--timeout", "1"), 1, "no answer")
     _one_line(_cli("health", "--broker", addr(free_port()), "--timeout", "1"), 1, "no broker answers")
+    # a worker's liveness through the gateway's /health: its own entry decides; no answer cannot blame it
+    health = f"{pool.base_url}/health"
+    assert _cli("health", "--url", health, "--worker", "worker-a").returncode == 0
+    _one_line(_cli("health", "--url", health, "--worker", "worker-z"), 1, "'worker-z' is not in the pool")
+    assert _cli("health", "--url", f"http://127.0.0.1:{free_port()}/health", "--worker", "worker-a",
+                "--timeout", "1").returncode == 0
 
 
 # ---- through a running pool ---------------------------------------------------------------------------

@@ -135,7 +135,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     for key, label in (("general.name", "name"), ("general.license", "license"),
                        ("general.file_type", "GGUF file type")):
         if key in meta:
-            lines.append((label, str(meta[key])))
+            lines.append((label, _gguf_file_type(meta[key]) if key == "general.file_type" else str(meta[key])))
     template = meta.get("tokenizer.chat_template") if meta else _hf_template(path)
     lines.append(("chat template", "yes" if template else "no"))
     defaults = model_generation_defaults(str(path), load_format, download=False)
@@ -157,6 +157,15 @@ def _show_target(name: str) -> tuple[str, Path, str]:
     if cached is None:
         raise CommandFailed(f"model {key!r} is not pulled yet: tokenmill models pull {key}")
     return key, cached, f"package registry: {asset.package}=={asset.version} ({asset.member})"
+
+
+def _gguf_file_type(value: Any) -> str:
+    import gguf
+
+    try:
+        return gguf.LlamaFileType(int(value)).name
+    except (ValueError, TypeError):
+        return str(value)
 
 
 def _hf_template(path: Path) -> str | None:

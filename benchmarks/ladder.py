@@ -35,6 +35,7 @@ from tokenmill.benchmarks.throughput import (
     observing,
     set_prefix_caching,
     spec_from_args,
+    where_it_runs,
     workload_tokenizer,
 )
 from tokenmill.benchmarks.workloads import BenchRequest, Workload, shared_prefix_workload, sharegpt_workload
@@ -249,6 +250,7 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
 
 def run_cli(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
+    print(f"bench ladder: {where_it_runs(spec)}, in this process", flush=True)
     tok, vocab, _ = workload_tokenizer(spec)
     sg = sharegpt_workload(tok, args.num_prompts, args.seed, ids_vocab=vocab, max_input_len=args.max_input_len,
                            max_output_len=args.max_output_len)

@@ -6,7 +6,12 @@ through `AsyncClient`, and timed at the client: TTFT, TPOT, ITL, end-to-end late
 request and token throughput, and goodput under a TTFT/TPOT SLO. The processes are always stopped at
 the end, and every rate has a time limit (requests still open then count as failed).
 
+With --base-url, nothing is started: the requests go to a running OpenAI-compatible server (a tokenmill
+gateway, vLLM, ...) as `vllm bench serve` sends them: streamed POST /v1/completions with the prompt as
+token ids, ignore_eos, and the usage of the last chunk as the output length (ITL: one gap per chunk).
+
     python -m tokenmill.benchmarks.serving --model embedded --rates 0.5,1,inf --num-prompts 24
+    python -m tokenmill.benchmarks.serving --base-url http://127.0.0.1:8000 --model embedded --rates 2
 """
 
 from __future__ import annotations
@@ -32,7 +37,14 @@ from typing import Any
 from tqdm import tqdm
 
 from tokenmill.benchmarks.common import RequestTiming, goodput, latency_summary, throughput_summary, write_results
-from tokenmill.benchmarks.throughput import ModelSpec, add_model_args, build_engine, spec_from_args, workload_tokenizer
+from tokenmill.benchmarks.throughput import (
+    ModelSpec,
+    add_model_args,
+    build_engine,
+    spec_from_args,
+    where_it_runs,
+    workload_tokenizer,
+)
 from tokenmill.benchmarks.workloads import BenchRequest, Workload, sharegpt_workload
 
 SPEC_ENV = "TOKENMILL_BENCH_SPEC"
@@ -156,32 +168,70 @@ async def _one(client: Any, r: BenchRequest, t: RequestTiming, sem: asyncio.Sema
             t.error = f"{type(e).__name__}: {e}"[:200]
 
 
-async def run_rate(address: str, workload: Workload, rate: float, *, seed: int = 0, concurrency: int | None = None,
-                   time_limit_s: float = 300.0, desc: str = "") -> tuple[list[RequestTiming], float]:
-    """Send `workload` at `rate` req/s (Poisson) with at most `concurrency` in flight; returns the timings
-    and the duration from the first send to the last completion."""
+async def _one_http(client: Any, model: str, r: BenchRequest, t: RequestTiming,
+                    sem: asyncio.Semaphore | None) -> None:
+    """One streamed /v1/completions request through the official openai client."""
+    async with sem if sem is not None else contextlib.nullcontext():
+        t.sent = time.perf_counter()
+        try:
+            stream = await client.completions.create(
+                model=model, prompt=list(r.prompt_ids), max_tokens=r.output_len, temperature=0.0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                now = time.perf_counter()
+                if chunk.choices and chunk.choices[0].text:
+                    t.on_tokens(now, 1)
+                if chunk.usage is not None:
+                    t.output_len = chunk.usage.completion_tokens
+                    t.done = now
+        except Exception as e:  # an HTTP error fails this request alone
+            t.error = f"{type(e).__name__}: {e}"[:200]
+
+
+@contextlib.asynccontextmanager
+async def _target(address: str, model: str) -> Any:
+    """A function sending one request: through the SDK to a broker (tcp://...), or through HTTP to an
+    OpenAI-compatible server (http://...)."""
+    if address.startswith(("http://", "https://")):
+        from openai import AsyncOpenAI
+
+        base = address.rstrip("/")
+        base = base if base.endswith("/v1") else base + "/v1"
+        async with AsyncOpenAI(base_url=base, api_key=os.environ.get("OPENAI_API_KEY", "unused"),
+                               max_retries=0, timeout=600.0) as http:
+            yield lambda r, t, sem: _one_http(http, model, r, t, sem)
+        return
     from tokenmill.client import AsyncClient
 
+    async with AsyncClient(address, broker_timeout=60.0) as client:
+        yield lambda r, t, sem: _one(client, r, t, sem)
+
+
+async def run_rate(address: str, workload: Workload, rate: float, *, seed: int = 0, concurrency: int | None = None,
+                   time_limit_s: float = 300.0, desc: str = "", model: str = "") -> tuple[list[RequestTiming], float]:
+    """Send `workload` at `rate` req/s (Poisson) with at most `concurrency` in flight to a broker or an HTTP
+    server (`address`; `model`: the model the HTTP requests name); returns the timings and the duration from
+    the first send to the last completion."""
     reqs = workload.requests
     offsets = arrival_offsets(len(reqs), rate, seed)
     timings = [RequestTiming(math.nan, r.prompt_len) for r in reqs]
     sem = asyncio.Semaphore(concurrency) if concurrency else None
-    async with AsyncClient(address, broker_timeout=60.0) as client:
+    async with _target(address, model) as send:
         start = time.perf_counter()
-        tasks = [asyncio.create_task(_delayed(client, r, t, sem, start + off))
+        tasks = [asyncio.create_task(_delayed(send, r, t, sem, start + off))
                  for r, t, off in zip(reqs, timings, offsets)]
         await _wait_all(tasks, start + time_limit_s, desc or f"rate {rate}")
     for t in timings:
         if not t.ok and t.error is None:
-            t.error = "time limit"
+            t.error = f"time limit ({time_limit_s:g} s, --time-limit-s)"
     ends = [t.done for t in timings if t.ok]
     return timings, (max(ends) if ends else time.perf_counter()) - start
 
 
-async def _delayed(client: Any, r: BenchRequest, t: RequestTiming, sem: asyncio.Semaphore | None,
+async def _delayed(send: Any, r: BenchRequest, t: RequestTiming, sem: asyncio.Semaphore | None,
                    at: float) -> None:
     await asyncio.sleep(max(0.0, at - time.perf_counter()))
-    await _one(client, r, t, sem)
+    await send(r, t, sem)
 
 
 async def _wait_all(tasks: list[asyncio.Task[None]], deadline: float, desc: str) -> None:
@@ -222,13 +272,25 @@ def rate_result(timings: list[RequestTiming], duration: float, rate: float, cfg:
             "errors": sorted({t.error for t in timings if t.error})[:5]}
 
 
-def serve_rates(spec: ModelSpec, workload: Workload, cfg: ServingConfig, prefix_caching: bool = True,
-                deadline: float | None = None) -> dict[str, Any]:
-    """Start the cluster, warm it up, run each rate (a fresh sample order per rate is not needed: the same
-    requests at every rate), stop the cluster. `deadline` (time.monotonic) skips rates that cannot start."""
-    results: list[dict[str, Any]] = []
+@contextlib.contextmanager
+def _pool(spec: ModelSpec, prefix_caching: bool, base_url: str | None) -> Iterator[str]:
+    """The address to send to: a running server's (base_url), or a cluster started here for the run."""
+    if base_url:
+        yield base_url
+        return
     with cluster(spec, prefix_caching) as c:
-        asyncio.run(run_rate(c.frontend, workload.subset(cfg.warmup_requests), math.inf, desc="warm-up"))
+        yield c.frontend
+
+
+def serve_rates(spec: ModelSpec, workload: Workload, cfg: ServingConfig, prefix_caching: bool = True,
+                deadline: float | None = None, base_url: str | None = None) -> dict[str, Any]:
+    """Start the cluster (or use the server at `base_url`), warm it up, run each rate (a fresh sample order
+    per rate is not needed: the same requests at every rate), stop the cluster. `deadline`
+    (time.monotonic) skips rates that cannot start."""
+    results: list[dict[str, Any]] = []
+    with _pool(spec, prefix_caching, base_url) as address:
+        asyncio.run(run_rate(address, workload.subset(cfg.warmup_requests), math.inf, desc="warm-up",
+                             model=spec.model))
         for i, rate in enumerate(cfg.rates):
             limit = cfg.time_limit_s
             if deadline is not None:
@@ -237,8 +299,9 @@ def serve_rates(spec: ModelSpec, workload: Workload, cfg: ServingConfig, prefix_
                     results.append({"rate": "inf" if math.isinf(rate) else rate, "skipped": "time budget"})
                     continue
             n = _prompts_for(rate, cfg.num_prompts, limit, len(workload), cfg.saturation_hint)
-            timings, duration = asyncio.run(run_rate(c.frontend, workload.subset(n), rate, seed=cfg.seed + i,
-                                                     concurrency=cfg.concurrency, time_limit_s=limit))
+            timings, duration = asyncio.run(run_rate(address, workload.subset(n), rate, seed=cfg.seed + i,
+                                                     concurrency=cfg.concurrency, time_limit_s=limit,
+                                                     model=spec.model))
             results.append(rate_result(timings, duration, rate, cfg) | {"requests_sent": n})
             print(_rate_line(results[-1]), flush=True)
     return {"config": {**cfg.__dict__, "rates": [str(r) for r in cfg.rates]}, "workload": workload.summary(),
@@ -255,9 +318,12 @@ def _prompts_for(rate: float, n: int, limit_s: float, available: int, hint: floa
 
 def _rate_line(r: dict[str, Any]) -> str:
     lat = r["latency"]
-    return (f"rate {r['rate']}: {r['completed']}/{r['requests_sent']} ok, {r['requests_per_s']:.2f} req/s, "
+    line = (f"rate {r['rate']}: {r['completed']}/{r['requests_sent']} ok, {r['requests_per_s']:.2f} req/s, "
             f"{r['output_tok_per_s']:.1f} out tok/s, TTFT p50 {lat['ttft_ms']['p50']:.0f} ms, "
             f"TPOT p50 {lat['tpot_ms']['p50']:.1f} ms, goodput {r['goodput_requests_per_s']:.2f} req/s")
+    if r["completed"] < r["requests_sent"]:
+        line += f"; not done: {'; '.join(r['errors'])}"
+    return line
 
 
 def serving_table(res: dict[str, Any]) -> str:
@@ -294,17 +360,28 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--time-limit-s", type=float, default=d.time_limit_s, help="per rate")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu"))
+    ap.add_argument("--base-url", default=None,
+                    help="send to a running OpenAI-compatible server (e.g. http://127.0.0.1:8000) instead of starting "
+                         "a broker and a worker; --model is the model the requests name, and its tokenizer (or, with "
+                         "--load-format dummy, random ids) makes the prompts")
     return ap
 
 
 def run_cli(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
+    if args.base_url:
+        print(f"bench serving: requests to {args.base_url} for model {spec.model!r}; the server runs it where it "
+              "runs it", flush=True)
+    else:
+        print(f"bench serving: {where_it_runs(spec)}, in a worker process behind a broker on {HOST}", flush=True)
     tok, vocab, tok_name = workload_tokenizer(spec)
     wl = sharegpt_workload(tok, args.num_prompts, args.seed, ids_vocab=vocab, max_input_len=args.max_input_len,
                            max_output_len=args.max_output_len)
     cfg = ServingConfig(parse_rates(args.rates), args.num_prompts, args.concurrency, args.ttft_slo_ms,
                         args.tpot_slo_ms, args.seed, args.time_limit_s)
-    res = serve_rates(spec, wl, cfg)
+    res = serve_rates(spec, wl, cfg, base_url=args.base_url)
+    if args.base_url:
+        res["base_url"] = args.base_url
     write_results(args.out, "serving", {"model": spec.describe(), "length_tokenizer": tok_name, **res},
                   serving_table(res))
     return 0

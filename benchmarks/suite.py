@@ -612,7 +612,8 @@ def _plain(x: Any) -> Any:
 
 def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     ap = ap or argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
+                    help="auto: gpu where CUDA is available, else cpu")
     ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/<cpu|h200>/")
     ap.add_argument("--budget-s", type=float, default=None, help="end within this many seconds (default: per device)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"subset of {','.join(SECTIONS)}")
@@ -629,7 +630,17 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     return ap
 
 
+def suite_device(choice: str) -> str:
+    """cpu or gpu: `choice`, or for auto the engine's own choice (gpu where CUDA is available)."""
+    if choice != "auto":
+        return choice
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
 def config_from_args(args: argparse.Namespace) -> SuiteConfig:
+    args.device = suite_device(args.device)
     cfg = GPU if args.device == "gpu" else CPU
     spec = cfg.spec
     if args.model:
@@ -652,6 +663,8 @@ def run_cli(args: argparse.Namespace) -> int:
         return 0
     cfg = config_from_args(args)
     out = args.out or Path("benchmarks/results") / ("h200" if args.device == "gpu" else "cpu")
+    print(f"bench suite: {cfg.spec.model} on {cfg.spec.device}, {cfg.spec.dtype} (--device {args.device}); "
+          f"results to {out}", flush=True)
     sections = tuple(s.strip() for s in args.sections.split(",") if s.strip())
     unknown = set(sections) - set(SECTIONS)
     if unknown:

@@ -525,8 +525,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     d = ModelSpec()
     ap.add_argument("--model", default=d.model)
     ap.add_argument("--load-format", default=d.load_format, choices=["auto", "hf", "gguf", "dummy"])
-    ap.add_argument("--dtype", default=d.dtype)
-    ap.add_argument("--device", default=d.device)
+    ap.add_argument("--dtype", default="auto", help="auto: the engine's choice (bfloat16 on CUDA, float32 on CPU)")
+    ap.add_argument("--device", default="auto", help="auto: the engine's choice (cuda where there is one, else cpu)")
     ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     ap.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     ap.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
@@ -534,9 +534,23 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
                     help="force async scheduling off (0) or on (1; e.g. on CPU to count the steps a GPU takes)")
 
 
+def resolved_device(device: str, dtype: str) -> tuple[str, str]:
+    """The engine's choice for "auto" (as the model runner makes it), so results name what ran."""
+    from tokenmill.worker.model_runner import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    return dev.type if device == "auto" else device, str(resolve_dtype(dtype, dev)).removeprefix("torch.")
+
+
+def where_it_runs(spec: ModelSpec) -> str:
+    weights = "dummy weights" if spec.dummy else "weights"
+    return f"{spec.model} ({weights}) on {spec.device}, {spec.dtype}"
+
+
 def spec_from_args(args: argparse.Namespace) -> ModelSpec:
-    return replace(ModelSpec(), model=args.model, load_format=args.load_format, dtype=args.dtype,
-                   device=args.device, max_num_seqs=args.max_num_seqs,
+    device, dtype = resolved_device(args.device, args.dtype)
+    return replace(ModelSpec(), model=args.model, load_format=args.load_format, dtype=dtype,
+                   device=device, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    gpu_memory_utilization=args.gpu_memory_utilization,
                    async_scheduling=None if args.async_scheduling is None else bool(args.async_scheduling))
@@ -556,6 +570,7 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
 
 def run_cli(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
+    print(f"bench throughput: {where_it_runs(spec)}, in this process", flush=True)
     tok, vocab, tok_name = workload_tokenizer(spec)
     wl = sharegpt_workload(tok, args.num_prompts, args.seed, ids_vocab=vocab, max_input_len=args.max_input_len,
                            max_output_len=args.max_output_len)

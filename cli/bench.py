@@ -37,12 +37,27 @@ def register(sub: Any) -> None:
     pl.set_defaults(func=cmd_plots)
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module's docstring as written, and every option's default."""
+
+
+def bench_parser(module: str, prog: str) -> argparse.ArgumentParser:
+    """The parser of a benchmark module as `tokenmill bench NAME` shows it: its usage lines say `prog`, not
+    `python -m MODULE`, and every option shows its default."""
+    mod = importlib.import_module(module)
+    description = (mod.__doc__ or "").replace(f"python -m {module}", prog)
+    parser: argparse.ArgumentParser = mod.build_parser(
+        argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter))
+    for action in parser._actions:
+        if action.help is None and action.option_strings:
+            action.help = "default: %(default)s"  # the formatter adds defaults only to options with a help text
+    return parser
+
+
 def _runner(module: str, prog: str) -> Any:
     def run(args: argparse.Namespace) -> int:
         mod = importlib.import_module(module)
-        parser = mod.build_parser(argparse.ArgumentParser(prog=prog, description=mod.__doc__,
-                                                          formatter_class=argparse.RawDescriptionHelpFormatter))
-        return int(mod.run_cli(parser.parse_args(args.bench_args)))
+        return int(mod.run_cli(bench_parser(module, prog).parse_args(args.bench_args)))
 
     return run
 

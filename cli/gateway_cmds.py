@@ -10,14 +10,14 @@ Their options come from the settings table (cli/settings.py), as `up`'s do; `ser
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 from typing import Any
 
 import structlog
 
-from tokenmill.cli.serve import _spawn, _stop_all, _wait_ready, configure_logging
-from tokenmill.cli.settings import BROKER, GATEWAY, SERVE, WORKER, add_settings, to_argv
+from tokenmill.cli.errors import UserError, check_ports_free
+from tokenmill.cli.serve import Stopper, _stop_all, _wait_ready, configure_logging, preflight, start_pool
+from tokenmill.cli.settings import GATEWAY, SERVE, add_settings
 
 log = structlog.get_logger("tokenmill.serve")
 
@@ -33,14 +33,16 @@ def register(sub: Any) -> None:
     add_settings(g, GATEWAY)
     _add_repeated_args(g)
     g.add_argument("--model", action="append", default=None,
-                   help="a model this gateway answers for while no worker serves it (503, not 404); repeatable")
+                   help="a model this gateway answers for while no worker serves it (503, not 404); repeatable "
+                        "(default: none)")
     g.set_defaults(func=cmd_gateway)
 
 
 def _add_repeated_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=None,
                    help="accept only requests with 'Authorization: Bearer KEY' (repeatable; a key on the command "
-                        "line is visible to other users of the machine: prefer --api-key-file)")
+                        "line is visible to other users of the machine: prefer --api-key-file; default: none, no "
+                        "key needed)")
 
 
 def _gateway_config(args: argparse.Namespace, broker: str, models: tuple[str, ...]) -> Any:
@@ -56,21 +58,10 @@ def _gateway_config(args: argparse.Namespace, broker: str, models: tuple[str, ..
                          curve_secret_key=getattr(args, "curve_secret", None))
 
 
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def _run_gateway(cfg: Any) -> int:
     from tokenmill.gateway.server import serve
 
-    if not _port_free(cfg.host, cfg.port):
-        print(f"tokenmill: port {cfg.port} on {cfg.host} is already in use", file=sys.stderr)
-        return 1
+    check_ports_free(f"http://{cfg.host}:{cfg.port}")
     print(f"http://{cfg.host}:{cfg.port}/v1", flush=True)
     log.info("gateway_listening", url=f"http://{cfg.host}:{cfg.port}/v1", broker=cfg.broker,
              api_keys=len(cfg.api_keys))
@@ -78,37 +69,39 @@ def _run_gateway(cfg: Any) -> int:
     return 0
 
 
+def _config_or_exit(args: argparse.Namespace, broker: str, models: tuple[str, ...]) -> Any:
+    try:
+        return _gateway_config(args, broker, models)
+    except (OSError, ValueError) as e:
+        raise UserError(str(e)) from None
+
+
 def cmd_gateway(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_json)
-    try:
-        cfg = _gateway_config(args, args.broker_address, tuple(args.model or ()))
-    except (OSError, ValueError) as e:
-        print(f"tokenmill: {e}", file=sys.stderr)
-        return 2
-    return _run_gateway(cfg)
+    cfg = _config_or_exit(args, args.broker_address, tuple(args.model or ()))
+    # uvicorn takes SIGINT / SIGTERM while it serves and hands them on when it returns: to this handler, so the
+    # gateway then exits with status 0 instead of dying of the signal.
+    stopper = Stopper().install()
+    return 0 if stopper.requested.is_set() else _run_gateway(cfg)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_json)
+    cfg = _config_or_exit(args, args.frontend, (args.model,))
+    preflight(args, args.frontend, args.backend, f"http://{cfg.host}:{cfg.port}")
+    # uvicorn takes Ctrl-C while it serves (a second one stops its wait for open streams) and hands the
+    # signals it caught on to this handler when it returns: the pool then drains, or stops at once.
+    stopper = Stopper().install()
+    broker, workers = start_pool(args)
     try:
-        cfg = _gateway_config(args, args.frontend, (args.model,))
-    except (OSError, ValueError) as e:
-        print(f"tokenmill: {e}", file=sys.stderr)
-        return 2
-    if not _port_free(cfg.host, cfg.port):
-        print(f"tokenmill: port {cfg.port} on {cfg.host} is already in use", file=sys.stderr)
-        return 1
-    # Every setting `serve` resolved (flags, environment, --config) goes to the children as a flag.
-    broker = _spawn(["broker", *to_argv(args, BROKER)])
-    workers = [_spawn(["worker", "--broker", args.backend, "--name", f"worker-{i}", *to_argv(args, WORKER)])
-               for i in range(args.workers)]
-    try:
-        if not _wait_ready(args.frontend, args.workers, args.ready_timeout, [broker, *workers]):
+        if not _wait_ready(args.frontend, args.workers, args.ready_timeout, [broker, *workers], stopper.requested):
+            if stopper.requested.is_set():
+                return 0
             log.error("serve_failed", reason="broker or workers did not become ready")
             return 1
         log.info("serve_ready", broker=args.frontend, workers=args.workers, model=args.model)
-        return _run_gateway(cfg)
-    except KeyboardInterrupt:
-        return 0
+        code = _run_gateway(cfg)
+        print("tokenmill: stopping (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+        return code
     finally:
-        _stop_all(broker, workers)
+        _stop_all(broker, workers, stopper, args.drain_timeout)

@@ -8,6 +8,7 @@ Logs (structlog) go to stderr; `up` prints the client address on stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -20,6 +21,7 @@ from typing import Any
 
 import structlog
 
+from tokenmill.cli.errors import CommandFailed, UserError, check_device, check_model, check_ports_free, flag_hints
 from tokenmill.cli.settings import BROKER, UP, WORKER, add_settings, build_config, to_argv
 
 log = structlog.get_logger("tokenmill.serve")
@@ -67,22 +69,36 @@ def _register_broker(sub: Any) -> None:
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
+    import zmq
+
     from tokenmill.broker import Broker, BrokerConfig
 
     cfg = build_config(BrokerConfig, args, BROKER)
     configure_logging(args.log_level, args.log_json)
+    check_ports_free(cfg.frontend, cfg.backend)
     broker = Broker(cfg)
     drains = [0]
 
     def on_signal(signum: int, _frame: Any) -> None:
         drains[0] += 1
         if drains[0] > 1:  # a second Ctrl-C: stop now
+            print("tokenmill broker: stopping now", file=sys.stderr, flush=True)
             broker.stop()
+            return
+        stats = broker.stats()
+        queued = sum(stats["queues"].values())
+        print(f"tokenmill broker: draining: waiting for {stats['active_jobs']} job(s) in flight ({queued} queued) "
+              f"on {len(stats['workers'])} worker(s), at most {cfg.drain_timeout:g} s; new jobs are refused "
+              "(Ctrl-C again: stop now)", file=sys.stderr, flush=True)
         broker.request_drain()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    broker.serve_forever()
+    try:
+        broker.bind()
+    except zmq.ZMQError as e:  # e.g. the address is taken between the check and the bind
+        raise CommandFailed(f"the broker cannot bind {cfg.frontend} / {cfg.backend}: {e}") from None
+    broker.run()
     return 0
 
 
@@ -107,9 +123,13 @@ def _build_engine(args: argparse.Namespace, config: Any) -> Any:
 def cmd_worker(args: argparse.Namespace) -> int:
     from tokenmill.protocol.keys import load_keypair, load_public_key
     from tokenmill.worker.config import EngineConfig
+    from tokenmill.worker.loader import ModelLoadError
     from tokenmill.worker.process import WorkerOptions, run_worker
 
     config = build_config(EngineConfig, args, WORKER)  # a bad setting fails here, in one line, before loading
+    if not args.engine_factory:
+        check_device(config.device)
+        check_model(config.model, config.load_format)
     curve = args.curve_server_key is not None and args.curve_secret is not None
     opts = build_config(WorkerOptions, args, WORKER, aliases=(args.model,), capacity=args.max_num_seqs,
                         curve_server_key=load_public_key(args.curve_server_key) if curve else None,
@@ -120,6 +140,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         engine = _build_engine(args, config)
+    except ModelLoadError as e:
+        raise UserError(flag_hints(str(e))) from None
+    try:
         run_worker(engine, opts, stop)
     except Exception:
         log.exception("worker_failed")
@@ -140,12 +163,13 @@ def _spawn(argv: list[str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "tokenmill.cli.main", *argv], start_new_session=True)
 
 
-def _wait_ready(address: str, n: int, timeout: float, procs: list[subprocess.Popen[bytes]]) -> bool:
+def _wait_ready(address: str, n: int, timeout: float, procs: list[subprocess.Popen[bytes]],
+                stop: threading.Event | None = None) -> bool:
     from tokenmill.client import BrokerUnavailable, Client
 
     deadline = time.monotonic() + timeout
     with Client(address) as c:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
             if any(pr.poll() is not None for pr in procs):
                 return False
             try:
@@ -157,42 +181,100 @@ def _wait_ready(address: str, n: int, timeout: float, procs: list[subprocess.Pop
     return False
 
 
-def _stop_all(broker: subprocess.Popen[bytes], workers: list[subprocess.Popen[bytes]]) -> None:
-    """Drain the broker first (its in-flight jobs need the workers), then stop the workers."""
-    for group in ([broker], workers):
+class Stopper:
+    """The signal handler of a command that runs children: the first Ctrl-C (or SIGTERM) asks for a graceful
+    stop (`requested`), a second one forces it (`forced`)."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.forced = threading.Event()
+
+    def __call__(self, _signum: int, _frame: Any) -> None:
+        if self.requested.is_set():
+            self.forced.set()
+        self.requested.set()
+
+    def install(self) -> Stopper:
+        signal.signal(signal.SIGTERM, self)
+        signal.signal(signal.SIGINT, self)
+        return self
+
+
+def _signal_alive(procs: list[subprocess.Popen[bytes]], sig: int) -> None:
+    for pr in procs:
+        if pr.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                pr.send_signal(sig)
+
+
+def _wait_procs(procs: list[subprocess.Popen[bytes]], timeout: float, interrupt: threading.Event) -> bool:
+    """Wait until `procs` have exited (True), `timeout` passes or `interrupt` is set (False)."""
+    deadline = time.monotonic() + timeout
+    while any(pr.poll() is None for pr in procs):
+        if interrupt.is_set() or time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _stop_all(broker: subprocess.Popen[bytes], workers: list[subprocess.Popen[bytes]],
+              stopper: Stopper | None = None, drain_timeout: float = 30.0) -> None:
+    """Drain the broker first (its in-flight jobs need the workers; it says what it waits for), then stop
+    the workers. A second Ctrl-C during the drain (`stopper.forced`) stops everything at once."""
+    forced = stopper.forced if stopper is not None else threading.Event()
+    for group, grace in (([broker], drain_timeout + 5.0), (workers, 30.0)):
+        _signal_alive(group, signal.SIGTERM)
+        if _wait_procs(group, grace, forced):
+            continue
+        if forced.is_set():
+            _signal_alive(group, signal.SIGTERM)  # the broker's second signal: stop without draining
+            _wait_procs(group, 5.0, threading.Event())
         for pr in group:
             if pr.poll() is None:
-                pr.send_signal(signal.SIGTERM)
-        for pr in group:
-            try:
-                pr.wait(35.0)
-            except subprocess.TimeoutExpired:
-                pr.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pr.pid, signal.SIGKILL)
                 pr.wait()
+    if forced.is_set():
+        _signal_alive(workers, signal.SIGKILL)
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level, args.log_json)
+def preflight(args: argparse.Namespace, *addresses: str) -> None:
+    """What `up` / `serve` check before they start anything: a free port for each address, a model that
+    exists and a device this machine has (raises UserError or CommandFailed, one line)."""
+    check_model(args.model, args.load_format)
+    check_device(args.device)
+    check_ports_free(*addresses)
+
+
+def start_pool(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], list[subprocess.Popen[bytes]]]:
     # Every setting `up` resolved (flags, environment, --config) goes to the children as a flag.
     broker = _spawn(["broker", *to_argv(args, BROKER)])
     workers = [_spawn(["worker", "--broker", args.backend, "--name", f"worker-{i}", *to_argv(args, WORKER)])
                for i in range(args.workers)]
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    return broker, workers
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level, args.log_json)
+    preflight(args, args.frontend, args.backend)
+    stopper = Stopper().install()
+    broker, workers = start_pool(args)
     try:
-        if not _wait_ready(args.frontend, args.workers, args.ready_timeout, [broker, *workers]):
+        if not _wait_ready(args.frontend, args.workers, args.ready_timeout, [broker, *workers], stopper.requested):
+            if stopper.requested.is_set():
+                return 0
             log.error("up_failed", reason="broker or workers did not become ready")
             return 1
         print(args.frontend, flush=True)
         log.info("up_ready", address=args.frontend, workers=args.workers, model=args.model)
-        while not stop.wait(0.5):
+        while not stopper.requested.wait(0.5):
             if broker.poll() is not None:
                 log.error("broker_exited", code=broker.returncode)
                 return 1
+        print("tokenmill: stopping (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
         return 0
     finally:
-        _stop_all(broker, workers)
+        _stop_all(broker, workers, stopper, args.drain_timeout)
 
 
 # ---- keys -------------------------------------------------------------------------------------------

@@ -129,6 +129,8 @@ class Setting:
     flag_name: str = ""  # default: --<name with dashes>; "-" for none (environment only)
     hidden: bool = False  # not in --help (test and benchmark hooks)
     default_text: str = ""  # how --help and the README show the default, where `default` says too little
+    # (command, default) pairs of commands whose default differs: one chat needs no 128 sequences
+    command_defaults: tuple[tuple[str, Any], ...] = ()
 
     @property
     def env(self) -> str:
@@ -140,12 +142,20 @@ class Setting:
             return None
         return self.flag_name or "--" + self.name.replace("_", "-")
 
-    def shown_default(self) -> str:
+    def default_for(self, command: str) -> Any:
+        return dict(self.command_defaults).get(command, self.default)
+
+    def shown_default(self, command: str | None = None) -> str:
         if self.default_text:
             return self.default_text
-        if isinstance(self.default, bool):
-            return "true" if self.default else "false"
-        return "unset" if self.default is None else str(self.default)
+        value = self.default if command is None else self.default_for(command)
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        else:
+            text = "unset" if value is None else str(value)
+        if command is None and self.command_defaults:
+            text += "".join(f"; {c}: {v}" for c, v in self.command_defaults)
+        return text
 
 
 BROKER, WORKER, UP, GENERATE, CHAT = "broker", "worker", "up", "generate", "chat"
@@ -232,15 +242,17 @@ SETTINGS: tuple[Setting, ...] = (
        "EngineConfig.cache.block_size"),
     _s("gpu_memory_utilization", number(0, low_open=True, high=1), 0.9, "share of the GPU's memory the worker may "
        "use (weights, activations, KV cache)", ENGINE_CMDS, "EngineConfig.cache.gpu_memory_utilization"),
-    _s("cpu_kv_bytes", integer(1), 1 << 30, "KV-cache bytes on CPU", ENGINE_CMDS, "EngineConfig.cache.cpu_kv_bytes"),
+    _s("cpu_kv_bytes", integer(1), 1 << 30, "KV-cache bytes on CPU at most (the cache is sized for max_num_seqs "
+       "requests of max_model_len tokens, up to this)", ENGINE_CMDS, "EngineConfig.cache.cpu_kv_bytes"),
     _s("num_blocks", integer(1), None, "KV-cache blocks (overrides the two sizes above)", ENGINE_CMDS,
        "EngineConfig.cache.num_blocks", default_text="from the memory"),
     _s("prefix_caching", BOOL, True, "reuse the KV blocks of shared prompt prefixes", ENGINE_CMDS,
        "EngineConfig.cache.enable_prefix_caching"),
     _s("max_num_batched_tokens", integer(1), 2048, "tokens one step computes at most", ENGINE_CMDS,
        "EngineConfig.scheduler.max_num_batched_tokens"),
-    _s("max_num_seqs", integer(1), 128, "requests one step runs at most (also the worker's capacity)", ENGINE_CMDS,
-       "EngineConfig.scheduler.max_num_seqs"),
+    _s("max_num_seqs", integer(1), 128, "requests one step runs at most (also the worker's capacity; on CPU the KV "
+       "cache holds max_num_seqs x max_model_len tokens, within cpu_kv_bytes)", ENGINE_CMDS,
+       "EngineConfig.scheduler.max_num_seqs", command_defaults=((GENERATE, 1), (CHAT, 1))),
     _s("scheduling_policy", choice("fcfs", "priority"), "fcfs", "order of the waiting requests", ENGINE_CMDS,
        "EngineConfig.scheduler.policy"),
     _s("chunked_prefill", BOOL, True, "split long prompts over several steps", ENGINE_CMDS,
@@ -297,14 +309,16 @@ def add_settings(parser: argparse.ArgumentParser, command: str) -> None:
     assert isinstance(parser, SettingsParser), "add_subparsers of a SettingsParser makes SettingsParsers"
     rows = settings_for(command)
     parser.setting_rows = rows
+    parser.setting_command = command
     parser.epilog = (f"Each option also reads its environment variable; precedence: {PRECEDENCE}. Booleans: "
                      f"{'/'.join(_TRUE)} or {'/'.join(_FALSE)}.")
     parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
-                        help=f"TOML file of settings (keys: the option names with underscores) [env {CONFIG_ENV}]")
+                        help="TOML file of settings (keys: the option names with underscores) "
+                             f"[env {CONFIG_ENV}; default none]")
     for s in rows:
         if s.flag is None:
             continue
-        text = argparse.SUPPRESS if s.hidden else f"{s.help} [env {s.env}; default {s.shown_default()}]".replace(
+        text = argparse.SUPPRESS if s.hidden else f"{s.help} [env {s.env}; default {s.shown_default(command)}]".replace(
             "%", "%%")
         if s.kind.is_bool:
             parser.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction,
@@ -319,18 +333,19 @@ class SettingsParser(argparse.ArgumentParser):
     environment, the --config file or the default when the command line left it off."""
 
     setting_rows: Sequence[Setting] = ()  # set per instance by add_settings
+    setting_command: str = ""
 
     def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                          namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
         ns, rest = super().parse_known_args(args, namespace)
         if self.setting_rows:
-            resolve(ns, self.setting_rows, os.environ)
+            resolve(ns, self.setting_rows, os.environ, self.setting_command)
         return ns, rest
 
 
-def resolve(ns: argparse.Namespace, rows: Sequence[Setting], environ: Mapping[str, str]) -> None:
-    """Fill every row left off the command line: environment > config file > default. Records where each
-    value came from (for error messages). Raises SettingError."""
+def resolve(ns: argparse.Namespace, rows: Sequence[Setting], environ: Mapping[str, str], command: str = "") -> None:
+    """Fill every row left off the command line: environment > config file > default (`command`'s own, where
+    the row has one). Records where each value came from (for error messages). Raises SettingError."""
     sources: dict[str, str] = {}
     path = getattr(ns, "config", None) or environ.get(CONFIG_ENV) or None
     ns.config = path
@@ -347,7 +362,7 @@ def resolve(ns: argparse.Namespace, rows: Sequence[Setting], environ: Mapping[st
             setattr(ns, s.name, _parse(s, from_file[s.name], f"{path}: {s.name}"))
             sources[s.name] = f"{path}: {s.name}"
         else:
-            setattr(ns, s.name, s.default)
+            setattr(ns, s.name, s.default_for(command))
     setattr(ns, _SOURCES, sources)
 
 

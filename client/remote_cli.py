@@ -1,36 +1,19 @@
 """`tokenmill generate --broker ADDR` and `tokenmill chat --broker ADDR`: the same flags and output as
-the in-process commands, through a broker. Text deltas go to stdout as they arrive; errors to stderr."""
+the in-process commands, through a broker. Text deltas go to stdout as they arrive; errors to stderr.
+
+`params` are SamplingParams fields, resolved by the command line (cli/sampling_args.py); errors are the
+SDK's typed errors, which the command prints."""
 
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
-from tokenmill.client.client import Client, StreamEvent
-from tokenmill.protocol.errors import TokenmillError
-
-
-def _sampling(args: argparse.Namespace) -> dict[str, Any]:
-    params: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature,
-                              "top_p": args.top_p, "top_k": args.top_k, "stop": list(args.stop or [])}
-    if args.seed is not None:
-        params["seed"] = args.seed
-    return params
-
-
-def _print_events(events: Any) -> str:
-    text = []
-    ev: StreamEvent
-    for ev in events:
-        if ev.text:
-            sys.stdout.write(ev.text)
-            sys.stdout.flush()
-            text.append(ev.text)
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    return "".join(text)
+from tokenmill.client.chat_repl import ChatSession, Delta, chat_loop, print_reply
+from tokenmill.client.client import Client
 
 
 def _client(args: argparse.Namespace) -> Client:
@@ -38,48 +21,30 @@ def _client(args: argparse.Namespace) -> Client:
                   curve_secret_key=getattr(args, "curve_secret", None))
 
 
-def run_remote_generate(args: argparse.Namespace) -> int:
-    """Stream one completion of `args.prompt` from the broker at `args.broker`; exit status 0/1."""
-    try:
-        with _client(args) as c:
-            _print_events(c.stream(args.prompt, model=args.model, params=_sampling(args)))
-    except TokenmillError as e:
-        print(f"\ntokenmill: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+def _deltas(events: Iterator[Any]) -> Iterator[Delta]:
+    """StreamEvents as Deltas; the stream's finally (on close) cancels an unfinished job."""
+    with contextlib.closing(events):  # type: ignore[type-var]
+        for ev in events:
+            yield Delta(ev.text, ev.finish_reason)
+
+
+def run_remote_generate(args: argparse.Namespace, params: dict[str, Any]) -> int:
+    """Stream one completion of `args.prompt` from the broker at `args.broker`. Raises the job's typed error."""
+    with _client(args) as c:
+        print_reply(_deltas(c.stream(args.prompt, model=args.model, params=params)))
     return 0
 
 
-def run_remote_chat(args: argparse.Namespace) -> int:
-    """One chat turn (with `args.prompt`) or an interactive chat on stdin, through the broker."""
-    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
-    try:
-        with _client(args) as c:
-            if args.prompt is not None:
-                _print_events(c.stream(messages=[*history, {"role": "user", "content": args.prompt}],
-                                       model=args.model, params=_sampling(args)))
-                return 0
-            return _interactive(c, args, history)
-    except TokenmillError as e:
-        print(f"\ntokenmill: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+def run_remote_chat(args: argparse.Namespace, params: dict[str, Any], parse: Callable[[str, str], Any],
+                    history_file: Path | None = None, explain: Callable[[str], str] = str) -> int:
+    """One chat turn (with `args.prompt`) or an interactive chat on stdin, through the broker. A one-turn
+    chat raises the job's typed error; the interactive one prints it and goes on."""
+    session = ChatSession(params, parse, system=args.system, raise_at_once=True, explain=explain)
+    with _client(args) as c:
+        def reply(messages: list[dict[str, str]], p: dict[str, Any]) -> Iterator[Delta]:
+            return _deltas(c.stream(messages=messages, model=args.model, params=p))
 
-
-def _interactive(c: Client, args: argparse.Namespace, history: list[dict[str, str]]) -> int:
-    return chat_loop(history, lambda h: _print_events(c.stream(messages=h, model=args.model,
-                                                                params=_sampling(args))))
-
-
-def chat_loop(history: list[dict[str, str]], answer: Callable[[list[dict[str, str]]], str]) -> int:
-    """Interactive chat on stdin: each non-empty line is a user turn; `answer(history)` prints the reply
-    as it streams and returns its text, which joins the history. Ends at end of input."""
-    interactive = sys.stdin.isatty()
-    while True:
-        if interactive:
-            print(">>> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if not line:
+        if args.prompt is not None:
+            print_reply(reply(session.messages(args.prompt), params))
             return 0
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line.rstrip("\n")})
-        history.append({"role": "assistant", "content": answer(history)})
+        return chat_loop(session, reply, history_file)

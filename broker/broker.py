@@ -38,11 +38,11 @@ import zmq
 
 from tokenmill.broker.jobs import Job, JobState
 from tokenmill.broker.registry import PrefixIndex, WorkerInfo, pick_worker
-from tokenmill.broker.security import ZapAuthenticator, make_curve_server
+from tokenmill.broker.security import ZapAuthenticator, load_zap_allow_list, make_curve_server
 from tokenmill.protocol import InvalidRequest, SamplingParams
 from tokenmill.protocol import wire as p
 from tokenmill.protocol.errors import ProtocolError
-from tokenmill.protocol.keys import load_allowed_keys, load_keypair
+from tokenmill.protocol.keys import load_keypair
 from tokenmill.protocol.wire import plain_entry
 
 log = structlog.get_logger("tokenmill.broker")
@@ -147,7 +147,7 @@ class Broker:
         if self._curve:
             assert self.cfg.curve_secret_file is not None
             keys = load_keypair(self.cfg.curve_secret_file)
-            allowed = load_allowed_keys(self.cfg.curve_allow_dir) if self.cfg.curve_allow_dir else set()
+            allowed = load_zap_allow_list(self.cfg.curve_allow_dir)
             self.zap = ZapAuthenticator(self.ctx, allowed)
             self.zap.start()
             log.info("curve_enabled", allowed_keys=len(allowed))
@@ -899,5 +899,6 @@ class Broker:
             "clients": len(self.clients),
             "draining": self._draining,
             "prefix_entries": len(self.prefix),
-            "zap": {"accepted": self.zap.accepted, "refused": self.zap.refused} if self.zap else None,
+            "zap": ({"accepted": self.zap.accepted, "refused": self.zap.refused, "refused_role": self.zap.refused_role}
+                    if self.zap else None),
         }

@@ -309,7 +309,7 @@ class AsyncClient(RouterCore):
         try:
             await sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
-            raise BrokerUnavailable("send queue to the broker is full") from None
+            raise self._unsendable(None) from None
 
     def _is_open_besides(self) -> bool:
         n = len(self._handles) + len(self._waiters) + len(self._stats_waiters)

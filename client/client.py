@@ -204,6 +204,12 @@ class RouterCore:
                 f"broker {self.address} restarted (instance {old} -> {instance}); the job was lost with it",
                 job_id=h.job_id))
 
+    def _unsendable(self, job_id: str | None) -> BrokerUnavailable:
+        """The error for a message the socket refused to queue (no connection, or a full queue)."""
+        if self._auth_refused:
+            return AuthenticationFailed(f"broker {self.address}: {self._auth_refused}", job_id=job_id)
+        return BrokerUnavailable(f"cannot send to the broker {self.address}", job_id=job_id)
+
     def _on_monitor_event(self, event: int, value: int) -> None:
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._auth_refused = ""
@@ -540,12 +546,12 @@ class Client(RouterCore):
         try:
             while True:
                 events = dict(poller.poll(max(1, int(self.heartbeat_interval * 250))))
+                if self._monitor in events:
+                    self._read_monitor()
                 if self._pull in events and not self._forward_commands():
                     return
                 if self._dealer in events:
                     last_heard = self._read_replies(last_heard)
-                if self._monitor in events:
-                    self._read_monitor()
                 now = time.monotonic()
                 self._expire_unacked(now)
                 is_open = bool(self._handles or self._waiters or self._stats_waiters)
@@ -593,7 +599,7 @@ class Client(RouterCore):
                 job_id = frames[0].decode()
                 h = self._handles.pop(job_id, None)
                 if h is not None:  # no connection (refused handshake, ...) or a full queue
-                    self._deliver(h, BrokerUnavailable("cannot send to the broker", job_id=job_id))
+                    self._deliver(h, self._unsendable(job_id))
 
     def _read_replies(self, last_heard: float) -> float:
         for _ in range(10_000):

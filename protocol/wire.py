@@ -267,6 +267,15 @@ def _tuple(v: Any, name: str, n: int) -> list[Any]:
     return v
 
 
+def max_tokens_error(max_tokens: int, max_model_len: int) -> str | None:
+    """Why `max_tokens` output tokens can never fit a context of `max_model_len` (the prompt takes at least
+    one), or None."""
+    if max_tokens >= max_model_len:
+        return (f"max_tokens={max_tokens} can never be reached: the model's context is {max_model_len} tokens, "
+                "prompt included")
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class RequestInput:
     """What to generate from: exactly one of a prompt string, chat messages, or prompt token ids."""
@@ -303,6 +312,22 @@ class RequestInput:
         if self.messages is not None:
             return sum(len(m["content"]) for m in self.messages)
         return 0
+
+    def fit_error(self, max_model_len: int, max_prompt_chars: int = 0, max_tokens: int | None = None) -> str | None:
+        """Why this input (with `max_tokens`, if given) can never run on a worker of context `max_model_len`
+        whose text bound is `max_prompt_chars` (0: none; Ready.max_prompt_chars), judged from lengths
+        alone (O(1) for a prompt or token ids: no tokenizing); None when it may fit. The one rule the
+        broker (before dispatch) and the worker (before tokenizing) apply."""
+        if max_tokens is not None and (why := max_tokens_error(max_tokens, max_model_len)) is not None:
+            return why
+        if self.prompt_token_ids is not None and len(self.prompt_token_ids) >= max_model_len:
+            return (f"the prompt has {len(self.prompt_token_ids)} tokens but the model's context is "
+                    f"{max_model_len} tokens (at least one must be left to generate)")
+        chars = self.text_chars()
+        if max_prompt_chars and chars > max_prompt_chars:
+            return (f"the prompt has {chars} characters; no prompt over {max_prompt_chars} characters fits "
+                    f"the model's context of {max_model_len} tokens")
+        return None
 
     def affinity_text(self) -> str:
         """A string whose leading chunks identify the request's prefix (used for cache affinity)."""

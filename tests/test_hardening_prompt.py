@@ -16,7 +16,7 @@ from helpers_net import addr, free_port, procs_ctx, wait_workers
 
 from tokenmill.client import Client, InvalidRequest, StreamEvent
 from tokenmill.protocol import wire as p
-from tokenmill.worker.prompt_guard import Tokenized, TokenizerThread, length_error
+from tokenmill.worker.prompt_guard import Tokenized, TokenizerThread
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -61,7 +61,7 @@ def test_a_huge_prompt_is_refused_and_hurts_no_one(cluster: str, chars: int) -> 
         events = neighbour.stream(timeout=60)
         first = [next(events)]
         t0 = time.monotonic()
-        with pytest.raises(InvalidRequest, match="characters|tokens"):
+        with pytest.raises(InvalidRequest, match=r"characters|tokens"):
             c.generate("x9" * (chars // 2), max_tokens=4)  # no whitespace: the worst case to tokenize
         took = time.monotonic() - t0
         assert _tokens(first + list(events)) == reference
@@ -71,14 +71,19 @@ def test_a_huge_prompt_is_refused_and_hurts_no_one(cluster: str, chars: int) -> 
     assert took < (1.0 if chars > 1 << 20 else 30.0), f"took {took:.2f}s"
 
 
-def test_length_error_judges_from_length_alone() -> None:
-    assert length_error(p.RequestInput(prompt_token_ids=[1] * 100), 100, 0) is not None
-    assert length_error(p.RequestInput(prompt_token_ids=[1] * 99), 100, 0) is None
-    assert length_error(p.RequestInput(prompt="a" * 1001), 100, 1000) is not None
-    assert length_error(p.RequestInput(prompt="a" * 1000), 100, 1000) is None
+def test_fit_error_judges_from_lengths_alone() -> None:
+    def fit(inp: p.RequestInput, chars: int = 0, max_tokens: int | None = None) -> str | None:
+        return inp.fit_error(100, chars, max_tokens)
+
+    assert fit(p.RequestInput(prompt_token_ids=[1] * 100)) is not None
+    assert fit(p.RequestInput(prompt_token_ids=[1] * 99)) is None
+    assert fit(p.RequestInput(prompt="a" * 1001), 1000) is not None
+    assert fit(p.RequestInput(prompt="a" * 1000), 1000) is None
     msgs = [{"role": "user", "content": "a" * 600}, {"role": "user", "content": "b" * 600}]
-    assert length_error(p.RequestInput(messages=msgs), 100, 1000) is not None
-    assert length_error(p.RequestInput(prompt="a" * 10**6), 100, 0) is None  # no bound known
+    assert fit(p.RequestInput(messages=msgs), 1000) is not None
+    assert fit(p.RequestInput(prompt="a" * 10**6)) is None  # no text bound known
+    assert fit(p.RequestInput(prompt="a"), max_tokens=100) is not None
+    assert fit(p.RequestInput(prompt="a"), max_tokens=99) is None
 
 
 def test_max_prompt_chars_never_refuses_a_prompt_that_fits() -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from tokenmill.protocol import InvalidRequest, SamplingParams
+from tokenmill.protocol.wire import max_tokens_error
 from tokenmill.worker.block_manager import BlockManager
 from tokenmill.worker.config import EngineConfig
 from tokenmill.worker.detokenizer import IncrementalDetokenizer
@@ -168,10 +169,8 @@ class LLMEngine:
         unknown = [t for t in params.stop_token_ids if t >= vocab]
         if unknown:
             raise InvalidRequest(f"stop token id {unknown[0]} is not in the vocabulary (size {vocab})")
-        if params.max_tokens >= self.max_model_len:
-            raise InvalidRequest(
-                f"max_tokens={params.max_tokens} can never be reached: the model's context is {self.max_model_len} "
-                "tokens, prompt included")
+        if (why := max_tokens_error(params.max_tokens, self.max_model_len)) is not None:
+            raise InvalidRequest(why)
         n = len(ids) + len(resume)
         if n >= self.max_model_len:
             raise InvalidRequest(

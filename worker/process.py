@@ -43,7 +43,7 @@ from tokenmill.protocol import InvalidRequest, SamplingParams
 from tokenmill.protocol import wire as p
 from tokenmill.protocol.errors import ProtocolError
 from tokenmill.protocol.keys import apply_client_curve
-from tokenmill.worker.prompt_guard import INLINE_TOKENIZE_CHARS, Tokenized, TokenizerThread, length_error
+from tokenmill.worker.prompt_guard import INLINE_TOKENIZE_CHARS, Tokenized, TokenizerThread
 
 log = structlog.get_logger("tokenmill.worker")
 
@@ -336,7 +336,7 @@ class EngineLoop:
         except InvalidRequest as e:
             self._push(p.JobError(msg.job_id, msg.attempt, "invalid", str(e)[:1000]))
             return
-        too_long = length_error(msg.input, self.engine.max_model_len, self.ready.max_prompt_chars)
+        too_long = msg.input.fit_error(self.engine.max_model_len, self.ready.max_prompt_chars)
         if too_long is not None:
             self._push(p.JobError(msg.job_id, msg.attempt, "invalid", too_long))
         elif self.tokenizer is not None and msg.input.text_chars() > INLINE_TOKENIZE_CHARS:

@@ -4,9 +4,10 @@ tokenize a long one off the engine loop.
 A prompt costs the worker before it is ever scheduled: tokenizing a few MB of text takes seconds, and a
 tokenizer that holds the GIL for that long starves the IO thread's heartbeats, so the broker declares the
 worker dead and migrates the prompt to the next victim. So:
-- `length_error` refuses a prompt that cannot fit `max_model_len` from its length alone: token ids by
-  count, text by characters (`max_prompt_chars`: no token stands for more characters than that bound
-  assumes), before any tokenizing;
+- the worker refuses a prompt that cannot fit `max_model_len` from its length alone, before any
+  tokenizing (protocol RequestInput.fit_error: token ids by count, text by characters against
+  `max_prompt_chars`, since no token stands for more characters than that bound assumes; the broker
+  applies the same rule before dispatch);
 - `TokenizerThread` tokenizes a long text prompt on its own thread with the GIL released, handing the ids
   to the engine loop through its inbound queue, so the loop keeps stepping the other requests and the IO
   thread keeps heartbeating meanwhile. Short prompts are tokenized inline as before (a thread hop would
@@ -32,19 +33,6 @@ log = structlog.get_logger("tokenmill.worker")
 # where even the worst case (no whitespace: a token per character or two) holds the loop for tens of ms,
 # well inside a heartbeat interval.
 INLINE_TOKENIZE_CHARS = 32_768
-
-
-def length_error(inp: p.RequestInput, max_model_len: int, max_prompt_chars: int) -> str | None:
-    """Why `inp` can never fit a context of `max_model_len` tokens, judged from its length alone (O(1) for
-    a prompt or token ids); None when it may fit. `max_prompt_chars` 0: no text bound."""
-    if inp.prompt_token_ids is not None and len(inp.prompt_token_ids) >= max_model_len:
-        return (f"the prompt has {len(inp.prompt_token_ids)} tokens but the model's context is {max_model_len} "
-                "tokens (at least one must be left to generate)")
-    chars = inp.text_chars()
-    if max_prompt_chars and chars > max_prompt_chars:
-        return (f"the prompt has {chars} characters; no prompt over {max_prompt_chars} characters fits the "
-                f"model's context of {max_model_len} tokens")
-    return None
 
 
 @dataclass(frozen=True)

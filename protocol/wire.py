@@ -991,6 +991,19 @@ def split_tokens_body(body: bytes, max_bytes: int = MAX_BODY_BYTES) -> tuple[Any
     return attempts, entries, offset
 
 
+def readable_job_id(frames: Sequence[bytes], max_bytes: int = MAX_BODY_BYTES) -> str:
+    """The job id of a message that failed to decode, when one can be read: the body is a msgpack map
+    (under the limits) whose "job_id" is a valid id; else "". What the broker echoes in its FAIL
+    "protocol", so that the sender can tell which of its requests was refused."""
+    if len(frames) != 3:
+        return ""
+    try:
+        body = unpack_body(frames[2], max_bytes)
+        return _ident(body["job_id"], "job_id") if isinstance(body, dict) and "job_id" in body else ""
+    except ProtocolError:
+        return ""
+
+
 def decode(frames: Sequence[bytes], allowed: frozenset[Cmd] | None = None,
            max_bytes: int = MAX_BODY_BYTES) -> Message:
     """Decode the three frames of a message (routing id already stripped), accepting only `allowed`

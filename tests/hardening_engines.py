@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from helpers_net import FakeEngine, fake_engine
+from tests.helpers_net import FakeEngine, fake_engine  # (imported in worker processes, from the repo root)
 
 
 class PoisonEngine(FakeEngine):

@@ -26,17 +26,22 @@ import gc
 import heapq
 import itertools
 import os
+import secrets
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import structlog
 import zmq
 
+from tokenmill.broker.admission import ModelCatalog, fit_refusal, fits
+from tokenmill.broker.blame import charged, migration_refusal
+from tokenmill.broker.budget import Budget, BudgetConfig, ReplyKind
 from tokenmill.broker.jobs import Job, JobState
+from tokenmill.broker.memory import trim_heap
 from tokenmill.broker.registry import PrefixIndex, WorkerInfo, pick_worker
 from tokenmill.broker.security import ZapAuthenticator, load_zap_allow_list, make_curve_server
 from tokenmill.protocol import InvalidRequest, SamplingParams
@@ -98,6 +103,11 @@ class BrokerConfig:
     # of an idle core per message, at the price of a core at 100% while messages keep coming: only for
     # a broker that owns its core.
     busy_poll: float = 0.0
+    # A job for a model no worker has announced is refused at once, except in this many seconds after
+    # the first worker registered (the others may still be coming).
+    unknown_model_grace: float = 5.0
+    reply_budget: BudgetConfig = field(default_factory=BudgetConfig)  # per-client bounds (broker/budget.py)
+    trim_interval: float = 1.0  # at idle moments, hand freed heap back at most this often (broker/memory.py)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.busy_poll <= 1.0:
@@ -135,6 +145,10 @@ class Broker:
         self._drain_deadline: float | None = None
         self._stop = False
         self._curve = self.cfg.curve_secret_file is not None
+        self.instance = secrets.token_hex(8)  # new at every start: in PONG, ACK and STATS (clients see restarts)
+        self.budget = Budget(self.cfg.reply_budget)
+        self.catalog = ModelCatalog(self.cfg.unknown_model_grace)
+        self._next_trim = 0.0
         self.zap: ZapAuthenticator | None = None
         self.frontend: zmq.Socket | None = None
         self.backend: zmq.Socket | None = None
@@ -294,6 +308,9 @@ class Broker:
         if now >= self._next_client_check:  # O(clients): a few times a second, not every loop turn
             self._next_client_check = now + min(0.1, self.cfg.client_timeout / 10)
             self._check_clients(now)
+        if now >= self._next_trim:
+            self._next_trim = now + self.cfg.trim_interval
+            self._idle_upkeep(now)
         self._gc_retired(now)
         if self._lagging:
             lagging, self._lagging = self._lagging, set()
@@ -326,6 +343,12 @@ class Broker:
             elif now >= w.next_heartbeat:
                 w.next_heartbeat = now + w.interval
                 self._send_worker(w, p.BrokerHeartbeat())
+
+    def _idle_upkeep(self, now: float) -> None:
+        """Forget refilled reply buckets; at an idle moment, hand freed heap back to the system."""
+        self.budget.prune(now)
+        if not any(int(s.get(zmq.EVENTS)) & zmq.POLLIN for s in (self.frontend, self.backend) if s is not None):
+            trim_heap()
 
     def _check_clients(self, now: float) -> None:
         for cid, seen in list(self.clients.items()):
@@ -367,7 +390,8 @@ class Broker:
         except ProtocolError as e:
             oversized = len(frames) == 4 and len(frames[3]) > self.cfg.max_body_bytes
             self.counters["oversized_frames" if oversized else "malformed_client_messages"] += 1
-            self._send_client(ident, p.Fail("", "protocol", str(e)[:300]))
+            job_id = "" if oversized else p.readable_job_id(frames[1:], self.cfg.max_body_bytes)
+            self._reject(ident, p.Fail(job_id, "protocol", str(e)[:300]))
             return
         self.clients[ident] = time.monotonic()
         owner = owner_key if owner_key is not None else getattr(msg, "owner", "")
@@ -378,17 +402,32 @@ class Broker:
         elif isinstance(msg, p.Subscribe):
             self._on_subscribe(ident, owner, msg)
         elif isinstance(msg, p.Ping):
-            self._send_client(ident, p.Pong())
+            if self._may_answer(ident, ReplyKind.CONTROL):
+                self._send_client(ident, p.Pong(self.instance))
         elif isinstance(msg, p.Bye):
             self._client_gone(ident, "bye")
         elif isinstance(msg, p.StatsRequest):
-            self._send_client(ident, p.StatsReply(self.stats()))
+            self.counters["stats_requests"] += 1
+            if self._may_answer(ident, ReplyKind.CONTROL):  # (before building the reply: that is the cost)
+                self._send_client(ident, p.StatsReply(self.stats()))
+
+    def _may_answer(self, ident: bytes, kind: ReplyKind) -> bool:
+        """Whether `ident`'s budget for replies of `kind` has room (broker/budget.py); counts the drops."""
+        if self.budget.allow(ident, kind, time.monotonic()):
+            return True
+        self.counters[f"replies_dropped_{kind.value}"] += 1
+        return False
+
+    def _reject(self, ident: bytes, fail: p.Fail) -> None:
+        """Send a FAIL that refuses a message or a job outright, within the client's REJECT budget."""
+        if self._may_answer(ident, ReplyKind.REJECT):
+            self._send_client(ident, fail)
 
     def _on_submit(self, ident: bytes, owner: str, msg: p.Submit) -> None:
         self.counters["submits"] += 1
         if self._draining:
             self.counters["rejected_draining"] += 1
-            self._send_client(ident, p.Fail(msg.job_id, "unavailable", "broker is draining"))
+            self._reject(ident, p.Fail(msg.job_id, "unavailable", "broker is draining"))
             return
         existing = self.jobs.get(msg.job_id)
         if existing is not None:
@@ -398,12 +437,18 @@ class Broker:
             max_tokens = SamplingParams.from_dict(msg.params).max_tokens
         except InvalidRequest as e:
             self.counters["rejected_invalid"] += 1
-            self._send_client(ident, p.Fail(msg.job_id, "invalid", str(e)[:1000]))
+            self._reject(ident, p.Fail(msg.job_id, "invalid", str(e)[:1000]))
+            return
+        serving = [w for w in self.workers.values() if w.serves(msg.model)]
+        why = self.catalog.refusal(msg.model, msg.input, max_tokens, serving, time.monotonic())
+        if why is not None:
+            self.counters["rejected_unfit"] += 1
+            self._reject(ident, p.Fail(msg.job_id, "invalid", why))
             return
         if self.queued[msg.model] >= self.cfg.queue_size:
             self.counters["rejected_overloaded"] += 1
-            self._send_client(ident, p.Fail(msg.job_id, "overloaded", f"queue for {msg.model!r} is full",
-                                            self._retry_after(msg.model)))
+            self._reject(ident, p.Fail(msg.job_id, "overloaded", f"queue for {msg.model!r} is full",
+                                       self._retry_after(msg.model)))
             return
         self._accept(ident, owner, msg, max_tokens)
 
@@ -411,10 +456,10 @@ class Broker:
         """Idempotent submit: the same owner re-sending a job id is re-subscribed, not re-run."""
         if job.owner != owner:
             self.counters["rejected_conflict"] += 1
-            self._send_client(ident, p.Fail(msg.job_id, "conflict", "job id in use by another owner"))
+            self._reject(ident, p.Fail(msg.job_id, "conflict", "job id in use by another owner"))
             return
         self.counters["duplicate_submits"] += 1
-        self._send_client(ident, p.Ack(msg.job_id, duplicate=True))
+        self._send_client(ident, p.Ack(msg.job_id, True, self.instance))
         self._subscribe(job, ident, msg.from_seq)
 
     def _accept(self, ident: bytes, owner: str, msg: p.Submit, max_tokens: int) -> None:
@@ -428,7 +473,7 @@ class Broker:
         self.counters["accepted"] += 1
         job.subscribers[ident] = 0
         self.client_jobs[ident].add(job.job_id)
-        self._send_client(ident, p.Ack(job.job_id))
+        self._send_client(ident, p.Ack(job.job_id, False, self.instance))
         if job.deadline is not None:
             self._push_timer(job.deadline, "deadline", job)
         self._enqueue(job, front=False)
@@ -444,11 +489,11 @@ class Broker:
     def _checked_job(self, ident: bytes, owner: str, job_id: str) -> Job | None:
         job = self.jobs.get(job_id)
         if job is None:
-            self._send_client(ident, p.Fail(job_id, "unknown_job", "no such job (or expired)"))
+            self._reject(ident, p.Fail(job_id, "unknown_job", "no such job (or expired)"))
             return None
         if not self._may_access(job, owner):
             self.counters["forbidden"] += 1
-            self._send_client(ident, p.Fail(job_id, "forbidden", "job belongs to another client"))
+            self._reject(ident, p.Fail(job_id, "forbidden", "job belongs to another client"))
             return None
         return job
 
@@ -456,7 +501,7 @@ class Broker:
         job = self._checked_job(ident, owner, msg.job_id)
         if job is None:
             return
-        self._send_client(ident, p.Ack(job.job_id, duplicate=True))
+        self._send_client(ident, p.Ack(job.job_id, True, self.instance))
         if not job.is_terminal:
             self.counters["cancels"] += 1
             self._finish(job, p.Fail(job.job_id, "cancelled", "cancelled by client"), cancel_worker=True)
@@ -466,7 +511,7 @@ class Broker:
         if job is None:
             return
         self.counters["subscribes"] += 1
-        self._send_client(ident, p.Ack(job.job_id, duplicate=True))
+        self._send_client(ident, p.Ack(job.job_id, True, self.instance))
         self._subscribe(job, ident, msg.from_seq)
 
     def _subscribe(self, job: Job, ident: bytes, from_seq: int) -> None:
@@ -477,6 +522,7 @@ class Broker:
     def _client_gone(self, cid: bytes, reason: str) -> None:
         """The client left (BYE, silence, unreachable): drop its subscriptions, cancel its jobs."""
         self.clients.pop(cid, None)
+        self.budget.forget(cid)
         for job_id in sorted(self.client_jobs.pop(cid, set())):
             job = self.jobs.get(job_id)
             if job is None:
@@ -625,6 +671,7 @@ class Broker:
                 self._worker_dead(old, "re-registered")
         w = WorkerInfo.from_ready(ident, msg, now)
         self.workers[ident] = w
+        self.catalog.note_ready(w, now)
         if data_ident:
             self.data_sockets[data_ident] = w
         self._reregister_sent.pop(ident, None)
@@ -795,21 +842,23 @@ class Broker:
         self.data_sockets.pop(w.data_ident, None)  # its (the READY made it its own, see _on_ready)
         self.counters["workers_lost"] += 1
         log.warning("worker_dead", worker=w.name, reason=reason, jobs=len(w.jobs))
-        jobs, w.jobs = sorted(w.jobs), set()
-        for job_id in jobs:
-            job = self.jobs.get(job_id)
-            if job is None or job.is_terminal or job.worker != w.ident:
-                continue
-            self._migrate(job)
+        ids, w.jobs = sorted(w.jobs), set()
+        jobs = [j for i in ids if (j := self.jobs.get(i)) is not None and not j.is_terminal and j.worker == w.ident]
+        blamed = charged(jobs)
+        for job in jobs:
+            self._migrate(job, job.job_id in blamed)
         self._need_dispatch = True
 
-    def _migrate(self, job: Job) -> None:
+    def _migrate(self, job: Job, blamed: bool) -> None:
+        """Queue `job` again after its worker died (`blamed`: the death is charged to it, broker/blame.py),
+        or fail it at the migration bounds."""
         job.worker = None
-        job.failures += 1
-        if job.failures >= self.cfg.migration_limit:
+        job.failures += blamed
+        self.counters["migrations_uncharged"] += not blamed
+        why = migration_refusal(job, self.cfg.migration_limit)
+        if why is not None:
             self.counters["migration_limit_failures"] += 1
-            self._finish(job, p.Fail(job.job_id, "failed",
-                                     f"job was running on {job.failures} workers that died (migration limit)"))
+            self._finish(job, p.Fail(job.job_id, "failed", why))
         elif job.num_tokens >= job.max_tokens:  # everything was delivered; only FINISHED was lost
             self._finish(job, p.Done(job.job_id, "length", None, (0, job.num_tokens, 0), job.num_tokens))
         else:
@@ -837,9 +886,15 @@ class Broker:
                 if job.state is not JobState.QUEUED:
                     q.popleft()  # lazily removed (cancelled or expired while queued)
                     continue
-                w = pick_worker((w for w in self.workers.values() if w.serves(model)), job.prefix_hashes,
+                serving = [w for w in self.workers.values() if w.serves(model)]
+                w = pick_worker((w for w in serving if fits(w, job.input, job.max_tokens)), job.prefix_hashes,
                                 self.prefix, self.cfg.affinity_slack)
                 if w is None:
+                    if (why := fit_refusal(serving, job.input, job.max_tokens)) is not None:
+                        q.popleft()  # no registered worker could ever run it (the ones it fitted are gone)
+                        self.counters["rejected_unfit"] += 1
+                        self._finish(job, p.Fail(job.job_id, "invalid", why))  # (may compact this queue)
+                        self._need_dispatch = True  # the rest of the queue: next turn
                     break
                 q.popleft()
                 self.queued[model] -= 1
@@ -848,6 +903,7 @@ class Broker:
     def _start(self, job: Job, w: WorkerInfo) -> None:
         job.state = JobState.RUNNING
         job.worker = w.ident
+        job.dispatched_tokens = job.num_tokens
         w.jobs.add(job.job_id)
         w.dispatched += 1
         self.prefix.record(job.prefix_hashes, w.ident)
@@ -899,6 +955,9 @@ class Broker:
             "clients": len(self.clients),
             "draining": self._draining,
             "prefix_entries": len(self.prefix),
+            "instance": self.instance,
+            "reply_buckets": len(self.budget),
+            "unknown_model_grace_left": round(self.catalog.grace_left(now), 3),
             "zap": ({"accepted": self.zap.accepted, "refused": self.zap.refused, "refused_role": self.zap.refused_role}
                     if self.zap else None),
         }

@@ -49,7 +49,8 @@ class Job:
     state: JobState = JobState.QUEUED
     worker: bytes | None = None
     attempt: int = 0
-    failures: int = 0  # workers that died while running it
+    failures: int = 0  # workers that died while running it, that were charged to it (broker/blame.py)
+    dispatched_tokens: int = 0  # num_tokens when its current attempt was dispatched
     queued_at: float = 0.0
     log: bytearray = field(default_factory=bytearray)
     ends: array[int] = field(default_factory=lambda: array("Q"))

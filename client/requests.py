@@ -5,7 +5,6 @@ answered by a FAIL that may name no job. Also the checks of the SDK's own wait a
 
 from __future__ import annotations
 
-import math
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -56,17 +55,20 @@ def make_submit(job_id: str | None, model: str, prompt: str | None, messages: li
     return msg, frames
 
 
+MAX_WAIT = 7 * 86400.0  # the longest wait the SDK accepts, as the longest job timeout the wire does
+
+
 def wait_seconds(timeout: Any, default: float, name: str = "timeout") -> float:
-    """A wait bound in seconds: `timeout` (a finite number >= 0), or `default` for None."""
+    """A wait bound in seconds: `timeout` (a number in [0, MAX_WAIT]), or `default` for None."""
     if timeout is None:
         return default
-    if type(timeout) not in (int, float) or not math.isfinite(timeout) or timeout < 0:
-        raise InvalidRequest(f"{name} must be a finite number of seconds >= 0, got {timeout!r}")
+    if type(timeout) not in (int, float) or not 0 <= timeout <= MAX_WAIT:  # (NaN fails the comparison)
+        raise InvalidRequest(f"{name} must be a number of seconds in [0, {MAX_WAIT:.0f}], got {timeout!r}")
     return float(timeout)
 
 
 def positive_seconds(value: Any, name: str) -> float:
-    """A client setting in seconds: a finite number > 0 (InvalidRequest otherwise)."""
-    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
-        raise InvalidRequest(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    """A client setting in seconds: a number in (0, MAX_WAIT] (InvalidRequest otherwise)."""
+    if type(value) not in (int, float) or not 0 < value <= MAX_WAIT:
+        raise InvalidRequest(f"{name} must be a number of seconds in (0, {MAX_WAIT:.0f}], got {value!r}")
     return float(value)

@@ -152,33 +152,51 @@ scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.i
 values = st.one_of(scalars, st.lists(scalars, max_size=4), st.dictionaries(st.text(max_size=6), scalars, max_size=3),
                    st.lists(st.integers(-2, 600), max_size=6))
 param_names = st.sampled_from([*SamplingParams.__dataclass_fields__, "temprature", "n", ""])
-sampling = st.dictionaries(param_names, values, max_size=4)
-messages = st.one_of(values, st.lists(st.fixed_dictionaries({"role": st.one_of(st.sampled_from(
-    ["user", "system", "assistant", "wizard"]), values), "content": st.one_of(st.text(max_size=30), values)}),
-    max_size=3))
-job_timeouts = st.one_of(st.none(), st.floats(0.01, 0.5), values)
-job_ids = st.one_of(st.none(), st.text(max_size=140), values)
+# Mostly valid arguments (so that calls reach the broker and the worker), each possibly spoiled.
+good_sampling = st.fixed_dictionaries({}, optional={
+    "max_tokens": st.integers(1, 8), "temperature": st.floats(0.0, 2.0), "top_p": st.floats(0.01, 1.0),
+    "top_k": st.integers(0, 50), "seed": st.integers(0, 2**40), "ignore_eos": st.booleans(),
+    "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2)})
+sampling = st.one_of(good_sampling, st.tuples(good_sampling, st.dictionaries(param_names, values, max_size=2))
+                     .map(lambda t: {**t[0], **t[1]}))
+
+
+def maybe(good: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(good, good, good, values)
+
+
+words = st.characters(codec="utf-8", categories=["L", "N", "P", "Zs"])
+prompts = maybe(st.text(words, max_size=40))
+token_ids = maybe(st.lists(st.integers(0, 400), min_size=1, max_size=6))
+models = maybe(st.sampled_from(["", "fake", "no-such-model"]))
+messages = maybe(st.lists(st.fixed_dictionaries({"role": maybe(st.sampled_from(["user", "system", "assistant",
+                                                                                  "wizard"])),
+                                                   "content": maybe(st.text(words, max_size=30))}), max_size=3))
+job_timeouts = maybe(st.one_of(st.none(), st.floats(0.01, 0.5)))
+job_ids = maybe(st.one_of(st.none(), st.text(words, min_size=1, max_size=20)))
+wait_timeouts = maybe(st.floats(0.0, 2.0))
 
 _OWN_ARGS = {"prompt", "messages", "prompt_token_ids", "model", "params", "timeout", "job_id", "priority",
              "cancel_on_disconnect", "from_seq", "owner"}
 
 calls = st.one_of(
-    st.tuples(st.just("generate"), st.fixed_dictionaries({}, optional={
-        "prompt": st.one_of(st.text(max_size=40), values), "prompt_token_ids": values, "model": values,
-        "params": st.one_of(values, sampling), "timeout": job_timeouts})),
+    st.tuples(st.just("generate"), st.one_of(
+        st.fixed_dictionaries({"prompt": prompts}, optional={"model": models, "params": maybe(sampling),
+                                                              "timeout": job_timeouts}),
+        st.fixed_dictionaries({"prompt_token_ids": token_ids}, optional={"timeout": job_timeouts}),
+        st.fixed_dictionaries({}, optional={"prompt": prompts, "prompt_token_ids": token_ids}))),
     st.tuples(st.just("chat"), st.fixed_dictionaries({"messages": messages}, optional={
-        "model": values, "params": st.one_of(values, sampling), "timeout": job_timeouts})),
+        "model": models, "params": maybe(sampling), "timeout": job_timeouts})),
     st.tuples(st.just("stream"), st.fixed_dictionaries({}, optional={
-        "prompt": st.one_of(st.text(max_size=40), values), "messages": messages, "prompt_token_ids": values,
+        "prompt": prompts, "messages": messages, "prompt_token_ids": token_ids, "timeout": job_timeouts})),
+    st.tuples(st.just("submit"), st.fixed_dictionaries({"prompt": prompts}, optional={
+        "job_id": job_ids, "priority": maybe(st.integers(-5, 5)), "cancel_on_disconnect": maybe(st.booleans()),
         "timeout": job_timeouts})),
-    st.tuples(st.just("submit"), st.fixed_dictionaries({}, optional={
-        "prompt": st.one_of(st.text(max_size=40), values), "job_id": job_ids, "priority": values,
-        "cancel_on_disconnect": values, "timeout": job_timeouts})),
     st.tuples(st.just("subscribe"), st.fixed_dictionaries({"job_id": job_ids}, optional={
-        "from_seq": values, "owner": values})),
+        "from_seq": maybe(st.integers(0, 5)), "owner": values})),
     st.tuples(st.just("cancel"), st.fixed_dictionaries({"job_id": job_ids}, optional={
-        "owner": values, "timeout": st.one_of(st.floats(0, 2.0), values)})),
-    st.tuples(st.just("stats"), st.fixed_dictionaries({}, optional={"timeout": st.one_of(st.floats(0, 2.0), values)})),
+        "owner": values, "timeout": wait_timeouts})),
+    st.tuples(st.just("stats"), st.fixed_dictionaries({}, optional={"timeout": wait_timeouts})),
 )
 
 
@@ -205,9 +223,9 @@ def _invoke(c: Client, name: str, kwargs: dict[str, Any], extra: dict[str, Any])
     return c.stats(**kwargs)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
-@given(call=calls, extra=sampling)
+@given(call=calls, extra=st.one_of(good_sampling, good_sampling, sampling))
 def test_every_sdk_call_returns_or_raises_a_tokenmill_error_in_bounded_time(
         sdk_client: Client, call: tuple[str, dict[str, Any]], extra: dict[str, Any]) -> None:
     name, kwargs = call

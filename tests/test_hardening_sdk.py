@@ -241,6 +241,53 @@ def sdk_client(broker_addr: str) -> Iterator[Client]:
         yield c
 
 
+@pytest.fixture(scope="module")
+def async_sdk(broker_addr: str) -> Iterator[tuple[Any, AsyncClient]]:
+    """An AsyncClient living on an event loop of its own thread (the property test submits to it)."""
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    th = threading.Thread(target=loop.run_forever, daemon=True)
+    th.start()
+    c = AsyncClient(broker_addr, timeout=JOB_TIMEOUT, broker_timeout=BROKER_TIMEOUT, heartbeat_interval=0.2)
+    yield loop, c
+    asyncio.run_coroutine_threadsafe(c.close(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    th.join(10)
+
+
+async def _ainvoke(c: AsyncClient, name: str, kwargs: dict[str, Any], extra: dict[str, Any]) -> Any:
+    if name == "generate":
+        return await c.generate(**kwargs, **extra)
+    if name == "chat":
+        return await c.chat(**kwargs, **extra)
+    if name == "stream":
+        return [ev async for ev in c.stream(**kwargs, **extra)]
+    if name == "submit":
+        return await (await c.submit(**kwargs, **extra)).result()
+    if name == "subscribe":
+        return await (await c.subscribe(**kwargs)).result()
+    if name == "cancel":
+        return await c.cancel(**kwargs)
+    return await c.stats(**kwargs)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(call=calls, extra=st.one_of(good_sampling, good_sampling, sampling))
+def test_every_async_sdk_call_returns_or_raises_a_tokenmill_error_in_bounded_time(
+        async_sdk: tuple[Any, AsyncClient], call: tuple[str, dict[str, Any]], extra: dict[str, Any]) -> None:
+    import asyncio
+
+    loop, c = async_sdk
+    name, kwargs = call
+    extra = {k: v for k, v in extra.items() if k not in _OWN_ARGS} if name in ("generate", "chat", "stream",
+                                                                                 "submit") else {}
+    fut = asyncio.run_coroutine_threadsafe(_ainvoke(c, name, kwargs, extra), loop)
+    _, err, _took = outcome(lambda: fut.result(), _bound(kwargs))
+    assert err is None or isinstance(err, TokenmillError), f"{type(err).__name__}: {err}"
+
+
 def test_async_client_checks_requests_too(broker_addr: str) -> None:
     import asyncio
 

@@ -314,11 +314,10 @@ class FakeBroker:
     """A ROUTER on 127.0.0.1 answering as told; `serve(seconds, on)` handles what arrives."""
 
     def __init__(self) -> None:
-        self.port = free_port()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(addr(self.port))
+        self.sock.linger = 0
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
 
     def serve(self, seconds: float, on: Callable[[bytes, p.Message], list[p.Message]]) -> None:
         end = time.monotonic() + seconds

@@ -112,6 +112,8 @@ class BrokerConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.busy_poll <= 1.0:
             raise ValueError(f"busy_poll must be between 0 and 1 s, got {self.busy_poll}")
+        if self.unknown_model_grace < 0 or self.trim_interval <= 0:
+            raise ValueError("unknown_model_grace must be >= 0 and trim_interval > 0 (seconds)")
 
 
 class Broker:

@@ -1,5 +1,5 @@
 # tokenmill: one image for the broker and the GPU workers (docker-compose.yml runs both).
-# Configuration is by environment variables (TOKENMILL_*), one per command-line flag.
+# Configuration is by environment variables (TOKENMILL_*), one per setting (README.md, "Configuration").
 FROM python:3.11-slim
 
 ENV PYTHONUNBUFFERED=1 \

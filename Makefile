@@ -12,12 +12,13 @@ $(STAMP): pyproject.toml Makefile
 	# torch first and pinned: on this CPU machine 2.13.0 is the local CPU wheel; an unpinned torch
 	# would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q "numpy<2.3" triton==3.6.0 -e ".[worker,test,bench]"
+	$(PY) -m pip install -q "numpy<2.3" triton==3.6.0 -e ".[worker,gateway,test,bench]"
 	touch $(STAMP)
 
-# The main job: a broker and a worker on the embedded SmolLM2-135M-Instruct (Ctrl-C stops both).
+# The main job: a broker, a worker on the embedded SmolLM2-135M-Instruct and the OpenAI-compatible HTTP
+# gateway on http://127.0.0.1:8000/v1 (Ctrl-C stops them all).
 run: $(STAMP)
-	$(VENV)/bin/tokenmill up --workers 1
+	$(VENV)/bin/tokenmill serve --workers 1
 
 # One answer from the embedded model, in-process.
 chat: $(STAMP)
@@ -28,7 +29,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy protocol broker worker kernels client cli benchmarks
+	$(VENV)/bin/mypy protocol broker worker kernels client gateway cli benchmarks
 
 bench-cpu: $(STAMP)
 	$(PY) -m tokenmill.benchmarks.engine_cpu --out benchmarks/results/cpu

@@ -38,14 +38,13 @@ BrokerConfig.busy_poll.
     python -m tokenmill.benchmarks.broker_bench [--jobs 256 --steps 1000 --tokens-per-chunk 1]
     python -m tokenmill.benchmarks.broker_bench --latency-steps 6000   # 60 s: p99.9 from 6 messages
     python -m tokenmill.benchmarks.broker_bench --latency-steps 6000 --busy-poll 0.02   # a broker core spinning
-    python -m tokenmill.benchmarks.broker_bench --latency-steps 3000 --worker real [--worker-path io --handoff-wait 0]
+    python -m tokenmill.benchmarks.broker_bench --latency-steps 3000 --worker real
 Results: benchmarks/results/cpu/broker_relay.{json,md}; `--dump-trace` adds every message's timestamps.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import os
@@ -191,7 +190,7 @@ class PacedEngine:
         return bool(self.reqs)
 
     def stats(self) -> Any:
-        from tokenmill.worker.outputs import EngineStats
+        from tokenmill.worker.metrics import EngineStats
 
         return EngineStats(len(self.reqs), 0, 1 << 20, 0, 1 << 20, 16, 0, 0, 0)
 
@@ -228,8 +227,7 @@ class PacedEngine:
         return out
 
 
-def real_worker(broker: str, step_rate: float, busy: float, cores: list[int] | None, start_jobs: int,
-                handoff_wait: float | None, data_socket: bool = True) -> None:
+def real_worker(broker: str, step_rate: float, busy: float, cores: list[int] | None, start_jobs: int) -> None:
     """worker.process.run_worker (IO thread, engine loop, encoding) around a PacedEngine."""
     from tokenmill.worker.process import WorkerOptions, run_worker
 
@@ -243,10 +241,7 @@ def real_worker(broker: str, step_rate: float, busy: float, cores: list[int] | N
         engine.pin_to = cores[:1]
     elif cores:
         os.sched_setaffinity(0, cores)
-    opts = WorkerOptions(broker=broker, name="bench-real", capacity=1 << 16, data_socket=data_socket)
-    if handoff_wait is not None:
-        opts = dataclasses.replace(opts, handoff_wait=handoff_wait)
-    run_worker(engine, opts)
+    run_worker(engine, WorkerOptions(broker=broker, name="bench-real", capacity=1 << 16))
 
 
 # ---- the broker, with per-hop timestamps ------------------------------------------------------------
@@ -552,8 +547,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         procs[-1].kill()
         if args.worker == "real":
             procs.append(_spawn(["-m", "tokenmill.benchmarks.broker_bench", "_real-worker", backend,
-                                 str(args.step_rate), str(args.engine_busy), worker_cores, str(args.latency_jobs),
-                                 "" if args.handoff_wait is None else str(args.handoff_wait), args.worker_path],
+                                 str(args.step_rate), str(args.engine_busy), worker_cores, str(args.latency_jobs)],
                                 lay["worker"]))
         else:
             procs.append(_spawn(["-m", "tokenmill.benchmarks.broker_bench", "_fake-worker", backend,
@@ -575,10 +569,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "worker": ("synthetic (protocol-level fake worker emitting TOKENS batches; no model)"
                    if args.worker == "synthetic" else
                    "real (throughput: synthetic; latency: worker/process.py's run_worker around PacedEngine, "
-                   f"a fake engine holding the GIL {args.engine_busy:.0%} of each step; output "
-                   + ("on the engine loop's data socket)" if args.worker_path == "data" else
-                      "through the IO thread, handoff_wait "
-                      f"{'default' if args.handoff_wait is None else args.handoff_wait})")),
+                   f"a fake engine holding the GIL {args.engine_busy:.0%} of each step; output on the engine "
+                   "loop's data socket)"),
         "broker": ("plain `tokenmill broker`" if args.untraced
                    else "Broker class + entry/send/exit timestamps per worker message and GC pause records"
                    + (f"; busy_poll {args.busy_poll} s" if args.busy_poll else "")),
@@ -674,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv and argv[0] == "_real-worker":
         real_worker(argv[1], float(argv[2]), float(argv[3]), [int(c) for c in argv[4].split(",")] if argv[4] else None,
-                    int(argv[5]), float(argv[6]) if argv[6] else None, argv[7] == "data")
+                    int(argv[5]))
         return 0
     if argv and argv[0] == "_broker":
         traced_broker(argv[1], argv[2], [int(c) for c in argv[3].split(",")] if argv[3] else None,
@@ -698,11 +690,6 @@ def main(argv: list[str] | None = None) -> int:
                          "engine loop) around PacedEngine (the throughput run always uses the synthetic one)")
     ap.add_argument("--engine-busy", type=float, default=0.3,
                     help="--worker real: share of each step the fake engine holds the GIL (runs Python)")
-    ap.add_argument("--worker-path", choices=("data", "io"), default="data",
-                    help="--worker real: the engine loop sends on its own data socket (data, the default) or "
-                         "through the IO thread (io: WorkerOptions.data_socket=False)")
-    ap.add_argument("--handoff-wait", type=float, default=None,
-                    help="--worker real, --worker-path io: WorkerOptions.handoff_wait in s (default: the option's)")
     ap.add_argument("--busy-poll", type=float, default=0.0,
                     help="BrokerConfig.busy_poll (s) of the broker (default 0, the broker's default: off)")
     ap.add_argument("--untraced", action="store_true", help="run the plain `tokenmill broker` (no per-hop data)")
@@ -722,6 +709,9 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / f"{args.name}.md").write_text(_markdown(result))
     print(_markdown(result))
+    from tokenmill.benchmarks import summary
+
+    print("summary.json:", summary.record_file(args.out / f"{args.name}.json", date=summary.today()))
     return 0
 
 

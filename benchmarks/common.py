@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
+import importlib.metadata
 import itertools
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -14,9 +17,15 @@ from typing import Any
 
 
 def git_commit() -> str:
+    """HEAD (short), "-dirty" when tracked files other than results differ; TOKENMILL_COMMIT wins where set
+    (a device copy of the tree can carry a stale .git: say there which commit it is)."""
+    if os.environ.get("TOKENMILL_COMMIT"):
+        return os.environ["TOKENMILL_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+        # results/ left out: a run rewrites its own tracked result files as it goes
+        tree = ["--", ":/", ":(top,exclude)benchmarks/results"]
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", *tree],
                                capture_output=True, text=True, check=True).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
@@ -24,13 +33,31 @@ def git_commit() -> str:
 
 
 def device_info() -> dict[str, Any]:
+    """The machine and software a result was measured on: platform, Python, torch, Triton, cores; on CUDA
+    also the GPU, the CUDA version torch was built for and the driver."""
     import torch
 
     info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "torch": torch.__version__, "cpu_count": __import__("os").cpu_count()}
+                            "torch": torch.__version__, "triton": _version("triton"), "cpu_count": os.cpu_count()}
     if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
+        info |= {"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda, "driver": _nvidia_driver()}
     return info
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        return out.split()[0] if out.split() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -44,14 +71,16 @@ def percentile(xs: list[float], q: float) -> float:
 
 def write_results(out_dir: Path, name: str, payload: dict[str, Any], table_md: str, echo: bool = True,
                   stamp: bool = True) -> None:
-    """<name>.json and <name>.md in `out_dir`. `stamp`: record this process's command, commit and device
-    (off for results measured elsewhere, e.g. merged ones, which carry their own)."""
+    """<name>.json and <name>.md in `out_dir`. `stamp`: record this process's command, commit, device and
+    the time (off for results measured elsewhere, e.g. merged ones, which carry their own)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     if stamp:
         payload = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": git_commit(),
-                   "device": device_info(), **payload}
+                   "device": device_info(),
+                   "measured": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), **payload}
     (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
-    header = (f"# {name}\n\ncommit `{payload.get('commit')}`, device `{payload.get('device')}`\n\n"
+    when = f", measured {payload['measured']}" if payload.get("measured") else ""
+    header = (f"# {name}\n\ncommit `{payload.get('commit')}`{when}, device `{payload.get('device')}`\n\n"
               f"command: `{payload.get('command')}`\n\n")
     (out_dir / f"{name}.md").write_text(header + table_md + "\n")
     if echo:

@@ -3,6 +3,8 @@
 # (with a profile of batch-1 decode steps and the full-cache fill run).
 # Device call: run(command="bash benchmarks/gpu_check.sh [tests e2e ab kernels gemv broker]", carry=[".whl"])
 # Everything lands in $OUT/gpu_check.tgz (a call returns at most 8 files); the short logs are printed.
+# Copy the e2e / broker JSON and MD into benchmarks/results/h200/, then record their headline figures:
+#   python -m tokenmill.benchmarks.summary benchmarks/results/h200/gpu_e2e_llama3-8b.json ... (see benchmarks/README.md)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install -q --no-deps --no-build-isolation -e .
@@ -26,10 +28,10 @@ rows = bench_gemv(ms=tuple(int(m) for m in '${GEMV_MS:-1,8}'.split(',')), tune=T
 json.dump(rows, open('$R/gemv.json', 'w'), indent=1, default=str)
 for r in rows: print({k: v for k, v in r.items() if k != 'sweep'})
 " > "$R/gemv.log" 2>&1; tail -30 "$R/gemv.log" ;;
-    ab)      # the engine e2e at batch 1 / 8 with AB_ENV set (e.g. TOKENMILL_PDL=0, TOKENMILL_DECODE_ROPE=0), beside e2e's
-             env ${AB_ENV:-TOKENMILL_PDL=1} timeout 80 python3 -m tokenmill.benchmarks.gpu_e2e --batches 1,8 \
-               --fill-requests 0 --out "$R/ab" > "$R/ab.log" 2>&1
-             echo "${AB_ENV:-}: $(grep -E '^batch|^latency' "$R/ab.log" | cut -c1-90 | tr '\n' ' ')" ;;
+    ab)      # the engine e2e at batch 1 / 8 with AB_ARGS (gpu_e2e flags, e.g. --no-pdl, --no-decode-rope), beside e2e's
+             timeout 80 python3 -m tokenmill.benchmarks.gpu_e2e --batches 1,8 --fill-requests 0 ${AB_ARGS:-} \
+               --out "$R/ab" > "$R/ab.log" 2>&1
+             echo "${AB_ARGS:-}: $(grep -E '^batch|^latency' "$R/ab.log" | cut -c1-90 | tr '\n' ' ')" ;;
     broker)  # the broker relay benchmark on this host's CPUs (issue 3)
              timeout ${BROKER_TIMEOUT:-200} python3 -m tokenmill.benchmarks.broker_bench ${BROKER_ARGS:---latency-steps 6000} \
                --out "$R/broker" > "$R/broker.log" 2>&1; tail -30 "$R/broker.log" ;;

@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
+from tokenmill.benchmarks import summary
 from tokenmill.benchmarks.common import write_results
+from tokenmill.kernels.config import KernelConfig
 from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.config import EngineConfig, SchedulerConfig
 from tokenmill.worker.engine import LLMEngine
@@ -141,6 +143,10 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--profile", action="store_true", help="first profile 20 batch-1 decode steps")
     ap.add_argument("--sync-scheduling", action="store_true", help="turn async scheduling off")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="KernelConfig(pdl=False): no programmatic dependent launch (A/B)")
+    ap.add_argument("--no-decode-rope", action="store_true",
+                    help="EngineConfig.decode_rope_in_attention=False: a separate rotary kernel in decode steps (A/B)")
     ap.add_argument("--profile-mixed", action="store_true",
                     help="only profile the host side of mixed prefill + decode steps, then stop")
     args = ap.parse_args()
@@ -148,6 +154,8 @@ def main() -> None:
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=args.model, load_format="dummy", dtype="bfloat16", device="cuda",
                                     max_model_len=4096, async_scheduling=not args.sync_scheduling,
+                                    decode_rope_in_attention=not args.no_decode_rope,
+                                    kernels=KernelConfig(pdl=not args.no_pdl),
                                     scheduler=SchedulerConfig(max_num_batched_tokens=8192,
                                                               max_num_seqs=args.max_num_seqs)))
     startup = time.perf_counter() - t0
@@ -197,6 +205,7 @@ def main() -> None:
                     f"{f['blocks_total']} blocks, {f['preemptions']} preemptions, {f['output_tok_s']:.0f} out tok/s"
                     " | TRT-LLM FP8 17,744 tok/s |")
     write_results(args.out, f"gpu_e2e_{args.model}", results, "\n".join(rows))
+    print("summary.json:", summary.record_file(args.out / f"gpu_e2e_{args.model}.json"))
 
 
 if __name__ == "__main__":

@@ -262,7 +262,7 @@ def check_attn(
     config: Any = None,
     num_splits: int | None = None,
 ) -> float:
-    from tokenmill.kernels.paged_attention import paged_attention_ref
+    from tokenmill.kernels.attention_ref import paged_attention_ref
 
     s.out.fill_(float("nan"))
     out = run_attn(s, k_pool, v_pool, max_query_len, max_seq_len, config, num_splits).clone()
@@ -623,11 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     elif not torch.cuda.is_available():
         print("gpu_kernels.py needs a CUDA device (or --smoke)", file=sys.stderr)
         return 2
-    if DEV == "cpu":
-        import os
-
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    import triton
+    import triton  # (without CUDA the kernel modules choose Triton's interpreter: kernels/launch.py)
 
     t_start = time.perf_counter()
     ctx = Ctx(deadline=t_start + args.budget_s)

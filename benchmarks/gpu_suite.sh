@@ -18,13 +18,17 @@
 # (no serving section: nothing is kept back for it; ~10 s of set-up, ~20 s engine start, ~150 s run)
 #
 # Results come back as $OUT/$SUITE_DIR/{suite.json,suite.md,suite.log} (SUITE_DIR default h200). Copy
-# them here and draw the plots (matplotlib is not on the GPU machine):
-#   cp <files_at>/h200/suite.* benchmarks/results/h200/
+# the JSON and MD here (the log stays out of the tree), draw the plots (matplotlib is not on the GPU
+# machine) and record the headline figures in summary.json (not the device's summary.json: it holds only
+# this call's keys):
+#   cp <files_at>/h200/suite.json <files_at>/h200/suite.md benchmarks/results/h200/
 #   python -m tokenmill.benchmarks.plots benchmarks/results/h200/suite.json
-# and after (b), merge its sections over (a)'s (tables and plots redrawn from both):
-#   mkdir -p benchmarks/results/h200/fixed && cp <files_at>/h200_fixed/suite.* benchmarks/results/h200/fixed/
+#   python -m tokenmill.benchmarks.summary benchmarks/results/h200/suite.json
+# and after (b), merge its sections over (a)'s (tables, plots and summary.json from both):
+#   mkdir -p benchmarks/results/h200/fixed && cp <files_at>/h200_fixed/suite.json benchmarks/results/h200/fixed/
 #   python -m tokenmill.benchmarks.suite --merge benchmarks/results/h200/suite.json \
-#       benchmarks/results/h200/fixed/suite.json --out benchmarks/results/h200
+#       benchmarks/results/h200/fixed/suite.json --out benchmarks/results/h200 && rm -r benchmarks/results/h200/fixed
+# Prefix the command with TOKENMILL_COMMIT=<sha> to record the commit measured (the device copy's .git can be stale).
 # Every finished section is written at once, and a suite stopped by the time limit (SIGTERM) writes
 # what it has, with the section it was in marked "interrupted", so the three files always come back.
 #

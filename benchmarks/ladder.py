@@ -32,14 +32,14 @@ from tokenmill.benchmarks.throughput import (
     build_engine,
     drive,
     memory_info,
-    recording_schedule,
+    observing,
     set_prefix_caching,
     spec_from_args,
     workload_tokenizer,
 )
 from tokenmill.benchmarks.workloads import BenchRequest, Workload, shared_prefix_workload, sharegpt_workload
 from tokenmill.protocol.sampling import SamplingParams
-from tokenmill.worker.engine import LLMEngine
+from tokenmill.worker.engine import LLMEngine, StepRecord
 
 NOT_BUILT = ("quantization (INT8/INT4 weight-only, FP8)", "speculative decoding (EAGLE draft heads)")
 
@@ -138,15 +138,13 @@ def step_anatomy(engine: LLMEngine, workload: Workload, running: int, new_tokens
     engine.async_scheduling = False
     set_prefix_caching(engine, True)
     runner = engine.runner
-    launch = runner.launch
+    trace = StepTrace(async_scheduling=False)
 
-    def timed(*args: Any, **kw: Any) -> Any:
-        t0 = time.perf_counter()
-        pending = launch(*args, **kw)
+    def timed(record: StepRecord) -> None:  # the launch's host time, then a device sync: its device time
+        trace.on_step(record)
         t1 = time.perf_counter()
         _sync(runner.device.type)
-        records.append((t1 - t0, time.perf_counter() - t1))
-        return pending
+        records.append((record.launch_s, time.perf_counter() - t1))
 
     kinds: dict[str, list[dict[str, float]]] = {"decode-only": [], "new request, system prompt cached": [],
                                                  "new request, nothing cached": []}
@@ -156,9 +154,7 @@ def step_anatomy(engine: LLMEngine, workload: Workload, running: int, new_tokens
             engine.add_request(f"anatomy-bg{k}", prompt_token_ids=p, params=decode)
         while _prefilling(engine):
             engine.step()  # the background prefills (not measured)
-        setattr(runner, "launch", timed)  # noqa: B010
-        trace = StepTrace(async_scheduling=False)
-        with recording_schedule(engine, trace):
+        with observing(engine, timed):
             for rep in range(repeats):
                 for kind, prompt in (("decode-only", None), ("new request, system prompt cached",
                                                              [*system, *fresh(new_tokens)]),
@@ -176,8 +172,6 @@ def step_anatomy(engine: LLMEngine, workload: Workload, running: int, new_tokens
                     while _prefilling(engine):  # what a small token budget left of the prompt (not measured)
                         engine.step()
     finally:
-        if "launch" in vars(runner):
-            delattr(runner, "launch")
         for rid in [r.request_id for r in (*engine.scheduler.running, *engine.scheduler.waiting)]:
             engine.abort_request(rid)
         while engine.has_unfinished_requests():

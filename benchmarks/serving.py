@@ -40,9 +40,10 @@ HOST = "127.0.0.1"
 
 
 def engine_from_env(args: argparse.Namespace) -> Any:
-    """`tokenmill worker --engine-factory` hook: the engine described by $TOKENMILL_BENCH_SPEC (JSON)."""
+    """`tokenmill worker --engine-factory` hook: the engine described by $TOKENMILL_BENCH_SPEC (JSON), with the
+    worker's --prefix-caching setting."""
     spec = ModelSpec(**json.loads(os.environ[SPEC_ENV]))
-    return build_engine(spec, prefix_caching=bool(int(os.environ.get("TOKENMILL_BENCH_PREFIX", "1"))))
+    return build_engine(spec, prefix_caching=args.prefix_caching)
 
 
 # -- processes ----------------------------------------------------------------------------------------------
@@ -95,15 +96,16 @@ def cluster(spec: ModelSpec, prefix_caching: bool = True, ready_timeout: float =
     """Start a broker and a worker running `spec`; yield once the worker has registered."""
     front, back = f"tcp://{HOST}:{free_port()}", f"tcp://{HOST}:{free_port()}"
     logs = Path(tempfile.mkdtemp(prefix="tokenmill-serving-"))
-    env = {**os.environ, SPEC_ENV: json.dumps(spec.describe()), "TOKENMILL_BENCH_PREFIX": str(int(prefix_caching)),
-           "PYTHONUNBUFFERED": "1", "TOKENMILL_LOG_LEVEL": "warning"}
+    env = {**os.environ, SPEC_ENV: json.dumps(spec.describe()), "PYTHONUNBUFFERED": "1",
+           "TOKENMILL_LOG_LEVEL": "warning"}
     c = Cluster(front, logs)
     try:
         c.spawn("broker", ["broker", "--frontend", front, "--backend", back, "--queue-size", "4096",
                            "--queue-timeout", "3600"], env)
         c.spawn("worker", ["worker", "--broker", back, "--model", spec.model, "--max-num-seqs",
                            str(spec.max_num_seqs), "--engine-factory", "tokenmill.benchmarks.serving:engine_from_env",
-                           "--name", "bench-worker"], env)
+                           "--prefix-caching" if prefix_caching else "--no-prefix-caching", "--name", "bench-worker"],
+                env)
         _wait_ready(c, ready_timeout)
         yield c
     finally:

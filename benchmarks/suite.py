@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from tokenmill.benchmarks import summary
 from tokenmill.benchmarks.common import device_info, write_results
 from tokenmill.benchmarks.ladder import (
     anatomy_table,
@@ -580,7 +581,8 @@ def merge_results(results: list[dict[str, Any]], names: list[str]) -> dict[str, 
     merged["workloads"] = workloads
     merged.pop("interrupted", None)
     merged["merged"] = [{"file": n, "command": r.get("command"), "commit": r.get("commit"),
-                         "elapsed_s": r.get("elapsed_s"), "interrupted": r.get("interrupted"),
+                         "measured": r.get("measured"), "elapsed_s": r.get("elapsed_s"),
+                         "interrupted": r.get("interrupted"),
                          "sections": [s for s, k in sources.items() if k == i]}
                         for i, (n, r) in enumerate(zip(names, results))]
     merged["ladder"] = {"rows": ladder_rows(merged), "prefix_gain": merged.get("prefix", {}).get("gain")}
@@ -646,6 +648,7 @@ def run_cli(args: argparse.Namespace) -> int:
         out = args.out or args.merge[0].parent
         merge_files(args.merge, out)
         print(f"merged {len(args.merge)} results into {out}/suite.json")
+        _record_headline(out / "suite.json")
         return 0
     cfg = config_from_args(args)
     out = args.out or Path("benchmarks/results") / ("h200" if args.device == "gpu" else "cpu")
@@ -662,7 +665,16 @@ def run_cli(args: argparse.Namespace) -> int:
         suite.interrupted(f"{type(e).__name__}({e})")
         raise
     print(f"suite finished in {time.monotonic() - suite.start:.0f} s; results in {out}/", flush=True)
+    if not args.model:  # the keys are defined on the device's own model
+        _record_headline(out / "suite.json")
     return 0
+
+
+def _record_headline(path: Path) -> None:
+    try:
+        print("summary.json:", summary.record_file(path), flush=True)
+    except ValueError as e:  # e.g. merged runs from before results carried a date
+        print(f"summary.json not updated ({e}); python -m tokenmill.benchmarks.summary {path} --date ...")
 
 
 def main() -> None:

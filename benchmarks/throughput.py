@@ -34,8 +34,7 @@ from tokenmill.benchmarks.common import (
 from tokenmill.benchmarks.workloads import BenchRequest, Workload, length_tokenizer, sharegpt_workload
 from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
-from tokenmill.worker.engine import LLMEngine
-from tokenmill.worker.scheduler import ScheduledBatch
+from tokenmill.worker.engine import LLMEngine, StepObserver, StepRecord
 from tokenmill.worker.tokenizer import Tokenizer
 
 GIB = float(1 << 30)
@@ -183,8 +182,9 @@ class StepTrace:
     def calls(self) -> int:
         return len(self.wall)
 
-    def on_schedule(self, batch: ScheduledBatch) -> None:
-        """The scheduler's batch of the call in progress (the recording wrapper calls this)."""
+    def on_step(self, record: StepRecord) -> None:
+        """The step the call in progress launched (the engine's step observer, see `observing`)."""
+        batch = record.batch
         prompt = decodes = 0
         call = self.calls + 1
         for req, n in zip(batch.requests, batch.num_new_tokens):
@@ -196,7 +196,7 @@ class StepTrace:
                 i = int(req.request_id[1:])
                 self.first_scheduled.setdefault(i, call)
                 self.prefill_chunks[i] = self.prefill_chunks.get(i, 0) + 1
-        self._launch = (prompt, decodes) if batch.requests else None
+        self._launch = (prompt, decodes)
 
     def on_call(self, seconds: float) -> None:
         """A step() call has returned after `seconds`."""
@@ -250,22 +250,13 @@ class StepTrace:
 
 
 @contextmanager
-def recording_schedule(engine: LLMEngine, trace: StepTrace) -> Iterator[None]:
-    """Show every batch this engine's scheduler makes to `trace` (an instance attribute shadows the
-    method for the run; nothing in the engine changes)."""
-    sched = engine.scheduler
-    schedule = sched.schedule
-
-    def recorded() -> ScheduledBatch:
-        batch = schedule()
-        trace.on_schedule(batch)
-        return batch
-
-    setattr(sched, "schedule", recorded)  # noqa: B010 (mypy: a method cannot be assigned directly)
+def observing(engine: LLMEngine, observer: StepObserver) -> Iterator[None]:
+    """Make `observer` the engine's step observer for the block (the previous one is restored)."""
+    previous, engine.step_observer = engine.step_observer, observer
     try:
         yield
     finally:
-        delattr(sched, "schedule")
+        engine.step_observer = previous
 
 
 @dataclass
@@ -363,7 +354,7 @@ def drive(engine: LLMEngine, workload: Workload, *, batch_size: int | None = Non
     rel = _Releaser(reqs, batch_size, sessions, window=window, ramp=ramp)
     timings: list[RequestTiming | None] = [None] * len(reqs)
     trace = StepTrace(engine.async_scheduling)
-    hits0, queries0, pre0 = engine.blocks.prefix_hits, engine.blocks.prefix_queries, engine.scheduler.num_preemptions
+    counters0 = replace(engine.counters)
     peak, longest = 0, 0.0  # longest: hand-over to finish, the most any request took so far
     handed: dict[int, float] = {}
     start = time.perf_counter()
@@ -381,7 +372,7 @@ def drive(engine: LLMEngine, workload: Workload, *, batch_size: int | None = Non
                                params=SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
 
     send(rel.initial())
-    with tqdm(total=len(reqs), desc=desc, unit="req", leave=False) as bar, recording_schedule(engine, trace):
+    with tqdm(total=len(reqs), desc=desc, unit="req", leave=False) as bar, observing(engine, trace.on_step):
         while engine.has_unfinished_requests():
             before = time.perf_counter()
             outs = engine.step()
@@ -405,8 +396,9 @@ def drive(engine: LLMEngine, workload: Workload, *, batch_size: int | None = Non
     duration = time.perf_counter() - start
     sent = [i for i, t in enumerate(timings) if t is not None]
     return EngineRun([t for t in timings if t is not None], sent, duration, trace.calls, peak,
-                     engine.scheduler.num_preemptions - pre0, engine.blocks.prefix_hits - hits0,
-                     engine.blocks.prefix_queries - queries0, trace)
+                     engine.counters.preemptions - counters0.preemptions,
+                     engine.counters.prefix_cache_hits - counters0.prefix_cache_hits,
+                     engine.counters.prefix_cache_queries - counters0.prefix_cache_queries, trace)
 
 
 def offline_throughput(engine: LLMEngine, workload: Workload, desc: str = "offline") -> dict[str, Any]:

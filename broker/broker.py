@@ -819,7 +819,9 @@ class Broker:
         for f in msg.jobs:
             job = self._current(w, f.job_id, f.attempt)
             if job is not None:
-                self._finish(job, p.Done(f.job_id, f.finish_reason, f.stop_reason, f.usage, job.num_tokens))
+                queue_time = job.dispatched_at - job.created if job.dispatched_at is not None else None
+                self._finish(job, p.Done(f.job_id, f.finish_reason, f.stop_reason, f.usage, job.num_tokens,
+                                         queue_time))
 
     def _on_job_error(self, w: WorkerInfo, msg: p.JobError) -> None:
         job = self._current(w, msg.job_id, msg.attempt)
@@ -906,6 +908,8 @@ class Broker:
         job.state = JobState.RUNNING
         job.worker = w.ident
         job.dispatched_tokens = job.num_tokens
+        if job.dispatched_at is None:
+            job.dispatched_at = time.monotonic()
         w.jobs.add(job.job_id)
         w.dispatched += 1
         self.prefix.record(job.prefix_hashes, w.ident)

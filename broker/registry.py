@@ -66,7 +66,10 @@ class WorkerInfo:
                 "max_model_len": self.max_model_len, "max_prompt_chars": self.max_prompt_chars,
                 "running": self.load.running, "waiting": self.load.waiting,
                 "free_blocks": self.load.free_blocks, "cached_blocks": self.load.cached_blocks,
-                "dispatched": self.dispatched, "last_seen_ago": round(now - self.last_seen, 3)}
+                "dispatched": self.dispatched, "last_seen_ago": round(now - self.last_seen, 3),
+                # cumulative counters from the worker's heartbeat (the gateway's /health and /metrics)
+                "steps": self.load.steps, "prefix_queries": self.load.prefix_queries,
+                "prefix_hits": self.load.prefix_hits, "preemptions": self.load.preemptions}
 
 
 class PrefixIndex:

@@ -8,16 +8,12 @@ import logging
 import sys
 from typing import Any
 
-from tokenmill.worker.config import EngineConfig
+from tokenmill.cli.settings import CHAT, GENERATE, add_settings, build_config
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="embedded",
-                   help="HF folder, .gguf file, dummy shape name, or 'embedded' (SmolLM2-135M-Instruct)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "hf", "gguf", "dummy"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--broker", default=None, help="go through a tokenmill broker at this address")
+def _add_model_args(p: argparse.ArgumentParser, command: str) -> None:
+    add_settings(p, command)  # the engine's settings (cli/settings.py)
+    p.add_argument("--broker", default=None, help="go through a tokenmill broker (its frontend) at this address")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -33,14 +29,14 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def register(sub: Any) -> None:
     g = sub.add_parser("generate", help="complete raw text")
     g.add_argument("prompt")
-    _add_model_args(g)
+    _add_model_args(g, GENERATE)
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="answer through the model's chat template (interactive without PROMPT)")
     c.add_argument("prompt", nargs="?", default=None)
     c.add_argument("--system", default=None, help="system message")
-    _add_model_args(c)
+    _add_model_args(c, CHAT)
     _add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
 
@@ -60,10 +56,10 @@ def _params(args: argparse.Namespace) -> Any:
 def _engine(args: argparse.Namespace) -> Any:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tokenmill.worker.config import EngineConfig
     from tokenmill.worker.engine import LLMEngine
 
-    return LLMEngine(EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype,
-                                  device=args.device))
+    return LLMEngine(build_config(EngineConfig, args, args.command))
 
 
 def _print_stream(outputs: Any) -> int:

@@ -7,12 +7,17 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from tokenmill.cli.settings import SettingError, SettingsParser
+
 # Each module has `register(subparsers) -> None`; commands set `func(args) -> int` as their default.
-COMMAND_MODULES = ("tokenmill.cli.engine_cmds", "tokenmill.cli.serve", "tokenmill.cli.bench")
+COMMAND_MODULES = ("tokenmill.cli.engine_cmds", "tokenmill.cli.serve", "tokenmill.cli.gateway_cmds",
+                   "tokenmill.cli.bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference worker pool")
+    """Every command's parser is a SettingsParser: parsing resolves its settings (cli/settings.py) and raises
+    SettingError on a bad value in the environment or a config file."""
+    parser = SettingsParser(prog="tokenmill", description="LLM inference worker pool")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         try:
@@ -26,9 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
+    except SettingError as e:  # one line naming the variable, file key or flag; no traceback
+        print(f"tokenmill: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

@@ -85,7 +85,11 @@ class Usage:
 @dataclass(frozen=True)
 class StreamEvent:
     """New output of a job: `token_ids[0]` is output position `seq`. The last event of a stream has
-    `finish_reason` set (and usually no tokens)."""
+    `finish_reason` set (and usually no tokens).
+
+    With logprobs requested, `logprobs[i]` maps token ids to log-probabilities at output position seq + i
+    (sampled token first) and `token_bytes[i]` maps the same ids to the tokens' bytes (when the worker
+    sent them). The final event's `queue_time` is the seconds the job waited at the broker for a worker."""
 
     job_id: str
     seq: int
@@ -95,6 +99,8 @@ class StreamEvent:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     usage: Usage | None = None
+    token_bytes: list[dict[int, bytes]] | None = None
+    queue_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -139,8 +145,12 @@ class Assembly:
                 return None  # already seen
             ids, text = ids[skip:], ""  # a replay starting mid-chunk: its text cannot be split
             lps = lps[skip:] if lps is not None else None
-        logprobs = [{int(t): float(v) for t, v in pairs} for pairs in lps] if lps is not None else None
-        ev = StreamEvent(self.job_id, self.next_seq, list(ids), text, logprobs)
+        logprobs = token_bytes = None
+        if lps is not None:
+            logprobs = [{int(e[0]): float(e[1]) for e in pairs} for pairs in lps]
+            if lps and lps[0] and len(lps[0][0]) == 3:
+                token_bytes = [{int(e[0]): bytes(e[2]) for e in pairs if len(e) == 3} for pairs in lps]
+        ev = StreamEvent(self.job_id, self.next_seq, list(ids), text, logprobs, token_bytes=token_bytes)
         self.next_seq += len(ids)
         r = self.result
         r.token_ids.extend(ids)
@@ -153,7 +163,8 @@ class Assembly:
         usage = Usage(*d.usage)
         r = self.result
         r.finish_reason, r.stop_reason, r.usage = d.finish_reason, d.stop_reason, usage
-        return StreamEvent(self.job_id, self.next_seq, [], "", None, d.finish_reason, d.stop_reason, usage)
+        return StreamEvent(self.job_id, self.next_seq, [], "", None, d.finish_reason, d.stop_reason, usage,
+                           queue_time=d.queue_time)
 
 
 class RouterCore:

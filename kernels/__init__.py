@@ -2,27 +2,20 @@
 here: several modules share their launcher's name, and a package-level re-export would shadow the module
 for `import tokenmill.kernels.rmsnorm as m`):
 
-    tokenmill.kernels.paged_attention   paged_attention, paged_attention_ref, PagedAttentionConfig,
-                                        choose_num_splits
-    tokenmill.kernels.kv_cache          write_kv_cache, write_kv_cache_ref
-    tokenmill.kernels.rotary            rotary_embedding, rotary_and_cache (+ _ref), cos_sin_cache_from_inv_freq
+    tokenmill.kernels.paged_attention   paged_attention, PagedAttentionConfig, choose_num_splits
+    tokenmill.kernels.kv_cache          write_kv_cache
+    tokenmill.kernels.rotary            rotary_embedding, rotary_and_cache, cos_sin_cache_from_inv_freq
+    tokenmill.kernels.attention_ref     paged_attention_ref, write_kv_cache_ref, rotary_embedding_ref (plain
+                                        torch, no Triton; rotary_and_cache = the last two)
     tokenmill.kernels.rmsnorm           rmsnorm, add_rmsnorm (+ _ref)
     tokenmill.kernels.activation        silu_and_mul, silu_and_mul_ref
     tokenmill.kernels.gemv              skinny_matmul, add_rmsnorm_matmul, silu_mul_matmul (+ _ref), SkinnyConfig
 
-Each launcher checks shapes, dtypes, devices and strides (ValueError) and has a plain-torch `*_ref` twin.
-Importing this package does not import Triton (the optional `gpu` extra); the submodules do.
+    tokenmill.kernels.config            KernelConfig, configure (process-wide settings, e.g. PDL)
 
-On a machine without CUDA, Triton kernels can only run under the interpreter, which must be chosen before
-any `@triton.jit` function is decorated; so this package turns `TRITON_INTERPRET=1` on (unless the variable
-is already set) when CUDA is unavailable.
+Each launcher checks shapes, dtypes, devices and strides (ValueError) and has a plain-torch `*_ref` twin
+(those of the attention path in attention_ref.py, which the CPU worker runs).
+Importing this package (or `kernels.config`) imports neither torch nor Triton (the optional `gpu` extra) and
+changes nothing; the kernel modules do import them. On a machine without CUDA, the first kernel module
+imported turns Triton's interpreter on (kernels/launch.py, `choose_interpreter`).
 """
-
-from __future__ import annotations
-
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -14,12 +14,12 @@ activations' dtype. Above M = 16 tokens the weight is no longer the whole cost a
 (the launchers refuse). Launch shapes come from `default_config` (a rule on M, N, K; no autotuning at call
 time, which would break CUDA-graph capture) or a per-call `config=SkinnyConfig(...)`.
 
-Why: at batch 1 every projection of a decode step is a weight stream (Llama-3-8B bf16: 436 MB per layer;
-the H200's measured copy bandwidth is 4.27 TB/s). cuBLAS reaches 3.1-4.1 TB/s on these shapes and adds
-split-K reduce kernels; the norm and SwiGLU kernels in between add ~2 us each plus ~0.5 us of launch
-bubble. Here one kernel streams the weight and computes its input on the fly: 115 us per layer vs 129 us
-for cuBLAS + the separate kernels on the H200 (bench_gemv, M = 1); at M = 8 cuBLAS is faster on three of
-the four projections, so the model uses these kernels for 1-token steps only.
+Why: at batch 1 every projection of a decode step is a weight stream (Llama-3-8B bf16: 436 MB per layer).
+cuBLAS stays below the copy bandwidth on these shapes and adds split-K reduce kernels, and the norm and SwiGLU
+kernels in between add their own time and launch bubbles. Here one kernel streams the weight and computes its
+input on the fly, which beats cuBLAS + the separate kernels at M = 1 on the H200 (bench_gemv); at M = 8 cuBLAS
+is faster on three of the four projections, so the model uses these kernels for 1-token steps only (figures:
+benchmarks/results/h200/NOTES.md, "Figures behind the code's rules").
 
 Kernel structure (`_skinny_kernel`, one program per BLOCK_N output features, no split-K):
   * The grid is cdiv(N, BLOCK_N) programs; each walks the whole K range, so every weight byte is read exactly

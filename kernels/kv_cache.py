@@ -4,6 +4,7 @@ k, v        [T, Hkv, D]       (token/head strides free, last dim contiguous: vie
 k_cache,
 v_cache     [num_blocks, block_size, Hkv, D]
 slot_mapping [T] int64 (or int32): slot = block_id * block_size + offset; -1 = do not write
+Plain-torch reference: kernels/attention_ref.py (write_kv_cache_ref).
 """
 
 from __future__ import annotations
@@ -126,19 +127,3 @@ def write_kv_cache(
         BLOCK_SIZE=k_cache.shape[1], HEADS_PAD=heads_pad, DIM_PAD=dim_pad,
         num_warps=4 if heads_pad * dim_pad >= 2048 else 2, **pdl_launch_args(k.device),
     )  # fmt: skip
-
-
-def write_kv_cache_ref(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Plain-torch reference of write_kv_cache (in place on the caches)."""
-    block_size = k_cache.shape[1]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[keep]
-    v_cache[blocks, offsets] = v[keep]

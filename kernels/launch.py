@@ -11,13 +11,14 @@ Every kernel here that takes a `PDL` constexpr follows one protocol when it is s
   2. `pdl_release` (griddepcontrol.launch_dependents) comes after its last store: the next kernel is then
      launched while this one's last programs drain and its completion is processed, which hides most of the
      launch gap between two kernels of a captured decode step.
-Released at the end, not the start: on the H200 an early release let the next kernel's programs take SM
-slots while this one still ran, which spread them unevenly over the SMs and made bandwidth-bound kernels
-slower (batch-1 decode +0.1 ms per step; decode attention at batch 8-32 lost 20-30% of its bandwidth),
-and pulling the next weights into L2 before the wait made batch-1 decode 1.3-2.8 ms slower (L2 thrash).
+Released at the end, not the start: an early release lets the next kernel's programs take SM slots while
+this one still runs, which spreads them unevenly over the SMs and slows bandwidth-bound kernels; and pulling
+the next weights into L2 before the wait thrashes L2 (H200 measurements: benchmarks/results/h200/NOTES.md,
+"Programmatic dependent launch").
 Kernels launched without the attribute (cuBLAS, torch) wait for full completion as usual, and the two
 griddepcontrol instructions are no-ops when a kernel was launched without it. Inside CUDA graphs the launch
-attribute becomes a programmatic edge, so captured decode steps keep the overlap.
+attribute becomes a programmatic edge, so captured decode steps keep the overlap. PDL is on unless the
+process's KernelConfig (kernels/config.py) turns it off.
 """
 
 from __future__ import annotations
@@ -30,6 +31,27 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from .config import current as _kernel_config
+from .config import on_configure as _on_configure
+
+
+def choose_interpreter() -> bool:
+    """Whether Triton interprets the kernels (on the CPU) instead of compiling them; turns the interpreter
+    on when this machine has no CUDA device and TRITON_INTERPRET does not decide (TRITON_INTERPRET=0 keeps
+    compiled kernels, e.g. to build them for a GPU target on a CPU-only machine).
+
+    Triton makes this choice for each function when `@triton.jit` decorates it, so it has to be made before
+    the first decoration. It is made here, at the top of the module every kernel module imports before its
+    own kernels, rather than by a start-up call of the engine: tests, benchmarks and library code import
+    kernel modules directly, and on a CPU-only machine a compiled kernel only fails at its first launch.
+    It sets Triton's own knob, which Triton mirrors into TRITON_INTERPRET (child processes agree)."""
+    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+        triton.knobs.runtime.interpret = True
+    return bool(triton.knobs.runtime.interpret)
+
+
+INTERPRET = choose_interpreter()  # before the @triton.jit functions below and in every kernel module
 
 
 def next_pow2(x: int) -> int:
@@ -59,7 +81,7 @@ def l2_bytes(device: torch.device) -> int:
 def shared_memory_per_program(device: torch.device) -> int:
     """The most shared memory one program may use on a CUDA device (opt-in limit: 227 KB on Hopper, 163 KB on
     A100); 0 under the interpreter and when torch does not report it, so launchers keep their small defaults."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if device.type != "cuda" or INTERPRET:
         return 0
     return int(getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0))
 
@@ -67,13 +89,13 @@ def shared_memory_per_program(device: torch.device) -> int:
 @functools.lru_cache(maxsize=16)
 def pdl_enabled(device: torch.device) -> bool:
     """Whether launchers on `device` use programmatic dependent launch: CUDA compute capability >= 9.0, not
-    under the Triton interpreter, and TOKENMILL_PDL not set to 0 (A/B measurements, or a driver that
-    misbehaves with it)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return False
-    if os.environ.get("TOKENMILL_PDL", "1") == "0":
+    under the Triton interpreter, and KernelConfig.pdl (cached per device; `configure` clears the cache)."""
+    if device.type != "cuda" or INTERPRET or not _kernel_config().pdl:
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+_on_configure(pdl_enabled.cache_clear)
 
 
 def pdl_launch_args(device: torch.device) -> dict[str, Any]:

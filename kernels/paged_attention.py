@@ -1,6 +1,6 @@
 """Paged attention over block tables for a flattened varlen batch (decode, prefill chunks, mixed).
 
-Layout (see worker/attention/backend.py):
+Layout (see worker/attention/backend.py; plain-torch reference: kernels/attention_ref.py):
     q            [T, Hq, D]                       the step's queries, rows of request i are
                                                   query_start_loc[i]:query_start_loc[i+1]
     k_cache,
@@ -36,8 +36,8 @@ Kernel structure (one kernel + an optional reduce kernel):
   * Decode batches may fold the step's rotary embedding and KV-cache write in (FUSE_ROPE, `rope=DecodeRope`):
     every program rotates its q rows on load; the one program per (request, kv head) whose segment holds the
     token's own key rotates k and stores k and v into the cache before walking its keys (a CTA barrier makes
-    the stores visible to its loads). This replaces the rotary kernel of a decode step (H200: -0.05 ms per
-    batch-1 Llama-3-8B step).
+    the stores visible to its loads). This replaces the rotary kernel of a decode step (one launch fewer per
+    layer; the H200 figure is in benchmarks/results/h200/NOTES.md, "Figures behind the code's rules").
   * Programmatic dependent launch on Hopper (kernels/launch.py): both kernels wait on the previous kernel
     before their first load and release the next one after their last store.
 """
@@ -45,9 +45,9 @@ Kernel structure (one kernel + an optional reduce kernel):
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -103,22 +103,20 @@ class PagedAttentionConfig:
 
 # Defaults (tunable with benchmarks/gpu_kernels.py). Decode tiles are small (one token x its group);
 # prefill tiles are FlashAttention-sized.
-# decode: best geo-mean of 10 configs on the H200 (B=1 ctx=32k, B=32 ctx=4k, B=128 ctx=4k; gpu_kernels.md); three
-# stages lost 25-30% of the bandwidth at batch 8-32. (On sm_90 two stages compile without async copies: 22 KB of
-# shared memory per program, so registers, not shared memory, bound the programs per SM.)
+# Measured figures behind these choices: benchmarks/results/h200/NOTES.md ("Figures behind the code's rules").
+# decode: the best geo-mean of the configs measured on the H200 over batch 1-128 (gpu_kernels.md); three stages
+# lose bandwidth at batch 8-32. (On sm_90 two stages compile without async copies: 22 KB of shared memory per
+# program, so registers, not shared memory, bound the programs per SM.)
 DECODE_CONFIG = PagedAttentionConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
 # prefill: best of 9 configs on the H200 at 4k tokens (benchmarks/results/h200/gpu_kernels.md)
 PREFILL_CONFIG = PagedAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
-# long query runs: 64 tokens x 4 heads per tile halves the K/V reads per FLOP. H200, one causal sequence, heaviest
-# tiles of all heads first (benchmarks/results/h200/NOTES.md): 381 / 414 / 430 TFLOP/s at 4k / 8k / 16k tokens vs
-# PREFILL_CONFIG's 354 / 386 / 402 (in head-major order the 256-row tile's last wave was long at 4k: 317).
+# long query runs: 64 tokens x 4 heads per tile halves the K/V reads per FLOP; faster than PREFILL_CONFIG from 4k
+# tokens per sequence (with the heaviest tiles of all heads first: in head-major order its last wave is long).
 LONG_PREFILL_CONFIG = PagedAttentionConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
 # Deeper pipelines where the shared memory allows (Hopper: 227 KB per program). With the block-table load in front
 # of each K/V load, Triton 3.6 keeps K/V two iterations ahead (three buffers) only from num_stages 5; at 3 or 4 it
-# waits for every outstanding copy at the top of each iteration, so each step's load latency is exposed. H200, one
-# causal sequence, TFLOP/s at 4k / 8k / 16k: (256, 64, 16 warps, 5) 416-419 / 445-450 / 457-466 vs
-# LONG_PREFILL_CONFIG's 381-383 / 411-412 / 429-430; (128, 128, 8, 5) 348-350 / 390-392 / 413-415 vs 349-350 /
-# 382 / 399, and a 2,048-token chunk after an 8k prefix 611-615 vs 643-646 us (NOTES.md).
+# waits for every outstanding copy at the top of each iteration, so each step's load latency is exposed. Both deep
+# variants beat their shallow tiles on the H200 from 2k-token chunks to 16k-token sequences.
 PREFILL_CONFIG_DEEP = PagedAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=5)
 LONG_PREFILL_CONFIG_DEEP = PagedAttentionConfig(block_m=256, block_n=64, num_warps=16, num_stages=5)
 
@@ -174,13 +172,13 @@ def default_config(
 
 # Split heuristic knobs: at most this many programs per SM (the most decode programs that ran in one wave on the
 # H200), never give a split fewer keys than _MIN_KEYS_PER_SPLIT, never more than _MAX_SPLITS splits.
-# One wave, rounded down: on the H200 batch 8 at 32k keys ran at 100% of the copy bandwidth with 8 splits (512
-# programs) and at 76% with 9 (576 programs: a second wave of long programs); batch 1 at 32k was best at 64.
+# One wave, rounded down: a second wave of long programs costs a large share of the bandwidth; batch 1 at 32k keys
+# was best at 64 splits (NOTES.md, "Figures behind the code's rules").
 _PROGRAMS_PER_SM = 4
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 64
 # The reduce kernel splits head_dim into chunks while it has fewer programs than _REDUCE_PROGRAMS_PER_SM per SM
-# (batch 1: 32 heads -> 256 programs of 16 dims). H200, batch 1 at 32k keys: 39.8-40.2 us vs 40.2-40.7 unchunked.
+# (batch 1: 32 heads -> 256 programs of 16 dims); slightly faster than unchunked at batch 1 on the H200.
 _REDUCE_PROGRAMS_PER_SM = 2
 
 
@@ -272,8 +270,7 @@ def choose_heads_per_group(num_kv_heads: int, kv_bytes_per_head: int, l2_bytes: 
     return hg
 
 
-@triton.jit
-def _paged_attn_kernel(
+def _paged_attn_fn(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     v_cache_ptr,
@@ -330,9 +327,9 @@ def _paged_attn_kernel(
     # Prefill: axis 0 enumerates (kv head, tile slot) in groups of `heads_per_group` kv heads, group-major and
     # inside a group slot-major with the head fastest; slots run in reverse, heaviest (longest-context) tiles
     # first, so the causal tail of the last wave is short; the group bounds how many heads' K/V the programs in
-    # flight share in L2 (H200, one causal 4k sequence: 317 -> 381 TFLOP/s, 256-row tiles).
-    if ONE_TILE_PER_SEQ:  # grid (slots, kv heads, splits), head-major: with a flat axis 0 decode took 145 registers
-        # instead of 114 on sm_90 (3 programs per SM instead of 4: batch 128 at 4k keys 5% slower on the H200)
+    # flight share in L2 (much faster than head-major at 4k on the H200: NOTES.md).
+    if ONE_TILE_PER_SEQ:  # grid (slots, kv heads, splits), head-major: with a flat axis 0 decode takes more
+        # registers on sm_90 (3 programs per SM instead of 4: slower at batch 128)
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
     else:  # grid (slots x kv heads, 1, splits)
@@ -382,8 +379,8 @@ def _paged_attn_kernel(
         seg_hi = kv_hi
     else:
         # Segments are whole BLOCK_N multiples and no longer: a floor of 256 keys per segment (so that a
-        # short context in a graph sized for max_model_len used fewer splits) made batch-1 decode at ~200
-        # tokens slower on the H200 (8.8 us vs 5.2 + 1.6 us reduce): one program then walks all keys.
+        # short context in a graph sized for max_model_len used fewer splits) made batch-1 decode of short
+        # contexts slower, since one program then walks all keys.
         seg = tl.cdiv(tl.cdiv(kv_hi - kv_lo, num_splits), BLOCK_N) * BLOCK_N
         seg_lo = kv_lo + split * seg
         seg_hi = tl.minimum(kv_hi, seg_lo + seg)
@@ -465,8 +462,7 @@ def _paged_attn_kernel(
     pdl_release(PDL)
 
 
-@triton.jit
-def _reduce_splits_kernel(
+def _reduce_splits_fn(
     part_acc_ptr,  # [T, Hq, num_splits, D] fp32
     part_m_ptr,  # [T, Hq, num_splits] fp32
     part_l_ptr,  # [T, Hq, num_splits] fp32
@@ -499,6 +495,18 @@ def _reduce_splits_kernel(
     o = tl.sum(acc * w[:, None], 0) / denom  # [BLOCK_D]
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
     pdl_release(PDL)
+
+
+# Two compiled families of each kernel. Decode-only batches (one query token per request: CUDA-graph captured, every
+# shape fixed at capture) keep Triton's specialization on integer values (== 1, divisible by 16). Batches with
+# prompt tokens launch eagerly between graph pieces with per-step ints (batch size, head grouping, split count,
+# block-table width) that would otherwise pick a new variant per value class, compiled while serving: those ints
+# are not specialized on.
+_PER_STEP_INTS = ["num_seqs", "heads_per_group", "num_splits", "window", "stride_bt"]
+_paged_attn_kernel = triton.jit(_paged_attn_fn)
+_paged_attn_kernel_dyn = triton.jit(do_not_specialize=_PER_STEP_INTS)(_paged_attn_fn)
+_reduce_splits_kernel = triton.jit(_reduce_splits_fn)
+_reduce_splits_kernel_dyn = triton.jit(do_not_specialize=["num_splits"])(_reduce_splits_fn)
 
 
 def _check_int_tensor(name: str, t: torch.Tensor, ndim: int, device: torch.device) -> None:
@@ -588,24 +596,144 @@ def paged_attention(
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
     else:
-        if out.shape != q.shape or out.dtype != q.dtype or out.device != device:
-            raise ValueError(
-                f"out must be {tuple(q.shape)} {q.dtype} on {device}, got "
-                f"{tuple(out.shape)} {out.dtype} on {out.device}"
-            )
-        if out.stride(-1) != 1:
-            raise ValueError(f"out must be contiguous in its last dim, got strides {out.stride()}")
+        _check_out(out, q)
     if num_tokens == 0 or num_seqs == 0:
         return out
-
-    group = num_q_heads // num_kv_heads
-    group_pad = _next_pow2(group)
     defaulted = config is None
+    plan = plan_paged_attention(q.shape, q.dtype, k_cache.shape, device, num_seqs, scale, max_query_len=max_query_len,
+                                max_seq_len=max_seq_len, sliding_window=sliding_window, num_splits=num_splits,
+                                config=config)  # fmt: skip
+    try:
+        plan.launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, rope)
+    except OutOfResources as exc:
+        if not defaulted or plan.config not in _SHALLOW_OF:
+            raise
+        _NO_DEEP_TILES.add(device)
+        _log.warning("paged_attention: %s does not fit %s (%s); using %s from now on", plan.config, device, exc,
+                     _SHALLOW_OF[plan.config])  # fmt: skip
+        return paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=max_query_len,
+            max_seq_len=max_seq_len, sliding_window=sliding_window, out=out, num_splits=num_splits, rope=rope,
+        )  # fmt: skip
+    return out
+
+
+def _check_out(out: torch.Tensor, q: torch.Tensor) -> None:
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(
+            f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got "
+            f"{tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    if out.stride(-1) != 1:
+        raise ValueError(f"out must be contiguous in its last dim, got strides {out.stride()}")
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """The launch decisions of one paged_attention call, made from host ints only (shapes, the batch's
+    upper bounds), so that the layers of one step can share them: `launch` per layer then does no more
+    host work than the kernel launches. Built by plan_paged_attention."""
+
+    config: PagedAttentionConfig
+    block_m: int
+    block_q: int
+    one_tile: bool
+    num_splits: int
+    heads_per_group: int
+    grid: tuple[int, int, int]
+    num_seqs: int
+    qk_scale: float  # scale * log2(e)
+    window: int  # 0: none
+    part: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # split partials acc, m, l (or 1-element dummies)
+    pdl: dict[str, Any]
+    reduce_grid: tuple[int, int, int]
+    reduce_block_d: int
+    dynamic: bool  # batches with prompt tokens: the kernels without per-step int specialization
+    # the compiled attention and reduce variants, set by the first launch (see launch)
+    _compiled: list[Any] = field(default_factory=lambda: [None, None], repr=False, compare=False)
+
+    def launch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor,
+               rope: DecodeRope | None = None) -> None:
+        """Attention of q [T, Hq, D] into out [T, Hq, D], T and the caches' shapes as planned (callers of a
+        shared plan guarantee it; paged_attention checks every argument before it plans).
+
+        The first launch goes through Triton's JIT, which picks the compiled variant for the arguments' types and
+        alignments; later launches of the same plan reuse that variant directly, which is what makes one plan
+        per step cheap for all layers. So every launch of one plan must pass tensors of the same dtypes and
+        16-byte alignment as the first (one step's layers do: the same buffers, caches of one shape)."""
+        _, num_q_heads, head_dim = q.shape
+        group = num_q_heads // k_cache.shape[2]
+        part_acc, part_m, part_l = self.part
+        kn, vn, cs, pos, slots = rope if rope is not None else (q, q, q[0], seq_lens, seq_lens)  # unused if no rope
+        cfg = self.config
+        args: tuple[Any, ...] = (
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_m, part_l,
+            kn, vn, cs, pos, slots,
+            self.num_seqs, self.heads_per_group, self.num_splits, num_q_heads, self.qk_scale, self.window,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1),
+            kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cs.stride(0),
+        )  # fmt: skip
+        constexprs = dict(
+            GROUP=group, GROUP_PAD=_next_pow2(group), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+            BLOCK_M=self.block_m, BLOCK_Q=self.block_q, BLOCK_N=cfg.block_n, SPLIT=self.num_splits > 1,
+            ONE_TILE_PER_SEQ=self.one_tile, USE_WINDOW=self.window > 0,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FUSE_ROPE=rope is not None,
+            PDL=self.pdl["PDL"],
+        )  # fmt: skip
+        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                   **{k: v for k, v in self.pdl.items() if k != "PDL"}}
+        kernels = (_paged_attn_kernel_dyn, _reduce_splits_kernel_dyn) if self.dynamic else \
+            (_paged_attn_kernel, _reduce_splits_kernel)
+        self._compiled[0] = _run(kernels[0], self._compiled[0], self.grid, args, constexprs, options)
+        if self.num_splits > 1:
+            splits_pad = max(8, _next_pow2(self.num_splits))
+            args = (part_acc, part_m, part_l, out, num_q_heads, self.num_splits, out.stride(0), out.stride(1))
+            constexprs = dict(SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, BLOCK_D=self.reduce_block_d,
+                              PDL=self.pdl["PDL"])
+            options["num_warps"] = 4 if self.reduce_block_d * splits_pad >= 4096 else 2
+            options.pop("num_stages")
+            self._compiled[1] = _run(kernels[1], self._compiled[1], self.reduce_grid, args, constexprs,
+                                     options)
+
+
+def _run(kernel: Any, compiled: Any, grid: tuple[int, int, int], args: tuple[Any, ...], constexprs: dict[str, Any],
+         options: dict[str, Any]) -> Any:
+    """Launch `kernel` through the JIT (compiled is None) or `compiled`, the variant an earlier launch of the same
+    plan returned (its launcher takes every parameter in signature order, constexprs included). Returns the
+    compiled variant for the next launch."""
+    if compiled is None:
+        return kernel[grid](*args, **constexprs, **options)
+    compiled[grid](*args, *constexprs.values())
+    return compiled
+
+
+def plan_paged_attention(
+    q_shape: Sequence[int],
+    dtype: torch.dtype,
+    cache_shape: Sequence[int],
+    device: torch.device,
+    num_seqs: int,
+    scale: float,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    config: PagedAttentionConfig | None = None,
+) -> AttentionPlan:
+    """Launch decisions for q of `q_shape` [T, Hq, D] against caches of `cache_shape` [blocks, block_size,
+    Hkv, D] over `num_seqs` requests (T, num_seqs >= 1). Arguments as paged_attention's, unchecked."""
+    num_tokens, num_q_heads, head_dim = q_shape
+    num_kv_heads = cache_shape[2]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    group_pad = _next_pow2(num_q_heads // num_kv_heads)
     if config is None:
         shared_limit = 0 if device in _NO_DEEP_TILES else _shared_limit(device)
-        config = default_config(
-            max_query_len, num_tokens, num_seqs, group_pad, q.element_size(), head_dim, shared_limit
-        )
+        config = default_config(max_query_len, num_tokens, num_seqs, group_pad, itemsize, head_dim, shared_limit)
     block_m = max(config.block_m, group_pad)
     block_q = block_m // group_pad
     one_tile = max_query_len <= block_q
@@ -624,93 +752,17 @@ def paged_attention(
     else:  # unused by the kernel; any fp32 tensor keeps the signature uniform
         part_acc = part_m = part_l = torch.empty((1,), dtype=torch.float32, device=device)
 
-    kv_bytes_per_head = kv_span * head_dim * 2 * q.element_size()  # K + V of the longest request
+    kv_bytes_per_head = kv_span * head_dim * 2 * itemsize  # K + V of the longest request
     heads_per_group = choose_heads_per_group(num_kv_heads, kv_bytes_per_head, _l2_bytes(device), one_tile)
     grid = (num_tile_slots, num_kv_heads, num_splits) if one_tile else (num_tile_slots * num_kv_heads, 1, num_splits)
-    pdl = pdl_launch_args(device)
-    kn, vn, cs, pos, slots = rope if rope is not None else (q, q, q[0], seq_lens, seq_lens)  # unused if no rope
-    try:
-        _paged_attn_kernel[grid](
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_m, part_l,
-            kn, vn, cs, pos, slots,
-            num_seqs, heads_per_group, num_splits, num_q_heads, float(scale) * _LOG2E, int(sliding_window or 0),
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_tables.stride(0), out.stride(0), out.stride(1),
-            kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cs.stride(0),
-            GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-            BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=num_splits > 1,
-            ONE_TILE_PER_SEQ=one_tile, USE_WINDOW=sliding_window is not None,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FUSE_ROPE=rope is not None,
-            num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
-        )  # fmt: skip
-    except OutOfResources as exc:
-        if not defaulted or config not in _SHALLOW_OF:
-            raise
-        _NO_DEEP_TILES.add(device)
-        _log.warning("paged_attention: %s does not fit %s (%s); using %s from now on", config, device, exc,
-                     _SHALLOW_OF[config])  # fmt: skip
-        return paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=max_query_len,
-            max_seq_len=max_seq_len, sliding_window=sliding_window, out=out, num_splits=num_splits, rope=rope,
-        )  # fmt: skip
-    if num_splits > 1:
-        splits_pad = max(8, _next_pow2(num_splits))
-        rows = num_tokens * num_q_heads
-        d_chunks = min(head_dim // 16, _next_pow2(_REDUCE_PROGRAMS_PER_SM * _num_sms(device) // rows + 1) // 2)
-        d_chunks = max(1, d_chunks)  # a power of two dividing head_dim
-        block_d = head_dim // d_chunks
-        _reduce_splits_kernel[(num_tokens, num_q_heads, d_chunks)](
-            part_acc, part_m, part_l, out, num_q_heads, num_splits, out.stride(0), out.stride(1),
-            SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            num_warps=4 if block_d * splits_pad >= 4096 else 2, **pdl,
-        )  # fmt: skip
-    return out
+    rows = num_tokens * num_q_heads
+    d_chunks = min(head_dim // 16, _next_pow2(_REDUCE_PROGRAMS_PER_SM * _num_sms(device) // rows + 1) // 2)
+    d_chunks = max(1, d_chunks)  # a power of two dividing head_dim
+    return AttentionPlan(
+        config=config, block_m=block_m, block_q=block_q, one_tile=one_tile, num_splits=num_splits,
+        heads_per_group=heads_per_group, grid=grid, num_seqs=num_seqs, qk_scale=float(scale) * _LOG2E,
+        window=int(sliding_window or 0), part=(part_acc, part_m, part_l), pdl=pdl_launch_args(device),
+        reduce_grid=(num_tokens, num_q_heads, d_chunks), reduce_block_d=head_dim // d_chunks,
+        dynamic=max_query_len > 1,
+    )
 
-
-def paged_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    *,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
-    sliding_window: int | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Plain-torch reference (fp32 math, one request at a time; syncs with the host). Same semantics and
-    signature as `paged_attention`; max_query_len / max_seq_len are accepted and ignored."""
-    del max_query_len, max_seq_len
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    result = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    for i, seq_len in enumerate(lens):
-        q0, q1 = qsl[i], qsl[i + 1]
-        q_len = q1 - q0
-        if q_len == 0:
-            continue
-        n_blocks = math.ceil(seq_len / block_size)
-        blocks = block_tables[i, :n_blocks].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()  # [S, Hkv, D]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        k = k.repeat_interleave(group, dim=1)  # [S, Hq, D]
-        v = v.repeat_interleave(group, dim=1)
-        qi = q[q0:q1].float()  # [L, Hq, D]
-        scores = torch.einsum("lhd,shd->hls", qi, k) * scale  # [Hq, L, S]
-        qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]  # [L, 1]
-        kpos = torch.arange(seq_len, device=q.device)[None, :]  # [1, S]
-        visible = kpos <= qpos
-        if sliding_window is not None:
-            visible &= kpos > qpos - sliding_window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        result[q0:q1] = torch.einsum("hls,shd->lhd", probs, v).to(q.dtype)
-    return result

@@ -9,7 +9,7 @@ With x1 = x[..., :D/2], x2 = x[..., D/2:] the rotation is
 which is HF's `x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`.
 
 The fused `rotary_and_cache` reads q, k, v once and writes q, k (in place) and the rotated k and v into the
-cache, saving the separate cache-write pass over k and v.
+cache, saving the separate cache-write pass over k and v. Plain-torch references: kernels/attention_ref.py.
 """
 
 from __future__ import annotations
@@ -198,36 +198,3 @@ def rotary_and_cache(
     check_kv_cache_args(k, v, k_cache, v_cache, slot_mapping)
     _launch(q, k, v, cos_sin_cache, positions, k_cache, v_cache, slot_mapping, write_cache=True)
     return q, k
-
-
-def rotary_embedding_ref(
-    q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch reference (out of place, fp32 math, rounded once)."""
-    half = q.shape[-1] // 2
-    cs = cos_sin_cache[positions.long()].float()  # [T, D]
-    cos, sin = cs[:, None, :half], cs[:, None, half:]  # [T, 1, D/2]
-
-    def rot(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x[..., :half].float(), x[..., half:].float()
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-    return rot(q), rot(k)
-
-
-def rotary_and_cache_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of rotary_and_cache: returns new (q_rot, k_rot) and writes the caches in place."""
-    from .kv_cache import write_kv_cache_ref
-
-    q_rot, k_rot = rotary_embedding_ref(q, k, cos_sin_cache, positions)
-    write_kv_cache_ref(k_rot, v, k_cache, v_cache, slot_mapping)
-    return q_rot, k_rot

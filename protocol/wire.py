@@ -40,6 +40,7 @@ MAX_ID_LEN = 128  # job ids, owner tokens, worker names
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_ATTEMPT = 1 << 16
 MAX_MESSAGES = 4096  # chat turns in one request
+MAX_TOKEN_BYTES = 256  # bytes of one token in a logprobs entry
 # The roles a chat message may have (OpenAI's, plus Llama 3's "ipython" for tool output).
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "ipython"})
 
@@ -236,7 +237,8 @@ def _chat_messages(v: Any, name: str = "messages") -> list[dict[str, str]]:
 
 def _logprobs(v: Any, name: str, n_tokens: int) -> list[list[list[Any]]] | None:
     """Per token a list of [token_id, logprob] pairs (sampled token first); msgpack map keys must be
-    strings, so {id: logprob} travels as pairs."""
+    strings, so {id: logprob} travels as pairs. A worker may add each token's bytes as a third item,
+    [token_id, logprob, [byte, ...]], so that a client without the tokenizer can show the token."""
     if v is None:
         return None
     per_tok = _list(v, name)
@@ -244,12 +246,22 @@ def _logprobs(v: Any, name: str, n_tokens: int) -> list[list[list[Any]]] | None:
         raise _fail(f"{name}: {len(per_tok)} entries for {n_tokens} tokens")
     for pairs in per_tok:
         for p in _list(pairs, name, 64):
-            if not (isinstance(p, list) and len(p) == 2):
-                raise _fail(f"{name}: entries must be [token_id, logprob] pairs")
+            if not (isinstance(p, list) and len(p) in (2, 3)):
+                raise _fail(f"{name}: entries must be [token_id, logprob] or [token_id, logprob, bytes] items")
             _int(p[0], f"{name} token id", 0, MAX_TOKEN_ID)
             if type(p[1]) not in (int, float):
                 raise _fail(f"{name}: logprob must be a number")
+            if len(p) == 3:
+                _token_bytes(p[2], f"{name} token bytes")
     return per_tok
+
+
+def _token_bytes(v: Any, name: str) -> list[int]:
+    """A token's bytes as a list of ints (msgpack bin is not accepted on the wire)."""
+    b = _list(v, name, MAX_TOKEN_BYTES)
+    if not all(type(x) is int and 0 <= x <= 255 for x in b):
+        raise _fail(f"{name}: expected a list of byte values 0..255")
+    return b
 
 
 def _keys(d: dict[str, Any], name: str, required: Sequence[str], optional: Sequence[str] = ()) -> None:
@@ -563,7 +575,8 @@ def _finish_reason(v: Any) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Done(Message):
-    """A job finished normally; terminal. `num_tokens` = total output tokens (last seq + 1)."""
+    """A job finished normally; terminal. `num_tokens` = total output tokens (last seq + 1).
+    `queue_time`: seconds from the broker's accepting the job to its first dispatch (None: not known)."""
 
     CMD: ClassVar[Cmd] = Cmd.DONE
     job_id: str
@@ -571,17 +584,22 @@ class Done(Message):
     stop_reason: str | int | None
     usage: tuple[int, int, int]
     num_tokens: int
+    queue_time: float | None = None
 
     def to_wire(self) -> Any:
-        return {"job_id": self.job_id, "finish_reason": self.finish_reason, "stop_reason": self.stop_reason,
-                "usage": list(self.usage), "num_tokens": self.num_tokens}
+        d: dict[str, Any] = {"job_id": self.job_id, "finish_reason": self.finish_reason,
+                             "stop_reason": self.stop_reason, "usage": list(self.usage), "num_tokens": self.num_tokens}
+        if self.queue_time is not None:
+            d["queue_time"] = self.queue_time
+        return d
 
     @classmethod
     def from_wire(cls, obj: Any) -> Done:
         d = _map(obj, "done")
-        _keys(d, "done", ("job_id", "finish_reason", "stop_reason", "usage", "num_tokens"))
+        _keys(d, "done", ("job_id", "finish_reason", "stop_reason", "usage", "num_tokens"), ("queue_time",))
         return cls(_ident(d["job_id"], "job_id"), _finish_reason(d["finish_reason"]),
-                   _stop_reason(d["stop_reason"]), _usage(d["usage"]), _int(d["num_tokens"], "num_tokens"))
+                   _stop_reason(d["stop_reason"]), _usage(d["usage"]), _int(d["num_tokens"], "num_tokens"),
+                   _opt_float(d.get("queue_time"), "queue_time", 0.0, 1e7))
 
 
 @dataclass(frozen=True, slots=True)
@@ -700,21 +718,33 @@ class Ready(Message):
 
 @dataclass(frozen=True, slots=True)
 class WorkerHeartbeat(Message):
-    """Worker liveness plus its engine's load, sent by the worker's IO thread every interval."""
+    """Worker liveness plus its engine's load, sent by the worker's IO thread every interval.
+
+    The last four fields are cumulative counters since the worker started: engine steps run (a hung
+    engine loop stops advancing it while the IO thread keeps beating), prefix-cache lookups and hits
+    (full prompt blocks) and preemptions. On the wire: 4 items (load only, counters 0) or 8."""
 
     CMD: ClassVar[Cmd] = Cmd.W_HEARTBEAT
     running: int = 0
     waiting: int = 0
     free_blocks: int = 0
     cached_blocks: int = 0
+    steps: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0
 
     def to_wire(self) -> Any:
-        return [self.running, self.waiting, self.free_blocks, self.cached_blocks]
+        return [self.running, self.waiting, self.free_blocks, self.cached_blocks, self.steps,
+                self.prefix_queries, self.prefix_hits, self.preemptions]
 
     @classmethod
     def from_wire(cls, obj: Any) -> WorkerHeartbeat:
-        r, w, f, c = _tuple(obj, "heartbeat", 4)
-        return cls(_int(r, "running"), _int(w, "waiting"), _int(f, "free_blocks"), _int(c, "cached_blocks"))
+        if not (isinstance(obj, list) and len(obj) in (4, 8)):
+            raise _fail("heartbeat: expected an array of 4 or 8 items")
+        names = ("running", "waiting", "free_blocks", "cached_blocks", "steps", "prefix_queries", "prefix_hits",
+                 "preemptions")
+        return cls(*(_int(v, n) for v, n in zip(obj, names)))
 
 
 class TokenChunk(NamedTuple):

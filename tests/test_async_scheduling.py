@@ -2,7 +2,7 @@
 outputs as the synchronous engine: greedy and seeded random tokens, texts, finish reasons, logprobs and
 usage, over mixed batches with chunked prefill, stop strings, stop ids, EOS, max_tokens, aborts in
 flight, preemption under a tiny KV budget and prefix-cache hits. A token computed for a request that had
-already finished is never emitted, no block hash ever covers a placeholder, and every block comes back.
+already finished is never emitted, no block hash ever covers a token in flight, and every block comes back.
 
 The scheduler alone is also driven one step ahead by a fake model over random workloads."""
 
@@ -24,7 +24,7 @@ from tokenmill.worker.block_manager import ROOT_HASH, hash_block
 from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.outputs import RequestOutput
-from tokenmill.worker.request import PLACEHOLDER, Request
+from tokenmill.worker.request import Request
 from tokenmill.worker.scheduler import ScheduledBatch, Scheduler
 from tokenmill.worker.transfer import HostCopy, ship
 
@@ -61,11 +61,13 @@ def prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
 
 
 def audit_hashes(engine: LLMEngine) -> None:
-    """Every request's block hashes are the hash chain of its known tokens: none covers a placeholder."""
+    """Every request's block hashes are the hash chain of its known tokens: none covers a token in flight."""
     bs = engine.blocks.block_size
+    vocab = engine.runner.arch.vocab_size
     for req in engine.scheduler.running + engine.scheduler.waiting:
-        known = req.token_ids[: req.num_known_tokens]
-        assert PLACEHOLDER not in known, f"{req.request_id}: a placeholder before a real token"
+        known = req.token_ids
+        assert all(0 <= t < vocab for t in known), f"{req.request_id}: a token that is no vocabulary id"
+        assert len(known) + req.num_inflight == req.num_tokens and 0 <= req.num_inflight <= 2
         assert len(req.block_hashes) <= len(known) // bs
         parent = ROOT_HASH
         for i, h in enumerate(req.block_hashes):
@@ -115,7 +117,7 @@ def summarize(deltas: list[RequestOutput]) -> Result:
         logprobs += d.logprobs or []
     last = deltas[-1]
     assert last.usage is not None and last.usage.completion_tokens == len(tokens)
-    assert PLACEHOLDER not in tokens
+    assert all(t >= 0 for t in tokens)
     return Result(tokens, "".join(d.text_delta for d in deltas), last.finish_reason, last.stop_reason,
                   last.usage.completion_tokens, logprobs)
 
@@ -196,8 +198,8 @@ def test_seeded_random_sampling_with_penalties_is_identical(hf_path: Path) -> No
 
 
 def test_penalties_see_the_token_still_in_flight() -> None:
-    """Strong penalties make the next token depend on the previous one, which is a placeholder on the
-    host when the next step is prepared: the runner must fill it in on the device."""
+    """Strong penalties make the next token depend on the previous one, which is still in flight (not on
+    the host) when the next step is prepared: the runner must fill it in on the device."""
     kinds = [dict(frequency_penalty=2.0, presence_penalty=2.0), dict(frequency_penalty=-2.0),
              dict(repetition_penalty=5.0), dict(repetition_penalty=0.2)]
     jobs = [(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
@@ -269,7 +271,7 @@ def test_preemption_under_a_tiny_kv_budget_is_identical(which: str, hf_path: Pat
 
 def test_prefix_cache_hits_on_output_blocks_are_identical(hf_path: Path) -> None:
     """The second prompt is the first's prompt and output: its cached blocks hold output tokens,
-    which were placeholders while their steps ran."""
+    which were in flight while their steps ran."""
     first = prompts(384, 8, seed=6)[6]  # 70 tokens
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     got = []
@@ -316,7 +318,7 @@ def test_cuda_graphs_async_matches_sync(hf_path: Path) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_launch_never_waits_for_the_device(hf_path: Path) -> None:
-    """Preparing and launching a step (inputs, placeholder gathers, penalties, sampling, the copy back)
+    """Preparing and launching a step (inputs, in-flight gathers, penalties, sampling, the copy back)
     makes no synchronizing CUDA call: the host is free to prepare the next step meanwhile."""
     engine = make_engine(str(hf_path), True, device="cuda", dtype="bfloat16",
                          cache=CacheConfig(enable_prefix_caching=False),  # the second run repeats the shapes
@@ -344,21 +346,23 @@ def test_cuda_launch_never_waits_for_the_device(hf_path: Path) -> None:
 
 
 class AheadModel(FakeModel):
-    """FakeModel for a batch launched before the previous step's tokens are known: a placeholder input
+    """FakeModel for a batch launched before the previous step's tokens are known: an input in flight
     reads the token the previous step sampled for it (as the runner reads it on the device)."""
 
     def execute_ahead(self, batch: ScheduledBatch, prev: dict[Request, int]) -> list[int | None]:
         saved = []
         for req in batch.requests:
-            if req.num_placeholders:
-                assert req.num_placeholders == 1 and req in prev, f"{req.request_id}: unknown placeholder"
+            if req.num_inflight:
+                assert req.num_inflight == 1 and req in prev, f"{req.request_id}: an unknown token in flight"
                 saved.append(req)
-                req.token_ids[-1] = prev[req]
+                req.token_ids.append(prev[req])
+                req.num_inflight -= 1
         try:
             return self.execute(batch)
         finally:
             for req in saved:
-                req.token_ids[-1] = PLACEHOLDER
+                req.token_ids.pop()
+                req.num_inflight += 1
 
 
 def drive_ahead(sched: Scheduler, w: Workload) -> list[Request]:
@@ -367,7 +371,7 @@ def drive_ahead(sched: Scheduler, w: Workload) -> list[Request]:
             for i, s in enumerate(w.specs)]
     model = AheadModel(sched.blocks)
     order = sorted(range(len(w.specs)), key=lambda i: w.specs[i].arrival)
-    inflight: deque[tuple[ScheduledBatch, list[int | None], list[int | None]]] = deque()
+    inflight: deque[tuple[ScheduledBatch, list[int | None]]] = deque()
     arrived = step = 0
     while arrived < len(order) or sched.has_unfinished() or inflight:
         while arrived < len(order) and w.specs[order[arrived]].arrival <= step:
@@ -377,12 +381,13 @@ def drive_ahead(sched: Scheduler, w: Workload) -> list[Request]:
         for s, r in zip(w.specs, reqs):
             if s.abort_at == step and r.arrival_seq >= 0 and not r.is_finished:
                 sched.finish(r, "abort")
-                assert not r.block_ids and PLACEHOLDER not in r.token_ids
+                assert not r.block_ids and not r.num_inflight
         batch = sched.schedule()
         if batch.requests:
-            prev = dict(zip(inflight[-1][0].requests, inflight[-1][2])) if inflight else {}
+            prev = dict(zip(inflight[-1][0].requests, inflight[-1][1])) if inflight else {}
             sampled = model.execute_ahead(batch, {r: t for r, t in prev.items() if t is not None})
-            inflight.append((batch, sched.begin_step(batch), sampled))
+            sched.begin_step(batch)
+            inflight.append((batch, sampled))
         while len(inflight) > (1 if batch.requests else 0):
             sched.commit(*inflight.popleft())
         check_state(sched)
@@ -399,7 +404,7 @@ def test_scheduler_one_step_ahead_matches_reference(w: Workload) -> None:
     assert not sched.has_unfinished() and sched.blocks.num_in_use == 0
     sched.blocks.check_integrity()
     for s, r in zip(w.specs, reqs):
-        assert r.is_finished and PLACEHOLDER not in r.token_ids
+        assert r.is_finished and not r.num_inflight
         expect = reference(s, w.max_model_len)
         if r.finish_reason in ("error", "abort"):
             assert r.output_token_ids == expect[0][: r.num_output_tokens]
@@ -412,12 +417,13 @@ def test_length_bound_request_is_not_scheduled_for_a_token_it_would_discard() ->
     req = Request("r", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), seed=0, arrival_seq=0)
     sched.add(req)
     batches = []
-    inflight: deque[tuple[ScheduledBatch, list[int | None], list[int | None]]] = deque()
+    inflight: deque[tuple[ScheduledBatch, list[int | None]]] = deque()
     while sched.has_unfinished():
         batch = sched.schedule()
         batches.append(list(batch.num_new_tokens))
         if batch.requests:
-            inflight.append((batch, sched.begin_step(batch), [5]))
+            sched.begin_step(batch)
+            inflight.append((batch, [5]))
         while len(inflight) > (1 if batch.requests else 0):
             sched.commit(*inflight.popleft())
     assert batches == [[3], [1], []], "the second (last) token's step is never followed by a third"

@@ -1,4 +1,5 @@
-"""TorchRefBackend against torch's own scaled_dot_product_attention on dense per-request tensors."""
+"""TorchRefBackend (kernels/attention_ref.py) against torch's own scaled_dot_product_attention on dense
+per-request tensors, and its rotary embedding against HF's rotate_half formula."""
 
 from __future__ import annotations
 
@@ -8,11 +9,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.worker.attention.backend import AttentionMetadata
+from tokenmill.worker.attention.backend import AttentionLayer, AttentionMetadata
 from tokenmill.worker.attention.torch_ref import TorchRefBackend
 from tokenmill.worker.model_runner import attention_metadata
 
 HQ, HKV, D = 4, 2, 8
+NO_ROTATION = torch.cat((torch.ones(64, D // 2), torch.zeros(64, D // 2)), dim=-1)  # cos 1, sin 0
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: tuple[torch.Tensor, ...],
+           meta: AttentionMetadata, scale: float, window: int | None,
+           table: torch.Tensor = NO_ROTATION) -> torch.Tensor:
+    """TorchRefBackend.forward with the tokens at their positions (the last query_len of each context)."""
+    positions = [p for ql, sl in zip(meta.query_lens_cpu, meta.seq_lens_cpu) for p in range(sl - ql, sl)]
+    k_cache, v_cache = caches
+    return TorchRefBackend().forward(AttentionLayer(scale, window, table), q, k, v, torch.tensor(positions),
+                                     (k_cache, v_cache), meta)
 
 
 def build_meta(prefix_lens: list[int], query_lens: list[int], block_size: int) -> AttentionMetadata:
@@ -73,7 +85,7 @@ def test_ragged_batch_with_cached_prefix(window: int | None, block_size: int) ->
     new_k = torch.cat([k[p:] for k, p in zip(full_k, prefix_lens)])
     new_v = torch.cat([v[p:] for v, p in zip(full_v, prefix_lens)])
 
-    out = TorchRefBackend().forward(q, new_k, new_v, k_cache, v_cache, meta, 0.3, window)
+    out = attend(q, new_k, new_v, (k_cache, v_cache), meta, 0.3, window)
 
     start = 0
     for i, ql in enumerate(query_lens):
@@ -90,8 +102,8 @@ def test_sliding_window_changes_result() -> None:
     torch.manual_seed(1)
     meta = build_meta([0], [12], 4)
     q, k, v = torch.randn(12, HQ, D), torch.randn(12, HKV, D), torch.randn(12, HKV, D)
-    full = TorchRefBackend().forward(q, k, v, *empty_caches(5, 4), meta, 0.35, None)
-    windowed = TorchRefBackend().forward(q, k, v, *empty_caches(5, 4), meta, 0.35, 4)
+    full = attend(q, k, v, empty_caches(5, 4), meta, 0.35, None)
+    windowed = attend(q, k, v, empty_caches(5, 4), meta, 0.35, 4)
     torch.testing.assert_close(full[:4], windowed[:4])  # inside the window nothing is cut
     assert not torch.allclose(full[4:], windowed[4:])
 
@@ -111,7 +123,7 @@ def test_slot_minus_one_is_not_written() -> None:
     garbage_v[:3] = -100.0
     q = torch.randn(6, HQ, D)
 
-    out = TorchRefBackend().forward(q, garbage_k, garbage_v, k_cache, v_cache, meta, 0.35, None)
+    out = attend(q, garbage_k, garbage_v, (k_cache, v_cache), meta, 0.35, None)
 
     torch.testing.assert_close(out, sdpa_reference(q, k, v, None, 0.35), atol=1e-5, rtol=1e-5)
     assert k_cache.nan_to_num().abs().max() < 50 and v_cache.nan_to_num().abs().max() < 50
@@ -123,26 +135,34 @@ def test_output_keeps_query_dtype() -> None:
     q = torch.randn(3, HQ, D, dtype=torch.bfloat16)
     k = torch.randn(3, HKV, D, dtype=torch.bfloat16)
     caches = tuple(torch.zeros(2, 4, HKV, D, dtype=torch.bfloat16) for _ in range(2))
-    out = TorchRefBackend().forward(q, k, k, *caches, meta, 0.35, None)
+    out = attend(q, k, k, caches, meta, 0.35, None)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     expected = sdpa_reference(q.float(), k.float(), k.float(), None, 0.35)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
-def test_forward_rope_equals_rotary_then_forward() -> None:
-    # the fused entry point of the torch backend is exactly RotaryEmbedding followed by forward()
+def rotate_half_reference(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """HF Llama's apply_rotary_pos_emb: x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)."""
+    cos, sin = table[positions].unsqueeze(1).chunk(2, dim=-1)
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def test_forward_rotates_q_and_k_by_their_positions() -> None:
+    # a real rotary table (the model's layout); keys land in the cache rotated, queries attend rotated
     from tokenmill.worker.config import RopeScaling
     from tokenmill.worker.models.layers import RotaryEmbedding
 
     torch.manual_seed(3)
-    rope = RotaryEmbedding(8, 64, 10000.0, RopeScaling())
-    q, k, v = torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8)
-    positions = torch.tensor([5, 6, 7])
-    meta = attention_metadata([3], [8], [[0, 1]], [5, 6, 7], torch.device("cpu"))
-    caches_a = tuple(c.normal_() for c in empty_caches(2, 4))  # positions 0..4 are the cached prefix
-    caches_b = tuple(c.clone() for c in caches_a)
-    qr, kr = rope(positions, q, k)
-    want = TorchRefBackend().forward(qr, kr, v, *caches_a, meta, 0.3, None)
-    got = TorchRefBackend().forward_rope(q, k, v, *caches_b, meta, 0.3, None, rope.cos_sin_cache, positions)
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(caches_b[0], caches_a[0])
+    table = RotaryEmbedding(D, 64, 10000.0, RopeScaling()).cos_sin_cache
+    meta = build_meta([0], [8], 4)
+    q, k, v = torch.randn(8, HQ, D), torch.randn(8, HKV, D), torch.randn(8, HKV, D)
+    positions = torch.arange(8)
+    caches = empty_caches(2, 4)
+    out = attend(q, k, v, caches, meta, 0.3, None, table)
+    q_rot, k_rot = rotate_half_reference(q, table, positions), rotate_half_reference(k, table, positions)
+    torch.testing.assert_close(out, sdpa_reference(q_rot, k_rot, v, None, 0.3), atol=1e-5, rtol=1e-5)
+    table_ids = meta.block_tables[0]
+    torch.testing.assert_close(caches[0][int(table_ids[1]), 3], k_rot[7], atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(out, attend(q, k, v, empty_caches(2, 4), meta, 0.3, None))

@@ -23,6 +23,7 @@ from tokenmill.benchmarks.workloads import (
     shared_prefix_workload,
     sharegpt_workload,
 )
+from tokenmill.worker.engine import StepRecord
 from tokenmill.worker.registry_fetch import embedded_model_path
 from tokenmill.worker.scheduler import ScheduledBatch
 from tokenmill.worker.tokenizer import Tokenizer
@@ -174,7 +175,8 @@ def test_step_trace_counts_steps_to_first_token(async_scheduling: bool) -> None:
              _batch(("b0", 10, 10, 1)), _batch()]
     first = 3 if async_scheduling else 2  # the second chunk samples; async returns it one call later
     for k, b in enumerate(calls, 1):
-        trace.on_schedule(b)
+        if b.requests:  # the engine's step observer sees launched steps only
+            trace.on_step(StepRecord(b, 0.001))
         trace.on_call(0.01 * k)
         if k == first:
             trace.first_token[0] = k

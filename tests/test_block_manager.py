@@ -1,6 +1,6 @@
-"""The paged KV block manager: hypothesis state machine over allocate / compute / cache / fork / free /
-preempt / prefix lookup against a model of its pools, plus unit tests for hash chaining, fork sharing,
-LRU eviction and the hit counters. Torch-free.
+"""The paged KV block manager: hypothesis state machine over allocate / compute / cache / free / preempt /
+prefix lookup against a model of its pools, plus unit tests for hash chaining, block sharing by prefix
+hits, LRU eviction and the hit counters. Torch-free.
 
 The state machine also models KV *contents*: every slot a request computes is written with that
 request's token, a freshly allocated block is garbage (None), and a prefix hit must return blocks
@@ -78,25 +78,23 @@ def compute_all(bm: BlockManager, req: Request) -> None:
     bm.cache_computed_blocks(req)
 
 
-def test_fork_shares_full_computed_blocks_with_refcounts() -> None:
+def test_prefix_hit_shares_a_live_requests_full_blocks_with_refcounts() -> None:
     bm = BlockManager(8, 4)
-    parent = make_request(list(range(10)), 4, 0)
-    compute_all(bm, parent)  # 3 blocks: two full, one partial
+    first = make_request(list(range(10)), 4, 0)
+    compute_all(bm, first)  # 3 blocks: two full (hashed), one partial
     assert bm.num_in_use == 3
-    child = make_request(list(range(10)), 4, 1)
-    bm.fork(parent, child)
-    assert child.block_ids == parent.block_ids[:2] and child.num_computed_tokens == 8
-    assert [bm._blocks[b].ref_count for b in parent.block_ids] == [2, 2, 1]
-    bm.check_integrity([parent, child])
-    # The child computes its own tail in a block of its own.
-    assert bm.allocate(child, 10)
-    assert child.block_ids[2] not in parent.block_ids
-    bm.check_integrity([parent, child])
-    bm.free(parent)
-    assert bm.num_in_use == 3  # the two shared blocks and the child's tail
-    assert [bm._blocks[b].ref_count for b in child.block_ids] == [1, 1, 1]
-    bm.check_integrity([child])
-    bm.free(child)
+    second = make_request([*range(8), 42, 43, 44], 4, 1)
+    hits = bm.find_cached_prefix(second)
+    assert hits == first.block_ids[:2], "the full blocks of a running request are reusable at once"
+    assert bm.allocate(second, second.num_tokens, hits)
+    assert [bm._blocks[b].ref_count for b in first.block_ids] == [2, 2, 1]
+    assert second.block_ids[2] not in first.block_ids, "the tail is computed in a block of its own"
+    bm.check_integrity([first, second])
+    bm.free(first)
+    assert bm.num_in_use == 3  # the two shared blocks and the second's tail
+    assert [bm._blocks[b].ref_count for b in second.block_ids] == [1, 1, 1]
+    bm.check_integrity([second])
+    bm.free(second)
     assert bm.num_in_use == 0 and bm.num_cached == 2 and bm.num_free == 6
     bm.check_integrity()
 
@@ -112,16 +110,16 @@ def test_prefix_hit_never_covers_last_token_and_counts() -> None:
     hits = bm.find_cached_prefix(same)
     assert hits == first_ids[:1]
     assert len(hits) == 1, "8 tokens in 2 full blocks: only the first may be reused"
-    assert (bm.prefix_queries, bm.prefix_hits) == (1, 1)
+    assert (bm.counters.prefix_cache_queries, bm.counters.prefix_cache_hits) == (1, 1)
     longer = make_request([*range(8), 99, 98], 4, 2)
     assert len(bm.find_cached_prefix(longer)) == 2
-    assert (bm.prefix_queries, bm.prefix_hits) == (3, 3)
+    assert (bm.counters.prefix_cache_queries, bm.counters.prefix_cache_hits) == (3, 3)
     other = make_request([0, 1, 2, 7, *range(4, 8), 5], 4, 3)
     assert bm.find_cached_prefix(other) == []
-    assert (bm.prefix_queries, bm.prefix_hits) == (5, 3)
+    assert (bm.counters.prefix_cache_queries, bm.counters.prefix_cache_hits) == (5, 3)
     one = make_request([0, 1, 2, 3], 4, 4)
     assert bm.find_cached_prefix(one) == []  # its only block holds its last token
-    assert (bm.prefix_queries, bm.prefix_hits) == (5, 3)
+    assert (bm.counters.prefix_cache_queries, bm.counters.prefix_cache_hits) == (5, 3)
 
 
 def test_adopting_cached_prefix_and_all_or_nothing() -> None:
@@ -380,23 +378,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         req.token_ids.extend(tokens)
         extend_block_hashes(req, self.bs)
 
-    @precondition(lambda self: any(r.block_ids and len(self.live) < 10 for r in self.live))
-    @rule(i=st.integers(0, 99))
-    def fork(self, i: int) -> None:
-        parent = self._pick(i, [r for r in self.live if r.block_ids])
-        self.seq += 1
-        child = Request(f"r{self.seq}", list(parent.prompt_token_ids), PARAMS, seed=self.seq,
-                        arrival_seq=self.seq, token_ids=list(parent.token_ids),
-                        block_hashes=list(parent.block_hashes))
-        refs = self._refs()
-        num_full = parent.num_computed_tokens // self.bs
-        self.bm.fork(parent, child)
-        assert child.block_ids == parent.block_ids[:num_full]
-        assert child.num_computed_tokens == num_full * self.bs
-        for b in child.block_ids:
-            assert self.bm._blocks[b].ref_count == refs[b] + 1
-        self.live.append(child)
-
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 99))
     def free(self, i: int) -> None:
@@ -426,7 +407,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         refs = self._refs()
         assert bm.num_in_use == sum(1 for r in refs if r > 0), "a block is in use with no owner (leak)"
         assert list(bm._evictable) == self.lru, "evictable order differs from least-recently-freed"
-        assert (bm.prefix_queries, bm.prefix_hits) == (self.queries, self.hits)
+        assert (bm.counters.prefix_cache_queries, bm.counters.prefix_cache_hits) == (self.queries, self.hits)
         for r in self.live:
             assert r.block_hashes == chained_hashes(r.token_ids, self.bs)
             assert r.num_computed_tokens <= min(r.num_tokens, len(r.block_ids) * self.bs)

@@ -15,6 +15,7 @@ import pytest
 from helpers_net import addr, free_port, procs_ctx, wait_workers
 
 from tokenmill.client import Client, InvalidRequest, StreamEvent
+from tokenmill.protocol import SamplingParams
 from tokenmill.protocol import wire as p
 from tokenmill.worker.prompt_guard import Tokenized, TokenizerThread
 
@@ -103,14 +104,14 @@ def test_max_prompt_chars_never_refuses_a_prompt_that_fits() -> None:
 def test_tokenizer_thread_hands_results_to_the_loop_in_order() -> None:
     got: list[Tokenized] = []
 
-    def tokenize(prompt: str | None, messages: Any) -> list[int]:
+    def tokenize(prompt: str | None, messages: Any, params: SamplingParams) -> list[int]:
         if prompt == "bad":
             raise InvalidRequest("bad prompt")
         return [len(prompt or "")]
 
     th = TokenizerThread(tokenize, got.append)
     for i, text in enumerate(["a", "bad", "ccc"]):
-        th.submit(f"r{i}", 7, p.RequestInput(prompt=text))
+        th.submit(f"r{i}", 7, p.RequestInput(prompt=text), SamplingParams())
     th.stop()
     th.join(5)
     assert [(t.rid, t.generation, t.ids, type(t.error).__name__) for t in got] == [
@@ -118,7 +119,6 @@ def test_tokenizer_thread_hands_results_to_the_loop_in_order() -> None:
 
 
 def test_engine_refuses_max_tokens_past_the_context() -> None:
-    from tokenmill.protocol import SamplingParams
     from tokenmill.worker.config import EngineConfig
     from tokenmill.worker.engine import LLMEngine
 
@@ -134,5 +134,6 @@ def test_tokenize_prompt_gives_add_requests_ids() -> None:
 
     engine = LLMEngine(EngineConfig(model="tiny-llama", load_format="dummy", device="cpu"))
     msgs = [{"role": "user", "content": "hi there"}]
-    assert engine.tokenize_prompt("some text", None) == engine._prompt_ids("some text", None, None)
-    assert engine.tokenize_prompt(None, msgs) == engine._prompt_ids(None, None, msgs)
+    plain, kw = SamplingParams(), SamplingParams(extra={"chat_template_kwargs": {"unused": 1}})
+    assert engine.tokenize_prompt("some text", None, plain) == engine._prompt_ids("some text", None, None)
+    assert engine.tokenize_prompt(None, msgs, kw) == engine._prompt_ids(None, None, msgs, {"unused": 1})

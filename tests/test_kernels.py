@@ -24,23 +24,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenmill.kernels.activation import silu_and_mul, silu_and_mul_ref
-from tokenmill.kernels.kv_cache import write_kv_cache, write_kv_cache_ref
-from tokenmill.kernels.paged_attention import (
-    PagedAttentionConfig,
-    choose_num_splits,
-    paged_attention,
+from tokenmill.kernels.attention_ref import (
     paged_attention_ref,
-)
-from tokenmill.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
-from tokenmill.kernels.rotary import (
-    cos_sin_cache_from_inv_freq,
-    rotary_and_cache,
-    rotary_and_cache_ref,
-    rotary_embedding,
     rotary_embedding_ref,
+    write_kv_cache_ref,
 )
-from tokenmill.worker.attention.backend import AttentionMetadata
+from tokenmill.kernels.kv_cache import write_kv_cache
+from tokenmill.kernels.paged_attention import PagedAttentionConfig, choose_num_splits, paged_attention
+from tokenmill.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
+from tokenmill.kernels.rotary import cos_sin_cache_from_inv_freq, rotary_and_cache, rotary_embedding
+from tokenmill.worker.attention.backend import AttentionLayer, AttentionMetadata
 from tokenmill.worker.attention.triton_backend import TritonBackend
+from tokenmill.worker.model_runner import attention_metadata
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -268,7 +263,7 @@ def test_deep_tile_out_of_shared_memory_falls_back(monkeypatch: pytest.MonkeyPat
 
     import tokenmill.kernels.paged_attention as pa
 
-    real = pa._paged_attn_kernel
+    real = pa._paged_attn_kernel_dyn  # a batch with prompt tokens: the family without per-step int specialization
     stages: list[int] = []
 
     class TooDeep:
@@ -282,7 +277,7 @@ def test_deep_tile_out_of_shared_memory_falls_back(monkeypatch: pytest.MonkeyPat
             return launch
 
     monkeypatch.setattr(pa, "_shared_limit", lambda device: 232_448)
-    monkeypatch.setattr(pa, "_paged_attn_kernel", TooDeep())
+    monkeypatch.setattr(pa, "_paged_attn_kernel_dyn", TooDeep())
     monkeypatch.setattr(pa, "_NO_DEEP_TILES", set())
     batch = make_batch([300, 1], [320, 20], 8, 2, 32, 16, torch.float16)
     assert pa.default_config(300, 301, 2, 4, 2, 32, 232_448) is pa.PREFILL_CONFIG_DEEP  # what the call first picks
@@ -552,10 +547,13 @@ def _rope_inputs(
         num_tokens, num_kv_heads, head_dim
     )
     v = qkv[:, (num_q_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=DEV) / head_dim))
-    cos_sin = cos_sin_cache_from_inv_freq(inv_freq, 512)
     positions = torch.randint(0, 512, (num_tokens,), device=DEV)
-    return q, k, v, cos_sin, positions
+    return q, k, v, _rope_table(head_dim, DEV), positions
+
+
+def _rope_table(head_dim: int, device: torch.device, max_position: int = 512) -> torch.Tensor:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    return cos_sin_cache_from_inv_freq(inv_freq, max_position)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -582,7 +580,8 @@ def test_rotary_and_cache(dtype: torch.dtype) -> None:
     kc = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
     vc = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
     kc_ref, vc_ref = kc.clone(), vc.clone()
-    q_ref, k_ref = rotary_and_cache_ref(q, k, v, cos_sin, positions, kc_ref, vc_ref, slot_mapping)
+    q_ref, k_ref = rotary_embedding_ref(q, k, cos_sin, positions)
+    write_kv_cache_ref(k_ref, v, kc_ref, vc_ref, slot_mapping)
     rotary_and_cache(q, k, v, cos_sin, positions, kc, vc, slot_mapping)
     tol = _tol(dtype, 2e-3, 1e-3)
     torch.testing.assert_close(q, q_ref, **tol)
@@ -696,17 +695,17 @@ def _backend_case(
     slot_t = torch.tensor(slots, dtype=torch.int64, device=device)
     batch.k_cache.view(-1, num_kv_heads, head_dim)[slot_t] = float("nan")
     batch.v_cache.view(-1, num_kv_heads, head_dim)[slot_t] = float("nan")
-    meta = AttentionMetadata(
-        query_start_loc=batch.query_start_loc,
-        seq_lens=batch.seq_lens,
-        block_tables=batch.block_tables,
-        slot_mapping=slot_t,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_cpu=list(query_lens),
-        seq_lens_cpu=list(seq_lens),
-    )
+    meta = attention_metadata(list(query_lens), list(seq_lens), bt.tolist(), slots, device)
     return batch.q, k, v, batch.k_cache, batch.v_cache, meta
+
+
+def _layer_and_positions(
+    q: torch.Tensor, meta: AttentionMetadata, window: int | None
+) -> tuple[AttentionLayer, torch.Tensor]:
+    """A layer with a real rotary table, and the positions [T] of the step's tokens (from the host lists)."""
+    positions = [p for ql, sl in zip(meta.query_lens_cpu, meta.seq_lens_cpu) for p in range(sl - ql, sl)]
+    table = _rope_table(q.shape[-1], q.device, max(meta.seq_lens_cpu))
+    return AttentionLayer(q.shape[-1] ** -0.5, window, table), torch.tensor(positions, device=q.device)
 
 
 def _compare_backends(
@@ -717,34 +716,39 @@ def _compare_backends(
     torch_ref = pytest.importorskip("tokenmill.worker.attention.torch_ref")
     q, k, v, kc, vc, meta = case
     kc2, vc2 = kc.clone(), vc.clone()
-    scale = q.shape[-1] ** -0.5
-    out = TritonBackend().forward(q, k, v, kc, vc, meta, scale, window)
-    ref = torch_ref.TorchRefBackend().forward(q, k, v, kc2, vc2, meta, scale, window)
+    layer, positions = _layer_and_positions(q, meta, window)
+    out = TritonBackend().forward(layer, q.clone(), k.clone(), v, positions, (kc, vc), meta)  # may rotate in place
+    ref = torch_ref.TorchRefBackend().forward(layer, q, k, v, positions, (kc2, vc2), meta)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not out.isnan().any()
-    torch.testing.assert_close(kc, kc2, equal_nan=True, rtol=0, atol=0)
+    # rotated k: one rounding each, so at most one unit in the last place apart (bf16: 2**-7 relative)
+    ulp = 2e-3 if kc.dtype != torch.bfloat16 else 8e-3
+    torch.testing.assert_close(kc, kc2, equal_nan=True, rtol=ulp, atol=ulp)
     torch.testing.assert_close(vc, vc2, equal_nan=True, rtol=0, atol=0)
     assert rel_err(out, ref) < tol
 
 
 @pytest.mark.parametrize("window", [None, 7])
-def test_triton_backend_matches_torch_ref(window: int | None) -> None:
-    case = _backend_case([3, 1, 12], [10, 17, 12], 4, 2, 32, 8, torch.float16)
+@pytest.mark.parametrize("query_lens", [[3, 1, 12], [1, 1, 1]])  # mixed, and decode-only (rotary in attention)
+def test_triton_backend_matches_torch_ref(window: int | None, query_lens: list[int]) -> None:
+    case = _backend_case(query_lens, [10, 17, 12], 4, 2, 32, 8, torch.float16)
     _compare_backends(case, window, 2e-3)
 
 
 def test_triton_backend_does_not_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     # .item() / .tolist() on a device tensor would be a host sync; the backend must not call them
     q, k, v, kc, vc, meta = _backend_case([1, 1], [9, 17], 4, 2, 32, 8, torch.float32)
+    layer, positions = _layer_and_positions(q, meta, None)
+    q_rot, _ = rotary_embedding_ref(q, k, layer.cos_sin_cache, positions)
 
     def forbidden(*args: object, **kwargs: object) -> None:
         raise AssertionError("host sync in TritonBackend.forward")
 
     monkeypatch.setattr(torch.Tensor, "item", forbidden)
     monkeypatch.setattr(torch.Tensor, "tolist", forbidden)
-    out = TritonBackend().forward(q, k, v, kc, vc, meta, 32**-0.5, None)
+    out = TritonBackend().forward(layer, q, k, v, positions, (kc, vc), meta)
     monkeypatch.undo()
-    ref = paged_attention_ref(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, 32**-0.5)
+    ref = paged_attention_ref(q_rot, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, layer.scale)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-3)
 
 
@@ -933,7 +937,8 @@ def test_gpu_small_kernels_bf16() -> None:
     vc = kc.clone()
     kc_ref, vc_ref = kc.clone(), vc.clone()
     slots = torch.randperm(320, device=DEV)[:77]
-    q_ref, _ = rotary_and_cache_ref(q, k, v, cos_sin, positions, kc_ref, vc_ref, slots)
+    q_ref, k_ref = rotary_embedding_ref(q, k, cos_sin, positions)
+    write_kv_cache_ref(k_ref, v, kc_ref, vc_ref, slots)
     rotary_and_cache(q, k, v, cos_sin, positions, kc, vc, slots)
     torch.testing.assert_close(q, q_ref, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(kc, kc_ref, atol=2e-2, rtol=1e-2, equal_nan=True)
@@ -985,22 +990,25 @@ def test_default_config_by_batch_shape() -> None:
     assert default_config(1000, 1500, 501, 4, 2, 128, hopper) is MIXED_CONFIG
 
 
-def test_pdl_only_on_hopper_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pdl_only_on_hopper_cuda() -> None:
     """Programmatic dependent launch is never asked for off CUDA (the interpreter has no griddepcontrol) and
-    TOKENMILL_PDL=0 turns it off; the kernels' PDL constexpr is then False."""
-    from tokenmill.kernels.launch import pdl_enabled, pdl_launch_args
+    KernelConfig(pdl=False) turns it off (configure drops the per-device decision); the kernels' PDL constexpr
+    is then False."""
+    from tokenmill.kernels.config import KernelConfig, configure, current
+    from tokenmill.kernels.launch import pdl_launch_args
 
+    assert current() == KernelConfig() and current().pdl  # the default, as before the config existed
     assert pdl_launch_args(torch.device("cpu")) == {"PDL": False}
     if torch.cuda.is_available():
         dev = torch.device("cuda")
         want = torch.cuda.get_device_capability(dev) >= (9, 0)
-        pdl_enabled.cache_clear()
         assert pdl_launch_args(dev) == ({"PDL": True, "launch_pdl": True} if want else {"PDL": False})
-        monkeypatch.setenv("TOKENMILL_PDL", "0")
-        pdl_enabled.cache_clear()
-        assert pdl_launch_args(dev) == {"PDL": False}
-        monkeypatch.undo()
-        pdl_enabled.cache_clear()
+        try:
+            configure(KernelConfig(pdl=False))
+            assert pdl_launch_args(dev) == {"PDL": False}
+        finally:
+            configure(KernelConfig())
+        assert pdl_launch_args(dev) == ({"PDL": True, "launch_pdl": True} if want else {"PDL": False})
 
 
 def _decode_rope_case(

@@ -89,7 +89,8 @@ def test_sdk_broker_and_protocol_load_no_torch() -> None:
         "assert 'tokenmill.client' not in sys.modules and 'zmq.asyncio' not in sys.modules, sorted(sys.modules)\n"
         "import tokenmill.client, tokenmill.client.async_client, tokenmill.client.remote_cli\n"
         "import tokenmill.broker, tokenmill.broker.broker\n"
-        "import tokenmill.cli.serve\n"
+        "import tokenmill.cli.serve, tokenmill.cli.gateway_cmds\n"
+        "import tokenmill.gateway, tokenmill.gateway.app, tokenmill.gateway.server\n"
         "bad = [m for m in ('torch', 'numpy', 'tokenmill.worker') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

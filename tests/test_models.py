@@ -146,19 +146,6 @@ def test_decode_steps_match_full_prompt(pair: tuple[str, PreTrainedModel, LlamaF
     torch.testing.assert_close(torch.cat(rows), hf_logits(hf_model, PROMPT), atol=1e-4, rtol=1e-4)
 
 
-def test_capture_hidden(pair: tuple[str, PreTrainedModel, LlamaForCausalLM]) -> None:
-    _, _, ours = pair
-    meta = step_meta([0], [6], 16)
-    ids, pos = torch.tensor(PROMPT[:6]), torch.arange(6)
-    with torch.no_grad():
-        ours(ids, pos, make_caches(ours, 1, 16), meta)
-        assert ours.last_aux_hidden is None
-        out = ours(ids, pos, make_caches(ours, 1, 16), meta, capture_hidden=True)
-    aux = ours.last_aux_hidden
-    assert aux is not None and aux.shape == (6, ours.arch.hidden_size)
-    torch.testing.assert_close(ours.model.norm(aux), out)
-
-
 def test_arch_read_from_config(pair: tuple[str, PreTrainedModel, LlamaForCausalLM]) -> None:
     name, _, ours = pair
     a = ours.arch

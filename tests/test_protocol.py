@@ -24,14 +24,17 @@ SAMPLES: list[p.Message] = [
     p.Ack("job-1", duplicate=True),
     p.Stream([p.StreamChunk("job-1", 0, [5, 6], "ab", None),
               p.StreamChunk("job-2", 3, [7], "c", [[[7, -0.5], [8, -1.0]]])]),
+    p.Stream([p.StreamChunk("job-3", 0, [7], "c", [[[7, -0.5, [99]], [8, -1.0, [0xE2, 0x82]]]])]),
     p.Done("job-1", "length", None, (3, 4, 0), 4),
     p.Done("job-1", "stop", "\n", (3, 4, 0), 4),
+    p.Done("job-1", "stop", None, (3, 4, 0), 4, queue_time=0.25),
     p.Fail("job-1", "overloaded", "queue full", 0.5),
     p.Pong(),
     p.StatsReply({"counters": {"dispatches": 3}, "workers": [{"name": "w"}]}),
     p.Ready("w-1", ["tiny-llama", "llama"], 128, 1000, 16, 2048, 0.2),
     p.Ready("w-1", ["tiny-llama"], 128, 1000, 16, 2048, 0.2, data_id="w-1-ab12/data"),
     p.WorkerHeartbeat(1, 2, 3, 4),
+    p.WorkerHeartbeat(1, 2, 3, 4, steps=100, prefix_queries=7, prefix_hits=5, preemptions=1),
     p.Tokens([p.TokenChunk("job-1", 1, 4, [9, 10], "xy", None)]),
     p.Finished([p.FinishedJob("job-1", 1, "stop", 2, (3, 6, 0))]),
     p.JobError("job-1", 0, "invalid", "max_tokens must be >= 1"),
@@ -53,6 +56,22 @@ def test_tokens_body_is_attempts_and_stream_entries() -> None:
     stream = p.decode([p.HEADER, bytes((p.Cmd.STREAM,)), frames[2][offset:]], p.BROKER_TO_CLIENT)
     assert isinstance(stream, p.Stream)
     assert stream.chunks == [p.StreamChunk(c.job_id, c.seq, c.token_ids, c.text, c.logprobs) for c in chunks]
+
+
+def test_heartbeat_of_four_items_has_zero_counters_and_other_lengths_fail() -> None:
+    body = msgpack.packb([1, 2, 3, 4])
+    hb = p.decode([p.HEADER, bytes((p.Cmd.W_HEARTBEAT,)), body], p.WORKER_TO_BROKER)
+    assert hb == p.WorkerHeartbeat(1, 2, 3, 4, 0, 0, 0, 0)
+    for bad in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, -1, 0, 0, 0]):
+        with pytest.raises(ProtocolError):
+            p.decode([p.HEADER, bytes((p.Cmd.W_HEARTBEAT,)), msgpack.packb(bad)], p.WORKER_TO_BROKER)
+
+
+@pytest.mark.parametrize("entry", [[7, -0.5, [256]], [7, -0.5, "ab"], [7, -0.5, [1] * 257], [7, -0.5, [1], 0]])
+def test_logprob_token_bytes_must_be_a_short_list_of_byte_values(entry: list[Any]) -> None:
+    body = msgpack.packb([["job", 0, [7], "c", [[entry]]]])
+    with pytest.raises(ProtocolError):
+        p.decode([p.HEADER, bytes((p.Cmd.STREAM,)), body], p.BROKER_TO_CLIENT)
 
 
 def test_every_command_has_a_sample() -> None:

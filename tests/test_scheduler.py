@@ -67,7 +67,7 @@ class Spec:
     priority: int = 0
     arrival: int = 0  # the step at which it is added
     abort_at: int | None = None  # the step at which it is aborted
-    abort_mid: bool = False  # aborted between the forward and update() rather than before schedule()
+    abort_mid: bool = False  # aborted between the launch (begin_step) and commit(), not before schedule()
 
 
 @dataclass
@@ -158,14 +158,22 @@ def drive(sched: Scheduler, specs: list[Spec], max_steps: int = 20_000,
         run.preempted.append([r.request_id for r in batch.preempted])
         run.samples.append([batch.samples(i) for i in range(len(batch.requests))])
         sampled = run.model.execute(batch)
+        sched.begin_step(batch)
         _abort(sched, specs, reqs, run.steps, mid=True)
-        got = sched.update(batch, sampled)
+        got = sched.commit(batch, sampled)
         assert all(r in batch.requests for r in got)
         check_state(sched)
         run.steps += 1
         assert run.steps <= max_steps, "no termination: too many steps"
     assert all(r.is_finished for r in reqs)
     return run
+
+
+def step(sched: Scheduler, model: FakeModel, batch: ScheduledBatch) -> list[Request]:
+    """A synchronous step of `batch`: launch (the fake model runs), begin_step, commit."""
+    sampled = model.execute(batch)
+    sched.begin_step(batch)
+    return sched.commit(batch, sampled)
 
 
 def _abort(sched: Scheduler, specs: list[Spec], reqs: list[Request], step: int, mid: bool) -> None:
@@ -264,12 +272,12 @@ def _preemption_workload() -> list[Spec]:
 def test_tiny_kv_budget_preempts_and_gives_the_same_tokens() -> None:
     specs = _preemption_workload()
     large = drive(make_scheduler(SchedulerConfig(max_num_batched_tokens=32), 256, 4), specs)
-    assert large.sched.num_preemptions == 0
+    assert large.sched.counters.preemptions == 0
     tiny = drive(make_scheduler(SchedulerConfig(max_num_batched_tokens=32), 12, 4), specs, max_steps=2000)
-    assert tiny.sched.num_preemptions > 0
+    assert tiny.sched.counters.preemptions > 0
     assert outputs(tiny) == outputs(large) == [reference(s) for s in specs]
     assert all(r.finish_reason == "length" for r in tiny.requests)
-    assert sum(r.num_preemptions for r in tiny.requests) == tiny.sched.num_preemptions
+    assert sum(r.num_preemptions for r in tiny.requests) == tiny.sched.counters.preemptions
 
 
 def _victim_scenario(policy: Policy, priorities: list[int]) -> Run:
@@ -315,9 +323,9 @@ def test_finish_and_abort_free_blocks_at_once() -> None:
         sched.add(r)
     model = FakeModel(sched.blocks)
     batch = sched.schedule()  # r0 gets 12 of 14 prompt tokens; r1 nothing yet (no budget left)
-    sched.update(batch, model.execute(batch))
+    step(sched, model, batch)
     batch = sched.schedule()  # r0 finishes its prompt, r1 starts
-    sched.update(batch, model.execute(batch))
+    step(sched, model, batch)
     r0, r1, r2 = reqs
     assert r0.status is RequestStatus.RUNNING and r1.status is RequestStatus.RUNNING
     assert r2.status is RequestStatus.WAITING and r1.num_computed_tokens < r1.num_tokens
@@ -329,14 +337,16 @@ def test_finish_and_abort_free_blocks_at_once() -> None:
     sched.finish(r2, "abort")  # waiting: holds nothing, leaves the queue
     assert r2 not in sched.waiting and sched.blocks.num_in_use == in_use - n1
     check_state(sched)
-    # Aborted while its step runs: update() skips it and appends nothing.
+    # Aborted while its step runs: commit() skips it and appends nothing.
     batch = sched.schedule()
     assert batch.requests == [r0]
     sampled = model.execute(batch)
     n_tokens = r0.num_tokens
+    sched.begin_step(batch)
+    assert r0.num_tokens == n_tokens + 1 and r0.num_inflight == 1
     sched.finish(r0, "abort")
-    assert sched.blocks.num_in_use == 0
-    assert sched.update(batch, sampled) == [] and r0.num_tokens == n_tokens
+    assert sched.blocks.num_in_use == 0 and r0.num_inflight == 0
+    assert sched.commit(batch, sampled) == [] and r0.num_tokens == n_tokens
     assert not sched.has_unfinished()
     check_state(sched)
     assert sched.blocks.num_cached > 0, "computed full blocks stay reusable after an abort"
@@ -375,12 +385,13 @@ def test_prefix_cache_reuses_full_blocks_of_a_1000_token_prefix() -> None:
     second = Spec([*prefix, 4, 5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True), seed=2)
     sched = make_scheduler(SchedulerConfig(max_num_batched_tokens=256), 200, 16)
     run1 = drive(sched, [first])
-    assert run1.requests[0].num_cached_tokens == 0 and sched.blocks.prefix_hits == 0
-    queries, hits = sched.blocks.prefix_queries, sched.blocks.prefix_hits
+    counters = sched.blocks.counters
+    assert run1.requests[0].num_cached_tokens == 0 and counters.prefix_cache_hits == 0
+    queries, hits = counters.prefix_cache_queries, counters.prefix_cache_hits
     run2 = drive(sched, [second], model=run1.model)
     r = run2.requests[0]
     assert r.num_cached_tokens == 992
-    assert sched.blocks.prefix_hits - hits == 62 and sched.blocks.prefix_queries - queries == 62
+    assert counters.prefix_cache_hits - hits == 62 and counters.prefix_cache_queries - queries == 62
     assert run2.batches[0] == [("r0", 1004 - 992)], "only the uncached tail is computed"
     assert outputs(run2)[0] == run_alone(second, 16) == reference(second)
     # And without the cache, the same tokens the long way.

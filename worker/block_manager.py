@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tokenmill.worker.metrics import EngineCounters
 from tokenmill.worker.request import Request
 
 ROOT_HASH = b"tokenmill-prefix-v1"
@@ -31,8 +32,9 @@ def hash_block(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> byte
 
 
 def extend_block_hashes(req: Request, block_size: int, extra: bytes = b"") -> None:
-    """Append hashes for every newly full block of `req.token_ids` (prompt and output alike)."""
-    while (len(req.block_hashes) + 1) * block_size <= req.num_tokens:
+    """Append hashes for every newly full block of `req.token_ids` (prompt and known output alike: a
+    token still in flight is not hashed)."""
+    while (len(req.block_hashes) + 1) * block_size <= req.num_known_tokens:
         i = len(req.block_hashes)
         parent = req.block_hashes[-1] if req.block_hashes else ROOT_HASH
         tokens = req.token_ids[i * block_size : (i + 1) * block_size]
@@ -46,7 +48,8 @@ class _Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 counters: EngineCounters | None = None) -> None:
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -55,8 +58,7 @@ class BlockManager:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack: low ids handed out first
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._by_hash: dict[bytes, int] = {}
-        self.prefix_queries = 0  # full prompt blocks looked up
-        self.prefix_hits = 0
+        self.counters = counters if counters is not None else EngineCounters()  # prefix-cache lookups
 
     # -- counts -------------------------------------------------------------------------------
     @property
@@ -92,8 +94,8 @@ class BlockManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        self.prefix_queries += min(max_blocks, len(req.block_hashes))
-        self.prefix_hits += len(hits)
+        self.counters.prefix_cache_queries += min(max_blocks, len(req.block_hashes))
+        self.counters.prefix_cache_hits += len(hits)
         return hits
 
     # -- allocation -----------------------------------------------------------------------------
@@ -134,17 +136,6 @@ class BlockManager:
         for b in reversed(req.block_ids):
             self._drop_ref(b)
         req.block_ids = []
-
-    def fork(self, parent: Request, child: Request) -> None:
-        """Share `parent`'s fully computed blocks with `child` (which must hold none). The child
-        recomputes the partial tail itself, so no block is ever written by two requests."""
-        assert not child.block_ids
-        num_full = parent.num_computed_tokens // self.block_size
-        shared = parent.block_ids[:num_full]
-        for b in shared:
-            self._take_ref(b)
-        child.block_ids = list(shared)
-        child.num_computed_tokens = num_full * self.block_size
 
     def reset_prefix_cache(self) -> None:
         for b in list(self._evictable):

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tokenmill.kernels.config import KernelConfig
+
 LoadFormat = Literal["auto", "hf", "gguf", "dummy"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 
@@ -115,11 +117,18 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    # Triton backend: decode-only steps rotate q/k and write the KV cache inside the attention kernel
+    # (False: a separate rotary + cache-write kernel first).
+    decode_rope_in_attention: bool = True
     cuda_graphs: bool = True  # decode-only steps replay captured graphs (CUDA only)
+    # with cuda_graphs: steps with prompt tokens (up to max_num_batched_tokens) replay piecewise graphs, attention
+    # launched between the pieces (CUDA, Triton backend)
+    piecewise_graphs: bool = True
     # Schedule step N+1 while step N runs on the device (one step in flight). None: on for CUDA only.
     async_scheduling: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)  # process-wide: set by the model runner
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "hf", "gguf", "dummy"):
@@ -128,3 +137,5 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}; use auto, torch or triton")

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-only steps (one new token per request).
+"""CUDA graphs: whole-step graphs for decode-only steps (one new token per request), piecewise graphs for the rest.
 
 One graph per bucketed batch size, captured after the KV cache is sized (so capture cannot run out of
 memory), all sharing one memory pool. A step of B decodes replays the smallest bucket >= B with its
@@ -9,8 +9,10 @@ context split is sized for the longest request and short ones leave some program
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -94,3 +96,197 @@ class DecodeGraphs:
         self.block_tables[:b, :width].copy_(meta.block_tables, non_blocking=True)
         self.graphs[g].replay()
         return self.outputs[g][:b]
+
+
+def mixed_graph_sizes(max_tokens: int) -> list[int]:
+    """Token buckets of the piecewise graphs: every 32 tokens up to 256, every 64 up to 512, every 128 up to
+    1,024, then every 256, and max_tokens itself (a step pads to the next bucket: under 25% padding from 256
+    tokens on)."""
+    steps = [*range(16, 33, 16), *range(64, 257, 32), *range(320, 513, 64), *range(640, 1025, 128)]
+    sizes = [s for s in steps if s < max_tokens] + list(range(1280, max_tokens + 1, 256))
+    if not sizes or sizes[-1] != max_tokens:
+        sizes.append(max_tokens)
+    return sorted(set(sizes))
+
+
+class _AttentionCall(NamedTuple):
+    """One attention layer between two graph pieces: it reads PiecewiseGraphs.attn_q (the piece before writes
+    it) and writes PiecewiseGraphs.attn_out (the piece after reads it)."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    scale: float
+    sliding_window: int | None
+
+
+class _SplitRecorder:
+    """The AttentionSplit of one bucket's capture: at each attention call it ends the graph piece being captured,
+    notes the call, and begins the next piece in the same memory pool."""
+
+    def __init__(self, pool: Any, attn_q: torch.Tensor, attn_out: torch.Tensor) -> None:
+        self.pool = pool
+        self.attn_q = attn_q
+        self.attn_out = attn_out
+        self.pieces: list[torch.cuda.CUDAGraph] = []
+        self.calls: list[_AttentionCall] = []
+        self._graph: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+        self._graph.capture_begin(pool=self.pool)
+
+    def end(self) -> None:
+        assert self._graph is not None
+        self._graph.capture_end()
+        self.pieces.append(self._graph)
+        self._graph = None
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                 sliding_window: int | None) -> torch.Tensor:
+        # q goes to the shared static buffer inside the piece: a recorded q tensor would pin its pool memory
+        # for the life of the graphs, every bucket's apart (tens of GB for an 8B model up to 8k tokens).
+        self.attn_q[: q.shape[0]].copy_(q)
+        self.end()
+        self.calls.append(_AttentionCall(k_cache, v_cache, scale, sliding_window))
+        self.begin()
+        return self.attn_out[: q.shape[0]]
+
+
+class PiecewiseGraphs:
+    """CUDA graphs for steps that carry prompt tokens (or more decodes than DecodeGraphs' largest bucket).
+
+    Per token bucket, the forward is captured in num_layers + 1 pieces cut at each attention kernel: embedding,
+    norms, projections, rotary + KV-cache write and the MLP are replayed from graphs (their shapes depend on the
+    token count alone), while attention, whose launch depends on the batch's query and context lengths, is
+    launched between the pieces with the step's own metadata, planned once for all layers. A step of T tokens
+    replays the smallest bucket >= T; rows past T are padding (slot -1: no cache write; outputs ignored)."""
+
+    def __init__(self, model: torch.nn.Module, backend: Any, kv_caches: KVCaches, sizes: Sequence[int],
+                 num_heads: int, head_dim: int, hidden_size: int, device: torch.device) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.sizes = sorted(sizes)
+        n = self.sizes[-1]
+        dtype = kv_caches[0][0].dtype
+        # Static inputs: the pieces read these addresses on every replay.
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        # Static buffers shared by every bucket and layer (the graphs own no tensor between replays, so all
+        # buckets share one pool of activation memory): attention input and output, the final hidden states.
+        self.attn_q = torch.zeros((n, num_heads, head_dim), dtype=dtype, device=device)
+        self.attn_out = torch.zeros((n, num_heads, head_dim), dtype=dtype, device=device)
+        self.hidden = torch.zeros((n, hidden_size), dtype=dtype, device=device)
+        self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.calls: dict[int, list[_AttentionCall]] = {}
+        self.device = device
+        from tokenmill.kernels.paged_attention import plan_paged_attention  # Triton: CUDA machines only
+
+        self._plan = plan_paged_attention
+
+    def _capture_meta(self, t: int) -> AttentionMetadata:
+        """One request of t new tokens: max_query_len > 1 keeps rotary + cache write out of the attention
+        kernel (in the pieces); slots -1 write nothing."""
+        qsl = torch.tensor([0, t], dtype=torch.int32, device=self.device)
+        blocks = -(-t // self.kv_caches[0][0].shape[1])  # the warm-up runs attend over t keys, all in block 0
+        return AttentionMetadata(
+            query_start_loc=qsl, seq_lens=qsl[1:],
+            block_tables=torch.zeros((1, blocks), dtype=torch.int32, device=self.device),
+            slot_mapping=self.slot_mapping[:t], max_query_len=t, max_seq_len=t, query_lens_cpu=[t], seq_lens_cpu=[t],
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for t in reversed(self.sizes):  # largest first: later buckets reuse its pool memory
+            args = (self.input_ids[:t], self.positions[:t], self.kv_caches, self._capture_meta(t))
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up: Triton compiles outside the capture
+                    self.model(*args)
+                recorder = _SplitRecorder(pool, self.attn_q, self.attn_out)
+                self.backend.split = recorder
+                try:
+                    recorder.begin()
+                    self.hidden[:t].copy_(self.model(*args))
+                    recorder.end()
+                finally:
+                    self.backend.split = None
+            torch.cuda.current_stream().wait_stream(stream)
+            assert len({(c.scale, c.sliding_window) for c in recorder.calls}) == 1, "one attention plan per step"
+            self.pieces[t], self.calls[t] = recorder.pieces, recorder.calls
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the warm-up forwards' memory, cached for the side stream
+        log.info("captured piecewise CUDA graphs for %d token buckets (%s), %d pieces each", len(self.sizes),
+                 self.sizes, len(self.pieces[self.sizes[0]]))
+
+    def bucket(self, t: int) -> int | None:
+        i = bisect.bisect_left(self.sizes, t)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Replay for a step of T tokens; returns hidden states [T, hidden] (a view of graph memory, valid
+        until the next replay)."""
+        t = input_ids.shape[0]
+        g = self.bucket(t)
+        assert g is not None
+        self.input_ids[:t].copy_(input_ids, non_blocking=True)
+        self.positions[:t].copy_(positions, non_blocking=True)
+        self.slot_mapping[:t].copy_(meta.slot_mapping, non_blocking=True)
+        self.slot_mapping[t:g].fill_(-1)
+        calls = self.calls[g]
+        first = calls[0]
+        q, out = self.attn_q[:t], self.attn_out[:t]
+        plan = self._plan(
+            q.shape, q.dtype, first.k_cache.shape, self.device, meta.num_seqs, first.scale,
+            max_query_len=max(1, meta.max_query_len), max_seq_len=max(1, meta.max_seq_len),
+            sliding_window=first.sliding_window)
+        for piece, call in zip(self.pieces[g], calls):
+            piece.replay()
+            plan.launch(q, call.k_cache, call.v_cache, meta.block_tables, meta.seq_lens,
+                        meta.query_start_loc, out)
+        self.pieces[g][-1].replay()
+        return self.hidden[:t]
+
+    @torch.inference_mode()
+    def warm_up_attention(self, max_num_seqs: int, max_model_len: int) -> int:
+        """Compile every attention kernel variant a replay can launch, so that nothing compiles while serving.
+        Variants differ only in compile-time choices (tile config, one tile per request, split or not, the
+        reduce's split padding and dims per program), so this plans a grid of batch shapes on the host, one per
+        token bucket x request count x query skew x context length, and launches one batch per distinct
+        variant. Returns the number of variants launched."""
+        call = self.calls[self.sizes[0]][0]
+        kc, vc = call.k_cache, call.v_cache
+        block_size = kc.shape[1]
+        seen: dict[tuple[Any, ...], tuple[int, list[int], int]] = {}
+        counts = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= max_num_seqs]
+        for t in self.sizes:
+            for n in (c for c in counts if c <= t):
+                for q_lens in (_even(t, n), [1] * (n - 1) + [t - n + 1]):
+                    for ctx in sorted({max(q_lens), min(1024, max_model_len), max_model_len}):
+                        ctx = max(ctx, max(q_lens))
+                        plan = self._plan(self.attn_q[:t].shape, self.attn_q.dtype, kc.shape, self.device, n,
+                                          call.scale, max_query_len=max(q_lens), max_seq_len=ctx,
+                                          sliding_window=call.sliding_window)
+                        key = (plan.config, plan.one_tile, plan.num_splits > 1,
+                               max(8, 1 << (plan.num_splits - 1).bit_length()) if plan.num_splits > 1 else 0,
+                               plan.reduce_block_d if plan.num_splits > 1 else 0)
+                        seen.setdefault(key, (t, q_lens, ctx))
+        for t, q_lens, ctx in seen.values():
+            n = len(q_lens)
+            qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=self.device)
+            seq_lens = torch.tensor([ctx] * n, dtype=torch.int32, device=self.device)
+            tables = torch.zeros((n, -(-ctx // block_size)), dtype=torch.int32, device=self.device)
+            q = self.attn_q[:t]
+            plan = self._plan(q.shape, q.dtype, kc.shape, self.device, n, call.scale, max_query_len=max(q_lens),
+                              max_seq_len=ctx, sliding_window=call.sliding_window)
+            plan.launch(q, kc, vc, tables, seq_lens, qsl, self.attn_out[:t])
+        torch.cuda.synchronize()
+        return len(seen)
+
+
+def _even(t: int, n: int) -> list[int]:
+    """t tokens over n requests as evenly as possible."""
+    return [t // n + (i < t % n) for i in range(n)]

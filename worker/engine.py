@@ -7,8 +7,9 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -18,8 +19,9 @@ from tokenmill.worker.block_manager import BlockManager
 from tokenmill.worker.config import EngineConfig
 from tokenmill.worker.detokenizer import IncrementalDetokenizer
 from tokenmill.worker.loader import ModelSource, resolve_model
+from tokenmill.worker.metrics import EngineCounters, EngineStats
 from tokenmill.worker.model_runner import ModelRunner, PendingStep
-from tokenmill.worker.outputs import CompletionOutput, EngineStats, RequestOutput, Usage
+from tokenmill.worker.outputs import CompletionOutput, RequestOutput, Usage
 from tokenmill.worker.request import Request
 from tokenmill.worker.scheduler import ScheduledBatch, Scheduler
 from tokenmill.worker.tokenizer import Tokenizer
@@ -29,9 +31,21 @@ log = logging.getLogger("tokenmill.engine")
 Prompt = str | Sequence[int]
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One launched step, as a step observer sees it: the scheduler's batch (read it before the observer
+    returns: the engine updates its requests afterwards) and the host seconds `ModelRunner.launch` took to
+    enqueue it (the device may still be running it)."""
+
+    batch: ScheduledBatch
+    launch_s: float
+
+
+StepObserver = Callable[[StepRecord], None]
+
+
 class _Launched(NamedTuple):
     batch: ScheduledBatch
-    slots: list[int | None]  # per request: index of the placeholder its sampled token replaces
     pending: PendingStep
 
 
@@ -41,6 +55,7 @@ class _Live:
 
     req: Request
     detok: IncrementalDetokenizer
+    emitted: int = 0  # output tokens emitted so far (counting those an earlier attempt delivered)
     held: str = ""  # decoded text not yet emitted: it may be the start of a stop string
     logprobs: list[dict[int, float]] = field(default_factory=list)
 
@@ -61,7 +76,8 @@ class LLMEngine:
     """Continuous-batching engine over a paged KV cache with prefix caching and chunked prefill.
 
     `add_request` + `step` is the serving interface; `generate` (offline batch) and `stream` (one
-    request) are built on it."""
+    request) are built on it. `step_observer` (None by default), if set, is called with a StepRecord right
+    after each launch (benchmarks use it to trace the steps)."""
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
         config = replace(config or EngineConfig(), **overrides)
@@ -74,9 +90,11 @@ class LLMEngine:
                                  arch.max_position_embeddings)
         self.runner = ModelRunner(config, source, self.max_model_len)
         self.eos_token_ids = tuple(arch.eos_token_ids or self.tokenizer.eos_token_ids)
+        self.counters = EngineCounters()
         self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size,
-                                   config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, self.eos_token_ids)
+                                   config.cache.enable_prefix_caching, self.counters)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, self.eos_token_ids,
+                                   self.counters)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
         self._inflight: deque[_Launched] = deque()  # launched, not yet completed; at most 1 kept between steps
@@ -85,6 +103,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
         self._ids = itertools.count()
+        self.step_observer: StepObserver | None = None
         log.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d, "
                  "async_scheduling=%s", self.model_name, self.runner.device, self.runner.dtype,
                  self.runner.num_blocks, config.cache.block_size, self.max_model_len, self.async_scheduling)
@@ -111,7 +130,7 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("params must be SamplingParams or a mapping of its fields")
-        ids = self._prompt_ids(prompt, prompt_token_ids, messages)
+        ids = self._prompt_ids(prompt, prompt_token_ids, messages, _template_kwargs(params))
         resume = list(resume_token_ids)
         self._validate(ids, resume, params)
         req = Request(request_id, ids, params,
@@ -120,7 +139,7 @@ class LLMEngine:
         # Replaying the delivered tokens leaves the detokenizer (a half UTF-8 character) and the
         # stop-string hold-back exactly where the earlier attempt left them, so no text is lost.
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        live = _Live(req, detok)
+        live = _Live(req, detok, emitted=len(resume))
         if resume:
             delivered = detok.push(resume)
             keep = _stop_prefix_len(delivered, params.stop) if params.stop else 0
@@ -134,26 +153,29 @@ class LLMEngine:
         bound checked before tokenizing (a token stands for at most max_chars_per_token characters)."""
         return self.max_model_len * self.tokenizer.max_chars_per_token
 
-    def tokenize_prompt(self, prompt: str | None, messages: list[dict[str, Any]] | None) -> list[int]:
-        """The prompt ids add_request makes of a text `prompt` or of chat `messages` (exactly one given),
-        computed without holding the GIL while the tokenizer runs: for a caller on another thread, so that
-        the engine loop and the worker's heartbeats go on while a long prompt is tokenized."""
-        return self._text_ids(prompt, messages, release_gil=True)
+    def tokenize_prompt(self, prompt: str | None, messages: list[dict[str, Any]] | None,
+                        params: SamplingParams) -> list[int]:
+        """The prompt ids add_request makes of a text `prompt` or of chat `messages` (exactly one given) for a
+        request with `params`, computed without holding the GIL while the tokenizer runs: for a caller on
+        another thread, so that the engine loop and the worker's heartbeats go on while a long prompt is
+        tokenized."""
+        return self._text_ids(prompt, messages, _template_kwargs(params), release_gil=True)
 
-    def _text_ids(self, prompt: str | None, messages: list[dict[str, Any]] | None, release_gil: bool) -> list[int]:
+    def _text_ids(self, prompt: str | None, messages: list[dict[str, Any]] | None,
+                  template_kwargs: dict[str, Any] | None, release_gil: bool) -> list[int]:
         if messages is not None:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}))
             return self.tokenizer.encode(text, add_special_tokens=False, release_gil=release_gil)
         if not isinstance(prompt, str):
             raise InvalidRequest("prompt must be a string")
         return self.tokenizer.encode(prompt, release_gil=release_gil)
 
     def _prompt_ids(self, prompt: str | None, token_ids: Sequence[int] | None,
-                    messages: list[dict[str, Any]] | None) -> list[int]:
+                    messages: list[dict[str, Any]] | None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
         if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
             raise InvalidRequest("give exactly one of prompt, prompt_token_ids or messages")
         if messages is not None or prompt is not None:
-            return self._text_ids(prompt, messages, release_gil=False)
+            return self._text_ids(prompt, messages, template_kwargs, release_gil=False)
         assert token_ids is not None
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
             raise InvalidRequest("prompt_token_ids must be integers")
@@ -204,7 +226,7 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------------
     # Synchronous: schedule, launch, wait, update. Async scheduling keeps one step in flight: step()
-    # schedules and launches step N+1 (against placeholders for the tokens step N is sampling), then
+    # schedules and launches step N+1 (with the tokens step N is sampling still in flight), then
     # waits for step N and emits its outputs while N+1 runs on the device.
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
@@ -224,31 +246,36 @@ class LLMEngine:
         if not batch.requests:
             return None
         prev = self._inflight[-1].pending if self._inflight else None
-        pending = self.runner.launch(batch, self.eos_token_ids, prev)
-        return _Launched(batch, self.scheduler.begin_step(batch), pending)
+        observer = self.step_observer
+        if observer is None:
+            pending = self.runner.launch(batch, self.eos_token_ids, prev)
+        else:
+            t0 = time.perf_counter()
+            pending = self.runner.launch(batch, self.eos_token_ids, prev)
+            observer(StepRecord(batch, time.perf_counter() - t0))
+        self.scheduler.begin_step(batch)
+        return _Launched(batch, pending)
 
     def _complete(self, launched: _Launched) -> list[RequestOutput]:
-        """Wait for a launched step, put its tokens in place of their placeholders and emit them."""
+        """Wait for a launched step, append its tokens to their requests and emit them."""
         result = launched.pending.result()
         batch = launched.batch
-        slots, logprobs = dict(zip(batch.requests, launched.slots)), dict(zip(batch.requests, result.logprobs))
+        logprobs = dict(zip(batch.requests, result.logprobs))
         outputs = []
-        for req in self.scheduler.commit(batch, launched.slots, result.sampled):
+        for req in self.scheduler.commit(batch, result.sampled):
             live = self._live[req.request_id]
             assert live.req is req, "a committed request is the live one (finished ones are skipped)"
             lp = logprobs[req]
             if lp is not None:
                 live.logprobs.append(lp)
-            slot = slots[req]
-            assert slot is not None
-            out = self._emit(live, slot - req.num_prompt_tokens)
-            if out is not None:
-                outputs.append(out)
+            outputs.append(self._emit(live))
         return outputs
 
-    def _emit(self, live: _Live, first_index: int) -> RequestOutput | None:
-        req = live.req
-        new_ids = req.token_ids[req.num_prompt_tokens + first_index : req.num_known_tokens]
+    def _emit(self, live: _Live) -> RequestOutput:
+        """The delta of the request's known output tokens not emitted yet (stop strings applied)."""
+        req, first_index = live.req, live.emitted
+        new_ids = req.token_ids[req.num_prompt_tokens + first_index :]
+        live.emitted += len(new_ids)
         text = live.held + live.detok.push(new_ids)
         live.held = ""
         stop = self._find_stop(text, req.params.stop) if req.params.stop else None
@@ -330,9 +357,18 @@ class LLMEngine:
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_free_blocks=b.num_free, num_cached_blocks=b.num_cached, num_total_blocks=b.num_blocks,
-            block_size=b.block_size, prefix_cache_queries=b.prefix_queries, prefix_cache_hits=b.prefix_hits,
-            num_preemptions=self.scheduler.num_preemptions,
+            block_size=b.block_size, prefix_cache_queries=self.counters.prefix_cache_queries,
+            prefix_cache_hits=self.counters.prefix_cache_hits, num_preemptions=self.counters.preemptions,
         )
+
+
+def _template_kwargs(params: SamplingParams) -> dict[str, Any]:
+    """Extra chat-template variables of a request (`params.extra["chat_template_kwargs"]`, as the HTTP
+    gateway passes vLLM's parameter of that name)."""
+    kw = params.extra.get("chat_template_kwargs") or {}
+    if not (isinstance(kw, dict) and all(isinstance(k, str) and k.isidentifier() for k in kw)):
+        raise InvalidRequest("chat_template_kwargs must be a mapping of variable names to values")
+    return kw
 
 
 def _accumulate(acc: CompletionOutput, out: RequestOutput) -> None:

@@ -1,6 +1,6 @@
 """Turns a ScheduledBatch into one varlen forward over all its tokens, then samples. `launch` only
 enqueues the work and returns a PendingStep (the sampled ids stay on the device, where the next step
-reads its placeholder inputs); `PendingStep.result()` waits for the tokens on the host.
+reads the inputs that are still in flight); `PendingStep.result()` waits for the tokens on the host.
 
 Owns the device state: model weights, the paged KV cache (one [num_blocks, block_size, Hkv, D] key and
 value tensor per layer) and the sampler."""
@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from tokenmill.kernels.config import configure as configure_kernels
 from tokenmill.worker.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.worker.config import CacheConfig, EngineConfig, ModelArch
-from tokenmill.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from tokenmill.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, graph_batch_sizes, mixed_graph_sizes
 from tokenmill.worker.loader import ModelSource, build_model
-from tokenmill.worker.request import PLACEHOLDER, Request
+from tokenmill.worker.request import Request
 from tokenmill.worker.sampler import Sampler, SamplingMetadata
 from tokenmill.worker.scheduler import ScheduledBatch
 from tokenmill.worker.transfer import HostCopy, ship
@@ -42,11 +45,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
+def make_backend(name: str, device: torch.device, decode_rope_in_attention: bool = True) -> AttentionBackend:
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         from tokenmill.worker.attention.triton_backend import TritonBackend
 
-        return TritonBackend()
+        return TritonBackend(decode_rope_in_attention)
     from tokenmill.worker.attention.torch_ref import TorchRefBackend
 
     return TorchRefBackend()
@@ -61,8 +64,8 @@ class StepResult:
 
 
 class PendingStep:
-    """A launched step. Its sampled ids stay on the device, where the next step reads the inputs of
-    its placeholder tokens; `result()` waits for them on the host."""
+    """A launched step. Its sampled ids stay on the device, where the next step reads those of them
+    that are its inputs (tokens in flight); `result()` waits for them on the host."""
 
     def __init__(self, num_requests: int, rows: dict[Request, int], batch_index: list[int],
                  num_logprobs: list[int | None], sampled: Tensor | None, copy: HostCopy | None) -> None:
@@ -95,12 +98,15 @@ class ModelRunner:
         self.arch: ModelArch = source.arch
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.backend = make_backend(config.attention_backend, self.device)
+        configure_kernels(config.kernels)  # before the first kernel launch (and its per-device decisions)
+        self.backend = make_backend(config.attention_backend, self.device, config.decode_rope_in_attention)
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         self.model = build_model(source, self.backend, self.device, self.dtype)
         self.sampler = Sampler()
         self.sampler.warm_up(self.arch.vocab_size, self.device)
+        self._wants_piecewise = (self.device.type == "cuda" and config.cuda_graphs and config.piecewise_graphs
+                                 and hasattr(self.backend, "split"))
         self.num_blocks = self._size_kv_cache(config.cache)
         shape = (self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
         # Zeroed so that padding rows of a graph replay read finite values.
@@ -115,6 +121,20 @@ class ModelRunner:
                 self.model, self.kv_caches, graph_batch_sizes(config.scheduler.max_num_seqs),
                 -(-max_model_len // self.block_size), max_model_len, self.arch.hidden_size, self.device)
             self.graphs.capture()
+        self.piecewise: PiecewiseGraphs | None = None
+        if self._wants_piecewise:
+            self._capture_piecewise(config)
+
+    def _capture_piecewise(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        sched = config.scheduler
+        self.piecewise = PiecewiseGraphs(self.model, self.backend, self.kv_caches,
+                                         mixed_graph_sizes(sched.max_num_batched_tokens), self.arch.num_heads,
+                                         self.arch.head_dim, self.arch.hidden_size, self.device)
+        self.piecewise.capture()
+        variants = self.piecewise.warm_up_attention(sched.max_num_seqs, self.max_model_len)
+        log.info("piecewise CUDA graphs and %d attention variants ready in %.1f s", variants,
+                 time.perf_counter() - t0)
 
     # -- KV cache sizing --------------------------------------------------------------------------
     @property
@@ -143,12 +163,16 @@ class ModelRunner:
         cache what is left of `utilization * total`."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
         self._profile_step()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         other = total - free - torch.cuda.memory_reserved(self.device)  # other processes, CUDA context
-        return int(total * utilization - peak - max(other, 0))
+        # The piecewise graphs' pool holds the activations of their largest bucket (max_num_batched_tokens
+        # tokens): as much again as the worst-case step, kept apart from the caching allocator's memory.
+        graph_pool = peak - before if self._wants_piecewise else 0
+        return int(total * utilization - peak - graph_pool - max(other, 0))
 
     @torch.inference_mode()
     def _profile_step(self) -> None:
@@ -172,30 +196,28 @@ class ModelRunner:
     # sampled ids come back through `HostCopy`: the host never waits for the stream while it prepares
     # a step, so it can prepare step N+1 while step N runs.
     def _host_inputs(self, batch: ScheduledBatch, prev: PendingStep | None) -> _HostInputs:
-        """Token ids, positions and attention metadata of `batch` as CPU tensors. A placeholder input
-        (always the last token of a chunk: placeholders trail) is left 0 and noted, with the row of
-        `prev`'s sampled ids that holds its value."""
+        """Token ids, positions and attention metadata of `batch` as CPU tensors. An input still in flight
+        (only ever the last token of a chunk: in-flight tokens trail the known ones) is left 0 and noted,
+        with the row of `prev`'s sampled ids that holds its value. Positions and slots are computed for all
+        tokens at once (numpy), so a step's host cost does not grow with its prompt tokens."""
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
         fix_index: list[int] = []
         fix_source: list[int] = []
-        bs = self.block_size
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
             chunk = req.token_ids[start : start + n]
-            if chunk[-1] == PLACEHOLDER:
+            if len(chunk) < n:
                 fix_index.append(len(ids) + n - 1)
                 fix_source.append(_source_row(prev, req))
-                chunk[-1] = 0
+                chunk.append(0)
             ids.extend(chunk)
-            pos = range(start, start + n)
-            positions.extend(pos)
-            slots.extend(req.block_ids[p // bs] * bs + p % bs for p in pos)
         q_lens = list(batch.num_new_tokens)
-        seq_lens = [r.num_computed_tokens + n for r, n in zip(batch.requests, q_lens)]
-        tensors = _attention_host(q_lens, seq_lens, [r.block_ids for r in batch.requests], slots)
-        tensors |= {"input_ids": _i64(ids), "positions": _i64(positions),
+        starts = [r.num_computed_tokens for r in batch.requests]
+        seq_lens = [s + n for s, n in zip(starts, q_lens)]
+        tables = _block_table(r.block_ids for r in batch.requests)
+        positions, slots = _positions_and_slots(np.asarray(q_lens), np.asarray(starts), tables, self.block_size)
+        tensors = _attention_host(q_lens, seq_lens, tables, slots)
+        tensors |= {"input_ids": _i64(ids), "positions": torch.from_numpy(positions),
                     "fix_index": _i64(fix_index), "fix_source": _i64(fix_source)}
         return _HostInputs(tensors, q_lens, seq_lens)
 
@@ -207,35 +229,25 @@ class ModelRunner:
             ids[dev["fix_index"]] = prev.sampled[dev["fix_source"]]  # on the device, after prev's sampler
         return ids, dev["positions"], _attention_meta(dev, host.q_lens, host.seq_lens)
 
-    def prepare(self, batch: ScheduledBatch, prev: PendingStep | None = None,
-                ) -> tuple[Tensor, Tensor, AttentionMetadata]:
-        """Flattened input ids [T], positions [T] and attention metadata for the batch."""
-        host = self._host_inputs(batch, prev)
-        return self._device_inputs(ship(host.tensors, self.device), host, prev)
-
     def _forward(self, ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         if self.graphs is not None and meta.is_decode_only and self.graphs.bucket(meta.num_seqs) is not None:
             return self.graphs.run(ids, positions, meta)
+        if self.piecewise is not None and self.piecewise.bucket(ids.shape[0]) is not None:
+            return self.piecewise.run(ids, positions, meta)
         return self.model(ids, positions, self.kv_caches, meta)
-
-    @torch.inference_mode()
-    def forward_hidden(self, batch: ScheduledBatch) -> tuple[Tensor, AttentionMetadata]:
-        """Hidden states [T, hidden] of every scheduled token (KV written to the cache)."""
-        ids, positions, meta = self.prepare(batch)
-        return self._forward(ids, positions, meta), meta
 
     def _host_sampling(self, reqs: list[Request], eos_token_ids: tuple[int, ...], prev: PendingStep | None,
                        ) -> tuple[SamplingMetadata, dict[str, Tensor]]:
-        """SamplingMetadata on the CPU plus, for penalties, where placeholder outputs go: a placeholder
-        is padded (pad id V counts for nothing) and filled on the device from `prev`'s sampled ids."""
+        """SamplingMetadata on the CPU plus, for penalties, where in-flight outputs go: one is padded (pad
+        id V counts for nothing) and filled on the device from `prev`'s sampled ids."""
         vocab = self.arch.vocab_size
         outputs: list[list[int]] = []
         fix: list[tuple[int, int, int]] = []  # (row, column, row of prev.sampled)
         for row, r in enumerate(reqs):
             out = r.output_token_ids
-            if out and out[-1] == PLACEHOLDER:
-                out[-1] = vocab
-                fix.append((row, len(out) - 1, _source_row(prev, r)))
+            if r.num_inflight:
+                fix.append((row, len(out), _source_row(prev, r)))
+                out.append(vocab)
             outputs.append(out)
         meta = SamplingMetadata.build([r.params for r in reqs], [r.prompt_token_ids for r in reqs], outputs,
                                       [r.seed for r in reqs], eos_token_ids, vocab, torch.device("cpu"))
@@ -258,9 +270,9 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
                prev: PendingStep | None = None) -> PendingStep:
-        """Enqueue the forward and sampling of `batch` without waiting for the device. Inputs that are
-        placeholders are read on the device from `prev`, which must be the step launched just before
-        (it samples them). Call before the scheduler marks the batch launched (`begin_step`)."""
+        """Enqueue the forward and sampling of `batch` without waiting for the device. Inputs still in
+        flight are read on the device from `prev`, which must be the step launched just before (it
+        samples them). Call before the scheduler marks the batch launched (`begin_step`)."""
         sampling = [i for i in range(len(batch.requests)) if batch.samples(i)]
         reqs = [batch.requests[i] for i in sampling]
         host = self._host_inputs(batch, prev)
@@ -281,8 +293,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits_for_all(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits [T, vocab] of every scheduled token (tests compare chunked and whole prefill)."""
-        hidden, _ = self.forward_hidden(batch)
+        """Logits [T, vocab] of every scheduled token of a batch without tokens in flight (tests compare
+        chunked and whole prefill). KV is written to the cache; nothing is sampled."""
+        host = self._host_inputs(batch, None)
+        hidden = self._forward(*self._device_inputs(ship(host.tensors, self.device), host, None))
         return self.model.compute_logits(hidden)
 
 
@@ -297,9 +311,9 @@ def _i64(vals: Sequence[int]) -> Tensor:
 
 
 def _source_row(prev: PendingStep | None, req: Request) -> int:
-    """Row of `prev`'s sampled ids that holds `req`'s placeholder token."""
-    assert prev is not None and req in prev.rows and req.num_placeholders == 1, \
-        f"{req.request_id}: a placeholder input whose sampling step is not the previous one"
+    """Row of `prev`'s sampled ids that holds `req`'s token in flight."""
+    assert prev is not None and req in prev.rows and req.num_inflight == 1, \
+        f"{req.request_id}: an input in flight whose sampling step is not the previous one"
     return prev.rows[req]
 
 
@@ -307,17 +321,37 @@ def attention_metadata(q_lens: list[int], seq_lens: list[int], tables: list[list
                        device: torch.device) -> AttentionMetadata:
     """AttentionMetadata on `device` from host lists (one shipped copy): query and context lengths per
     request, each request's block ids, and the cache slot of every new token."""
-    return _attention_meta(ship(_attention_host(q_lens, seq_lens, tables, slots), device), q_lens, seq_lens)
+    host = _attention_host(q_lens, seq_lens, _block_table(tables), np.asarray(slots, dtype=np.int64))
+    return _attention_meta(ship(host, device), q_lens, seq_lens)
 
 
-def _attention_host(q_lens: list[int], seq_lens: list[int], tables: list[list[int]],
-                    slots: list[int]) -> dict[str, Tensor]:
-    width = max(len(t) for t in tables)
+def _block_table(tables: Iterable[list[int]]) -> np.ndarray:
+    """[B, max blocks] int32, rows padded with block 0."""
+    rows = list(tables)
+    out = np.zeros((len(rows), max(len(t) for t in rows)), dtype=np.int32)
+    for i, t in enumerate(rows):
+        out[i, : len(t)] = t
+    return out
+
+
+def _positions_and_slots(q_lens: np.ndarray, starts: np.ndarray, tables: np.ndarray,
+                         block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per token of the flattened batch: its position (request i's tokens are starts[i] .. starts[i] + q_lens[i]
+    - 1) and its cache slot (block of that position in the request's table row * block_size + offset). int64."""
+    req = np.repeat(np.arange(len(q_lens)), q_lens)  # [T] request of each token
+    first = np.cumsum(q_lens) - q_lens  # [B] row of each request's first token
+    positions = (np.arange(len(req)) - first[req] + starts[req]).astype(np.int64)
+    slots = tables[req, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return positions, slots
+
+
+def _attention_host(q_lens: list[int], seq_lens: list[int], tables: np.ndarray,
+                    slots: np.ndarray) -> dict[str, Tensor]:
     return {
         "query_start_loc": torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32),
         "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
-        "block_tables": torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        "slot_mapping": _i64(slots),
+        "block_tables": torch.from_numpy(tables),
+        "slot_mapping": torch.from_numpy(slots),
     }
 
 

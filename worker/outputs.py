@@ -51,15 +51,3 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     usage: Usage | None = None
 
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_cached_blocks: int  # unreferenced blocks kept for prefix reuse (evictable)
-    num_total_blocks: int
-    block_size: int
-    prefix_cache_queries: int  # full prompt blocks looked up
-    prefix_cache_hits: int  # of those, found cached
-    num_preemptions: int

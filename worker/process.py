@@ -5,22 +5,20 @@ Two threads, two DEALER sockets to the broker's backend:
   forwards the engine loop's READY to the broker (an inproc PULL), and sends a HEARTBEAT with the latest
   load every interval, so a long engine step never looks like death. When the broker is silent for
   `liveness` intervals (or tells it to re-register) it asks the engine loop to reset (abort everything),
-  drops the loop's output until the loop hands it a fresh READY, and (when silent) reconnects with a new
+  sends no heartbeat until the loop hands it a fresh READY, and (when silent) reconnects with a new
   socket (Paranoid Pirate).
 - the engine loop (the main thread) drains its queue (SUBMIT -> add_request, CANCEL -> abort_request),
   runs one engine step, and sends one TOKENS message per step (plus FINISHED/ERROR when any) on its own
   data socket, whose routing id its READY names (`Ready.data_id`; a new socket and id at every reset, so
-  the output of an aborted generation never arrives under a new registration). Sending from the engine
-  thread saves the hop through the IO thread, which needs the GIL several times per message (wake, recv,
-  send) while the next step's Python holds it: on the H200 host that hop cost ~0.3 ms per message even
-  with the loop waiting for it (`broker_bench --worker real`). With `data_socket=False` the output goes
-  through the IO thread instead and the loop waits (at most `handoff_wait`) until it was forwarded.
+  the output of an aborted generation never arrives under a new registration). Output never goes through
+  the IO thread: that hop needs the GIL several times per message (wake, recv, send) while the next
+  step's Python holds it (measured: benchmarks/results/cpu/broker_relay_realworker*.md).
 
 A request is `"{job_id}#{attempt}"` inside the engine, so a stale attempt never collides with a new one.
 A malformed or invalid job is answered with ERROR for that job alone; a prompt that cannot fit the
 context is refused from its length before it is tokenized, and a long text prompt is tokenized off the
-engine loop (worker/prompt_guard.py), so no prompt stalls the loop or the heartbeats. An exception in the IO thread is
-re-raised in the main thread, which exits non-zero.
+engine loop (worker/prompt_guard.py), so no prompt stalls the loop or the heartbeats. An exception in
+the IO thread is re-raised in the main thread, which exits non-zero.
 """
 
 from __future__ import annotations
@@ -79,12 +77,12 @@ class WorkerOptions:
     curve_server_key: bytes | None = None
     curve_keypair: tuple[bytes, bytes] | None = None
     idle_wait: float = 0.05  # the loop's longest sleep when it has nothing to run
-    # The engine loop sends its output on its own DEALER (see the module docstring); False: through the IO
-    # thread, after which the loop waits (GIL released) until it was forwarded, at most `handoff_wait` s (0:
-    # no wait; without it the IO thread waits for the GIL while the loop runs the next step's Python: up to
-    # ms per message, broker_bench --worker real).
-    data_socket: bool = True
-    handoff_wait: float = 0.002
+
+    def __post_init__(self) -> None:
+        if not self.heartbeat_interval > 0 or not self.idle_wait > 0:
+            raise ValueError("heartbeat_interval and idle_wait must be positive")
+        if self.liveness < 1 or self.capacity < 0:
+            raise ValueError(f"liveness must be >= 1 and capacity >= 0, got {self.liveness} and {self.capacity}")
 
 
 def open_dealer(ctx: zmq.Context, opts: WorkerOptions, routing_id: str) -> zmq.Socket:
@@ -111,7 +109,7 @@ class _Reset:
 
 class IOThread(threading.Thread):
     """Owns the control socket to the broker. Talks to the engine loop through `inbound` (a queue) and the
-    inproc PUSH/PULL pair at `outbox_addr` (frames already encoded)."""
+    inproc PUSH/PULL pair at `outbox_addr` (the loop's READY, already encoded)."""
 
     def __init__(self, ctx: zmq.Context, opts: WorkerOptions, outbox_addr: str) -> None:
         super().__init__(name="tokenmill-worker-io", daemon=True)
@@ -120,13 +118,12 @@ class IOThread(threading.Thread):
         self.error: BaseException | None = None
         self.load = p.WorkerHeartbeat()  # replaced (atomically) by the engine loop after each step
         self._stopping = threading.Event()
-        self.forwarded = threading.Event()  # set after each pass over the outbox (see EngineLoop._emit)
         self.say_goodbye = True  # send DISCONNECT on the way out (False: the engine loop sent it)
         self._outbox = ctx.socket(zmq.PULL)
         self._outbox.bind(outbox_addr)
         self._dealer: zmq.Socket | None = None
         self._poller = zmq.Poller()
-        self._awaiting_ready = True  # engine output is dropped until the loop's READY goes out
+        self._awaiting_ready = True  # no heartbeat until the loop's READY goes out
         self._last_heard = time.monotonic()
         self._next_heartbeat = 0.0
 
@@ -188,23 +185,14 @@ class IOThread(threading.Thread):
             self._dealer.send_multipart(frames, zmq.NOBLOCK)
 
     def _forward_outbox(self) -> None:
-        try:
-            self._forward_some()
-        finally:
-            self.forwarded.set()
-
-    def _forward_some(self) -> None:
         for _ in range(1000):
             try:
                 frames = self._outbox.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            is_ready = frames[1] == bytes((p.Cmd.W_READY,))
-            if self._awaiting_ready and not is_ready:
-                continue  # output of requests the reset is aborting: the broker would drop it anyway
-            if is_ready:
-                self._awaiting_ready = False
-                self._next_heartbeat = time.monotonic() + self.opts.heartbeat_interval
+            assert frames[1] == bytes((p.Cmd.W_READY,)), "only READY goes through the IO thread"
+            self._awaiting_ready = False
+            self._next_heartbeat = time.monotonic() + self.opts.heartbeat_interval
             self._send(frames)
 
     def _read_broker(self) -> None:
@@ -245,17 +233,19 @@ class IOThread(threading.Thread):
 
 
 class EngineLoop:
-    """Drives the engine on the calling thread; see the module docstring. Without `ctx` (tests) the output
-    goes to `outbox` whatever `opts.data_socket` says."""
+    """Drives the engine on the calling thread; see the module docstring. `outbox` carries its READY to the
+    IO thread; its output goes out on the data socket it opens (from `ctx`) at each reset."""
 
     def __init__(self, engine: EngineLike, io: IOThread, outbox: zmq.Socket, opts: WorkerOptions,
-                 ready: p.Ready, ctx: zmq.Context | None = None) -> None:
+                 ready: p.Ready, ctx: zmq.Context) -> None:
         self.engine, self.io, self.outbox, self.opts = engine, io, outbox, opts
         self.ready = ready
         self.ctx = ctx
-        self.data: zmq.Socket | None = None  # the data socket, opened at each reset (with ctx and data_socket)
+        self.data: zmq.Socket | None = None  # the data socket, opened at each reset
         self.active: dict[str, tuple[str, int]] = {}  # engine request id -> (job id, attempt)
         self.stopping = threading.Event()
+        self.steps = 0  # engine steps run (the heartbeat's progress counter)
+        self._byte_table: Callable[[int], list[int]] | None = None  # token id -> its bytes (_token_bytes)
         # Jobs whose prompt the tokenizer thread is working on (engine request id -> job, params); results
         # for ids not here (cancelled, or from before a reset: `generation` counts resets) are dropped.
         self.tokenizing: dict[str, tuple[p.WorkerSubmit, SamplingParams]] = {}
@@ -272,6 +262,7 @@ class EngineLoop:
             self._drain_inbound(block=not self.engine.has_unfinished_requests())
             if self.engine.has_unfinished_requests():
                 self._emit(self.engine.step())
+                self.steps += 1
             self._publish_load()
 
     def _drain_inbound(self, block: bool) -> None:
@@ -308,13 +299,11 @@ class EngineLoop:
         self.generation += 1
         if n:
             log.info("worker_reset", aborted=n)
-        ready = self.ready
-        if self.ctx is not None and self.opts.data_socket:
-            self.close()
-            data_id = f"{self.opts.name}-{secrets.token_hex(4)}/data"
-            self.data = open_dealer(self.ctx, self.opts, data_id)
-            ready = dataclasses.replace(ready, data_id=data_id)
-        self.outbox.send_multipart(p.encode(ready))  # through the IO thread: it stops dropping output
+        self.close()
+        data_id = f"{self.opts.name}-{secrets.token_hex(4)}/data"
+        self.data = open_dealer(self.ctx, self.opts, data_id)
+        # through the IO thread, on the control socket: the broker learns the data socket from it
+        self.outbox.send_multipart(p.encode(dataclasses.replace(self.ready, data_id=data_id)))
 
     def close(self, goodbye: bool = False) -> bool:
         """Close the data socket, if open: at a reset, dropping unsent output (its requests were aborted);
@@ -341,7 +330,7 @@ class EngineLoop:
             self._push(p.JobError(msg.job_id, msg.attempt, "invalid", too_long))
         elif self.tokenizer is not None and msg.input.text_chars() > INLINE_TOKENIZE_CHARS:
             self.tokenizing[rid] = (msg, params)
-            self.tokenizer.submit(rid, self.generation, msg.input)
+            self.tokenizer.submit(rid, self.generation, msg.input, params)
         else:
             self._add(rid, msg, params, msg.input.prompt, msg.input.prompt_token_ids, msg.input.messages)
 
@@ -368,8 +357,7 @@ class EngineLoop:
 
     def _emit(self, outputs: list[Any]) -> None:
         """One TOKENS message for the step, then FINISHED and ERRORs (after the tokens they follow), on the
-        data socket; or through the IO thread and then, with `handoff_wait`, wait (GIL and core released)
-        until it has forwarded them."""
+        data socket."""
         attempts: list[int] = []  # the TOKENS body's two columns (p.Tokens), built without TokenChunks
         entries: list[list[Any]] = []
         finished: list[p.FinishedJob] = []
@@ -383,7 +371,8 @@ class EngineLoop:
             if out.new_token_ids or out.text_delta:
                 lps = None
                 if out.logprobs is not None:
-                    lps = [[[int(t), float(v)] for t, v in d.items()] for d in out.logprobs]
+                    tb = self._token_bytes
+                    lps = [[[int(t), float(v), tb(int(t))] for t, v in d.items()] for d in out.logprobs]
                 attempts.append(attempt)
                 entries.append([job_id, out.first_index, list(out.new_token_ids), out.text_delta, lps])
             if out.finished:
@@ -394,38 +383,47 @@ class EngineLoop:
                     u = out.usage
                     usage = (u.prompt_tokens, u.completion_tokens, u.cached_tokens) if u else (0, 0, 0)
                     finished.append(p.FinishedJob(job_id, attempt, out.finish_reason, out.stop_reason, usage))
-        if not (entries or finished or errors):
-            return
-        wait = 0.0 if self.data is not None else self.opts.handoff_wait
-        if wait > 0:
-            self.io.forwarded.clear()
         if entries:
             self._send(p.encode_tokens(attempts, entries))
         if finished:
             self._push(p.Finished(finished))
         for e in errors:
             self._push(e)
-        if wait > 0:
-            # The IO thread needs the GIL (several times: wake, recv, send) to forward these; if this
-            # thread went on into the next step's Python, each of those would wait up to the switch
-            # interval (5 ms). Blocking here hands it the GIL at once, for the ~0.1 ms it takes.
-            self.io.forwarded.wait(wait)
 
     def _publish_load(self) -> None:
         s = self.engine.stats()
-        self.io.load = p.WorkerHeartbeat(s.num_running, s.num_waiting, s.num_free_blocks, s.num_cached_blocks)
+        self.io.load = p.WorkerHeartbeat(s.num_running, s.num_waiting, s.num_free_blocks, s.num_cached_blocks,
+                                         self.steps, getattr(s, "prefix_cache_queries", 0),
+                                         getattr(s, "prefix_cache_hits", 0), getattr(s, "num_preemptions", 0))
+
+    def _token_bytes(self, token_id: int) -> list[int]:
+        """A token's bytes for a logprobs entry (looked up through the engine's tokenizer)."""
+        if self._byte_table is None:
+            self._byte_table = token_byte_lookup(self.engine)
+        return self._byte_table(token_id)
 
     def _push(self, msg: p.Message) -> None:
         self._send(p.encode(msg))
 
     def _send(self, frames: list[bytes]) -> None:
-        if self.data is None:
-            self.outbox.send_multipart(frames)
-            return
+        assert self.data is not None, "the IO thread's first reset opens the data socket before any SUBMIT"
         # On Again the broker is unreachable and 100k messages are queued; the IO thread's liveness check
         # will reset this loop (as it drops output on its own socket in that case).
         with contextlib.suppress(zmq.Again):
             self.data.send_multipart(frames, zmq.NOBLOCK)
+
+
+def token_byte_lookup(engine: Any) -> Callable[[int], list[int]]:
+    """token id -> its bytes (at most MAX_TOKEN_BYTES) for logprobs entries: the tokenizer's byte table
+    (byte-level BPE), else the UTF-8 of the token decoded alone; [] when the engine has no tokenizer."""
+    n = p.MAX_TOKEN_BYTES
+    tok = getattr(engine, "tokenizer", None)
+    table = getattr(tok, "token_bytes", None)
+    if table is not None:
+        return lambda i: list(table[i][:n]) if 0 <= i < len(table) else []
+    if tok is not None:
+        return lambda i: list(tok.decode([i], skip_special_tokens=False).encode()[:n])
+    return lambda i: []
 
 
 def ready_message(engine: EngineLike, opts: WorkerOptions) -> p.Ready:

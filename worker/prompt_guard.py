@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 
-from tokenmill.protocol import InvalidRequest
+from tokenmill.protocol import InvalidRequest, SamplingParams
 from tokenmill.protocol import wire as p
 
 log = structlog.get_logger("tokenmill.worker")
@@ -46,28 +46,28 @@ class Tokenized:
 
 
 class TokenizerThread(threading.Thread):
-    """Tokenizes text prompts one at a time, in order, with `tokenize(prompt, messages)` (which must not
-    hold the GIL while it works: LLMEngine.tokenize_prompt), and hands each result to `deliver`."""
+    """Tokenizes text prompts one at a time, in order, with `tokenize(prompt, messages, params)` (which must
+    not hold the GIL while it works: LLMEngine.tokenize_prompt), and hands each result to `deliver`."""
 
-    def __init__(self, tokenize: Callable[[str | None, list[dict[str, Any]] | None], list[int]],
+    def __init__(self, tokenize: Callable[[str | None, list[dict[str, Any]] | None, SamplingParams], list[int]],
                  deliver: Callable[[Tokenized], None]) -> None:
         super().__init__(name="tokenmill-worker-tokenizer", daemon=True)
         self._tokenize, self._deliver = tokenize, deliver
-        self._jobs: queue.Queue[tuple[str, int, p.RequestInput] | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[str, int, p.RequestInput, SamplingParams] | None] = queue.Queue()
 
-    def submit(self, rid: str, generation: int, inp: p.RequestInput) -> None:
+    def submit(self, rid: str, generation: int, inp: p.RequestInput, params: SamplingParams) -> None:
         if not self.is_alive():
             self.start()
-        self._jobs.put((rid, generation, inp))
+        self._jobs.put((rid, generation, inp, params))
 
     def stop(self) -> None:
         self._jobs.put(None)
 
     def run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            rid, generation, inp = job
+            rid, generation, inp, params = job
             try:
-                ids: list[int] | None = self._tokenize(inp.prompt, inp.messages)
+                ids: list[int] | None = self._tokenize(inp.prompt, inp.messages, params)
                 error: Exception | None = None
             except (InvalidRequest, ValueError, TypeError) as e:
                 ids, error = None, e

@@ -7,9 +7,6 @@ from dataclasses import dataclass, field
 
 from tokenmill.protocol.sampling import SamplingParams
 
-# Stands in `token_ids` for a token that a launched step is still sampling (async scheduling).
-PLACEHOLDER = -1
-
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -20,13 +17,12 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """Invariant: `token_ids == prompt + output`; the first `num_computed_tokens` of them have their
-    keys/values in the blocks `block_ids` (block j holds tokens j*block_size ..). A request is
-    scheduled until `num_computed_tokens == num_tokens`; the step that reaches it samples one token.
-
-    While steps are in flight, the last one or two output tokens may be PLACEHOLDERs: one per launched
-    step that samples this request, in launch order, never before a real token. Counts include them
-    (the scheduler plans with them); `num_known_tokens` does not."""
+    """Invariant: `token_ids == prompt + known output`, followed by `num_inflight` output tokens that
+    launched steps are still sampling (async scheduling: one per step in flight, at most two; they land
+    in launch order). `num_tokens` counts both: the scheduler plans with the in-flight ones. The first
+    `num_computed_tokens` of them have their keys/values in the blocks `block_ids` (block j holds tokens
+    j*block_size ..). A request is scheduled until `num_computed_tokens == num_tokens`; the step that
+    reaches it samples one token."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -34,7 +30,8 @@ class Request:
     seed: int  # resolved sampling seed: token k is a function of (seed, k, logits)
     arrival_seq: int  # engine-wide admission counter: FCFS order and "latest arrived" for preemption
     priority: int = 0  # lower is served first under the "priority" policy
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # known tokens only
+    num_inflight: int = 0
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full token blocks
@@ -55,26 +52,21 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_placeholders(self) -> int:
-        """Trailing PLACEHOLDER tokens: output tokens whose sampling step has not come back yet."""
-        n = 0
-        while n < len(self.token_ids) and self.token_ids[-1 - n] == PLACEHOLDER:
-            n += 1
-        return n
+        """Known and in-flight tokens."""
+        return len(self.token_ids) + self.num_inflight
 
     @property
     def num_known_tokens(self) -> int:
-        return self.num_tokens - self.num_placeholders
+        return len(self.token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
+        """The known output tokens (a copy)."""
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
+        """Known and in-flight output tokens."""
         return self.num_tokens - self.num_prompt_tokens
 
     @property

@@ -232,9 +232,9 @@ RaceFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 class Sampler:
     """Call with [N, V] logits and the step's metadata. Never modifies `logits`.
 
-    `use_compile`: fuse the min-p filter and the exponential race with torch.compile (about 10x faster at
-    N=256, V=152k on an H200; integer hashing makes it bit-identical to eager). None = only for CUDA
-    logits. If compiling fails, the sampler logs it and stays eager."""
+    `use_compile`: fuse the min-p filter and the exponential race with torch.compile (several times faster
+    on CUDA; integer hashing makes it bit-identical to eager). None = only for CUDA logits. If compiling
+    fails, the sampler logs it and stays eager."""
 
     def __init__(self, use_compile: bool | None = None) -> None:
         self._compile = use_compile
@@ -323,9 +323,9 @@ _ARGMAX_CHUNK = 1024
 
 def greedy_argmax(x: Tensor, two_stage: bool | None = None) -> Tensor:
     """x.argmax(-1) of [N, V] -> [N] i64 (first index of the maximum), in two stages for a large
-    vocabulary on CUDA: torch reduces a whole row in one thread block (~28 us for V=128k on an H200),
-    while [N, V/C, C] chunk maxima then a max over chunks spread the row over many blocks (two-stage with
-    C = 4096 took 2 x 9.8 us: too few chunks to fill the GPU)."""
+    vocabulary on CUDA: torch reduces a whole row in one thread block, while [N, V/C, C] chunk maxima then a
+    max over chunks spread the row over many blocks (C = _ARGMAX_CHUNK; a larger C makes too few chunks to
+    fill the GPU). H200 figures: benchmarks/results/h200/NOTES.md, "Figures behind the code's rules"."""
     n, v = x.shape
     if two_stage is None:
         two_stage = x.is_cuda and v >= 32 * _ARGMAX_CHUNK

@@ -3,11 +3,10 @@ its total tokens (prompt + output). A step spends a token budget on running requ
 and unfinished prefill chunks, in queue order), then admits waiting requests, chunking long prompts.
 
 A step's life: `schedule()`, the model runner reads the batch and launches it, `begin_step()` counts
-its tokens as computed and gives each sampling request a PLACEHOLDER for the token it will sample,
-`commit()` puts the sampled tokens in place and applies the stop rules. With async scheduling the next
-`schedule()` runs between `begin_step` and `commit`, so it plans with the placeholders (a decode of a
-placeholder reads its input on the device); `update()` is begin_step + commit for a step already run.
-Torch-free."""
+its tokens as computed and one more in-flight token for each request that samples, `commit()` appends
+the sampled tokens and applies the stop rules. With async scheduling the next `schedule()` runs between
+`begin_step` and `commit`, so it plans with the in-flight tokens (a decode of one reads its input on the
+device). Torch-free."""
 
 from __future__ import annotations
 
@@ -17,7 +16,8 @@ from typing import NamedTuple
 
 from tokenmill.worker.block_manager import BlockManager, extend_block_hashes
 from tokenmill.worker.config import SchedulerConfig
-from tokenmill.worker.request import PLACEHOLDER, Request, RequestStatus
+from tokenmill.worker.metrics import EngineCounters
+from tokenmill.worker.request import Request, RequestStatus
 
 
 class ScheduledBatch(NamedTuple):
@@ -40,7 +40,7 @@ class ScheduledBatch(NamedTuple):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_model_len: int,
-                 eos_token_ids: Iterable[int] = ()) -> None:
+                 eos_token_ids: Iterable[int] = (), counters: EngineCounters | None = None) -> None:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.blocks = blocks
@@ -48,7 +48,7 @@ class Scheduler:
         self.by_priority = config.policy == "priority"
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []  # sorted by sort_key
-        self.num_preemptions = 0
+        self.counters = counters if counters is not None else EngineCounters()  # preemptions
 
     # -- queue management -----------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -64,7 +64,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
-        del req.token_ids[req.num_known_tokens :]  # a token still being sampled is discarded
+        req.num_inflight = 0  # a token still being sampled is discarded
         self.blocks.free(req)
 
     def has_unfinished(self) -> bool:
@@ -81,7 +81,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         victim.status = RequestStatus.PREEMPTED
-        self.num_preemptions += 1
+        self.counters.preemptions += 1
         self._insert(self.waiting, victim)
 
     # -- the step -------------------------------------------------------------------------------
@@ -103,9 +103,9 @@ class Scheduler:
         return batch
 
     def _ends_in_flight(self, req: Request) -> bool:
-        """Its last uncomputed token is a placeholder that will finish it by length whatever its value:
+        """Its last uncomputed token is in flight and will finish it by length whatever its value:
         computing it would only produce a token to discard."""
-        if not req.num_placeholders:
+        if not req.num_inflight:
             return False
         return req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len
 
@@ -141,7 +141,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             # A request preempted with a token in flight gets it (commit) before it can be admitted.
-            assert not req.num_placeholders, f"{req.request_id} is admitted with a placeholder"
+            assert not req.num_inflight, f"{req.request_id} is admitted with a token in flight"
             cached = self.blocks.find_cached_prefix(req)
             num_computed = len(cached) * self.blocks.block_size
             remaining = req.num_tokens - num_computed
@@ -173,67 +173,43 @@ class Scheduler:
         batch.failed.append(req)
 
     # -- after the launch -----------------------------------------------------------------------
-    def begin_step(self, batch: ScheduledBatch) -> list[int | None]:
-        """The batch is launched (the runner has read it): count its tokens as computed and append a
-        placeholder to each request that samples. Returns per request the index of that placeholder in
-        `token_ids` (None: no sample). Blocks are registered for prefix reuse only at `commit`.
+    def begin_step(self, batch: ScheduledBatch) -> None:
+        """The batch is launched (the runner has read it): count its tokens as computed and one token in
+        flight for each request that samples. Blocks are registered for prefix reuse only at `commit`.
 
         Counting in-flight tokens as computed is safe: every later step that reads or reuses these
         blocks (a decode, a prefix hit, a block freed and handed to another request) runs after this
         one on the device's stream."""
-        slots: list[int | None] = []
         for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            if req.is_finished:  # aborted before the launch was recorded (update() callers)
-                slots.append(None)
-                continue
-            samples = batch.samples(i)
+            assert not req.is_finished, f"{req.request_id} finished between schedule() and its launch"
+            if batch.samples(i):  # before the counts below change
+                req.num_inflight += 1
             req.num_computed_tokens += n
-            slots.append(self._add_placeholder(req) if samples else None)
-        return slots
 
-    @staticmethod
-    def _add_placeholder(req: Request) -> int:
-        req.token_ids.append(PLACEHOLDER)
-        return req.num_tokens - 1
-
-    def commit(self, batch: ScheduledBatch, slots: list[int | None], sampled: Iterable[int | None],
-               ) -> list[Request]:
-        """The step's tokens are in: replace each placeholder, register full computed blocks for prefix
-        reuse and finish requests on EOS / stop ids / length. Returns the requests that got a token.
+    def commit(self, batch: ScheduledBatch, sampled: Iterable[int | None]) -> list[Request]:
+        """The step's tokens are in (None for a request that did not sample): append each, register full
+        computed blocks for prefix reuse and finish requests on EOS / stop ids / length. Returns the
+        requests that got a token. Steps commit in launch order, so a request's tokens land in order.
         A request finished meanwhile (abort, a stop found one step late) is skipped: `finish` dropped
-        its placeholders, so its token is discarded. A preempted one keeps its token."""
+        its in-flight tokens, so its token is discarded. A preempted one keeps its token."""
         got_token: list[Request] = []
-        for req, slot, token in zip(batch.requests, slots, sampled):
+        for req, token in zip(batch.requests, sampled):
             if req.is_finished:
                 continue
-            assert (slot is None) == (token is None), f"{req.request_id}: sample without placeholder"
-            if slot is not None and token is not None:
-                assert req.token_ids[slot] == PLACEHOLDER
-                req.token_ids[slot] = token
-                self._hash_full_blocks(req)
+            if token is not None:
+                assert req.num_inflight > 0, f"{req.request_id}: a token that no launched step was sampling"
+                req.token_ids.append(token)
+                req.num_inflight -= 1
+                extend_block_hashes(req, self.blocks.block_size)
             self.blocks.cache_computed_blocks(req)
-            if slot is not None and token is not None:
+            if token is not None:
                 got_token.append(req)
                 self._check_stop(req, token)
         return got_token
 
-    def update(self, batch: ScheduledBatch, sampled: Iterable[int | None]) -> list[Request]:
-        """begin_step + commit for a step that has already run: advance computed counts, append
-        sampled tokens (None for requests that did not sample) and finish requests on EOS / stop ids /
-        length. Returns the requests that got a token."""
-        return self.commit(batch, self.begin_step(batch), sampled)
-
-    def _hash_full_blocks(self, req: Request) -> None:
-        """Hash the newly full blocks of known tokens: a block hash never covers a placeholder."""
-        k = req.num_placeholders
-        tail = req.token_ids[len(req.token_ids) - k :]
-        del req.token_ids[len(req.token_ids) - k :]
-        extend_block_hashes(req, self.blocks.block_size)
-        req.token_ids += tail
-
     def _check_stop(self, req: Request, token: int) -> None:
         p = req.params
-        n_out = req.num_output_tokens - req.num_placeholders
+        n_out = req.num_known_tokens - req.num_prompt_tokens
         if n_out >= p.min_tokens:
             if token in p.stop_token_ids:
                 return self.finish(req, "stop", token)

@@ -5,14 +5,20 @@ query_start_loc[i]:query_start_loc[i+1]; its context after this step is seq_lens
 last (query_start_loc[i+1]-query_start_loc[i]) are the new ones (so the first new token sits at position
 seq_lens[i] - query_len_i). Keys/values of the new tokens are first written into the paged cache at
 slot_mapping, then each query attends causally to the cached context of its request.
+
+Backends: torch_ref.py (the plain-torch reference of kernels/attention_ref.py, runs anywhere) and
+triton_backend.py (the Triton kernels).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
 
 
 @dataclass
@@ -23,7 +29,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64 on device: block_id * block_size + offset; -1 means "do not write"
     max_query_len: int
     max_seq_len: int
-    # Host copies (lists) so CPU backends and launch heuristics need no device sync.
+    # Host copies (lists) so that launch decisions need no device sync.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
 
@@ -36,38 +42,34 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
-class AttentionBackend(Protocol):
-    """q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D].
-    Returns [T, Hq, D] in q's dtype. Must write k, v into the caches at meta.slot_mapping first."""
+@dataclass(frozen=True)
+class AttentionLayer:
+    """The constants of one attention layer, made once when the model is built (which is on its device:
+    models are never moved, so the table below stays the layer's own)."""
 
-    name: str
-    fuses_rope: bool  # forward_rope does rotary + cache write + attention in fewer passes than the model would
+    scale: float  # softmax scale, usually head_dim ** -0.5
+    sliding_window: int | None  # a query at position p sees keys at positions > p - window; None: all
+    cos_sin_cache: torch.Tensor  # [max_position, D] float32: cos | sin per frequency pair (NeoX layout)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor: ...
 
-    def forward_rope(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-        cos_sin_cache: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> torch.Tensor:
-        """forward() of q and k rotated by positions [T] (cos_sin_cache [max_pos, D] = [cos | sin] per
-        frequency pair, NeoX layout); q and k may be rotated in place."""
-        ...
+class AttentionSplit(Protocol):
+    """Where a piecewise CUDA-graph capture cuts the model: called instead of the attention kernel with
+    q [T, Hq, D] (this step's keys and values already in the caches), it returns the tensor [T, Hq, D] that
+    will hold the attention output when the graph pieces are replayed."""
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                 sliding_window: int | None) -> torch.Tensor: ...
+
+
+class AttentionBackend(ABC):
+    """One attention layer of a step: rotate q and k by `positions`, write this step's k and v into the
+    layer's paged cache at meta.slot_mapping, then let each query attend causally to its request's cached
+    context. q [T, Hq, D], k and v [T, Hkv, D] may be strided views of the fused qkv projection, and q and k
+    may be rotated in place; positions [T] int64; kv_cache = (k_cache, v_cache), each
+    [num_blocks, block_size, Hkv, D]. Returns [T, Hq, D] in q's dtype."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor: ...

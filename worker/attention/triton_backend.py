@@ -1,75 +1,47 @@
-"""Attention backend on the Triton kernels: write the step's k/v into the paged cache, then paged attention.
+"""Attention backend on the Triton kernels: rotary and the step's k/v written into the paged cache, then paged
+attention.
 
 No host sync: launch decisions use the host ints meta.max_query_len / meta.max_seq_len only.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from tokenmill.kernels.kv_cache import write_kv_cache
 from tokenmill.kernels.paged_attention import DecodeRope, paged_attention
 from tokenmill.kernels.rotary import rotary_and_cache
-from tokenmill.worker.attention.backend import AttentionMetadata
+from tokenmill.worker.attention.backend import (
+    AttentionBackend,
+    AttentionLayer,
+    AttentionMetadata,
+    AttentionSplit,
+    KVCache,
+)
 
 
-class TritonBackend:
-    """AttentionBackend: q [T, Hq, D]; k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]."""
-
+class TritonBackend(AttentionBackend):
     name = "triton"
-    fuses_rope = True
-    # decode-only steps fold rotary + cache write into the attention kernel; TOKENMILL_DECODE_ROPE=0 keeps the
-    # separate rotary kernel (A/B measurements)
-    decode_rope_in_attention = os.environ.get("TOKENMILL_DECODE_ROPE", "1") != "0"
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
-        """Returns [T, Hq, D] in q's dtype (a new contiguous tensor)."""
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self._attend(q, k_cache, v_cache, meta, scale, sliding_window)
+    def __init__(self, decode_rope_in_attention: bool = True) -> None:
+        # Decode-only steps fold rotary + cache write into the attention kernel; False keeps the separate
+        # rotary kernel (EngineConfig.decode_rope_in_attention: A/B measurements).
+        self.decode_rope_in_attention = decode_rope_in_attention
+        # Set only while worker/cuda_graphs.py captures piecewise graphs: attention calls go to it instead of
+        # launching (the capture ends a graph piece there and launches attention between the pieces).
+        self.split: AttentionSplit | None = None
 
-    def forward_rope(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-        cos_sin_cache: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> torch.Tensor:
+    def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """Decode-only steps: one kernel rotates q and k, writes k and v into the cache and attends. Other
         steps: one kernel rotates q and k in place and writes the cache, then attention."""
+        k_cache, v_cache = kv_cache
+        rope = None
         if meta.max_query_len == 1 and self.decode_rope_in_attention:
-            rope = DecodeRope(k, v, cos_sin_cache, positions, meta.slot_mapping)
-            return self._attend(q, k_cache, v_cache, meta, scale, sliding_window, rope)
-        rotary_and_cache(q, k, v, cos_sin_cache, positions, k_cache, v_cache, meta.slot_mapping)
-        return self._attend(q, k_cache, v_cache, meta, scale, sliding_window)
-
-    @staticmethod
-    def _attend(
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-        rope: DecodeRope | None = None,
-    ) -> torch.Tensor:
+            rope = DecodeRope(k, v, layer.cos_sin_cache, positions, meta.slot_mapping)
+        else:
+            rotary_and_cache(q, k, v, layer.cos_sin_cache, positions, k_cache, v_cache, meta.slot_mapping)
+            if self.split is not None:
+                return self.split(q, k_cache, v_cache, layer.scale, layer.sliding_window)
         return paged_attention(
             q,
             k_cache,
@@ -77,9 +49,9 @@ class TritonBackend:
             meta.block_tables,
             meta.seq_lens,
             meta.query_start_loc,
-            scale,
+            layer.scale,
             max_query_len=max(1, meta.max_query_len),
             max_seq_len=max(1, meta.max_seq_len),
-            sliding_window=sliding_window,
+            sliding_window=layer.sliding_window,
             rope=rope,
         )

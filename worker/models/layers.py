@@ -1,5 +1,5 @@
 """Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, linear layers behind a
-quantization hook, and the SwiGLU activation.
+quantization hook (worker/quant/), and the SwiGLU activation.
 
 Every module here creates its parameters with an explicit dtype and on the current default device, so a
 model built inside `with torch.device(dev):` owns its weights on `dev` from the start (no second copy).
@@ -9,13 +9,14 @@ Parameters never require grad: this is an inference-only engine.
 from __future__ import annotations
 
 import math
-from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.worker.config import RopeScaling
+from tokenmill.worker.quant.base import LinearMethod
+from tokenmill.worker.quant.unquantized import UnquantizedLinearMethod
 
 
 class ModelLoadError(RuntimeError):
@@ -80,18 +81,11 @@ def llama3_scaled_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tens
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Neox/HF convention: the pairs are (x[i], x[i + D/2]), not adjacent elements."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding with a precomputed cos/sin cache.
+    """The rotary position table of a model, shared by its attention layers (the attention backend rotates).
 
-    cos_sin_cache: [max_position, head_dim] float32: cos of each frequency pair, then sin (the table the
-    fused CUDA kernel reads; the CPU path repeats each half to HF's rotate_half layout).
-    Positions must lie in [0, max_position)."""
+    cos_sin_cache: [max_position, head_dim] float32: cos of each frequency pair, then sin (NeoX layout, as
+    kernels/rotary.py and kernels/attention_ref.py read it). Positions must lie in [0, max_position)."""
 
     cos_sin_cache: torch.Tensor
 
@@ -103,67 +97,6 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_position, dtype=torch.float32)
         angles = torch.outer(positions, inv_freq)  # [max_position, head_dim // 2]
         self.register_buffer("cos_sin_cache", torch.cat((angles.cos(), angles.sin()), dim=-1), persistent=False)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] int64; q: [T, Hq, D]; k: [T, Hkv, D]. Returns rotated (q, k), same dtypes.
-        On CUDA one fused kernel rotates q and k in place (they may be views of the fused qkv output)."""
-        if q.is_cuda:
-            from tokenmill.kernels.rotary import rotary_embedding
-
-            return rotary_embedding(q, k, self.cos_sin_cache, positions)
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # [T, 1, D]
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
-
-
-class LinearMethod(Protocol):
-    """How a linear layer stores its weights and multiplies by them (the quantization hook).
-
-    `create_weights` registers parameters on `layer` (for the unquantized method: weight [out, in] and
-    optionally bias [out]); `apply` maps x [..., in] to [..., out]."""
-
-    def create_weights(
-        self,
-        layer: nn.Module,
-        input_size: int,
-        output_size: int,
-        bias: bool,
-        dtype: torch.dtype,
-        device: torch.device | None,
-    ) -> None: ...
-
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
-
-
-class UnquantizedLinearMethod:
-    """Dense weight [out, in] in the model dtype; y = x @ W^T + b."""
-
-    def create_weights(
-        self,
-        layer: nn.Module,
-        input_size: int,
-        output_size: int,
-        bias: bool,
-        dtype: torch.dtype,
-        device: torch.device | None,
-    ) -> None:
-        layer.register_parameter(
-            "weight", frozen_param(torch.empty(output_size, input_size, dtype=dtype, device=device))
-        )
-        bias_param = frozen_param(torch.zeros(output_size, dtype=dtype, device=device)) if bias else None
-        layer.register_parameter("bias", bias_param)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        weight = cast(torch.Tensor, layer.weight)  # [out, in]
-        bias = cast(torch.Tensor | None, layer.bias)  # [out] or None
-        return F.linear(x, weight, bias)
 
 
 class Linear(nn.Module):
@@ -189,20 +122,47 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
 
+    # Few-token decode (x [M <= 16, in]): the method's fused kernel, or when its format has none, the same
+    # ops unfused through apply(). Either way the weights are only ever touched by the method.
+    def forward_skinny(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.method.apply_skinny(self, x)
+        return self.method.apply(self, x) if y is None else y
+
+    def forward_norm(
+        self, norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(r)), r) with r = h + residual (r = h when residual is None): the residual add and
+        the norm before this projection, as the unfused decoder layer computes them."""
+        fused = self.method.apply_add_rmsnorm(self, h, residual, norm.weight, norm.eps)
+        if fused is not None:
+            return fused
+        x, r = (norm(h), h) if residual is None else norm.add_forward(h, residual)
+        return self.method.apply(self, x), r
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) for gate_up [M, 2 * in] = [gate | up]."""
+        y = self.method.apply_silu_mul(self, gate_up)
+        return self.method.apply(self, silu_and_mul(gate_up)) if y is None else y
+
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, method={type(self.method).__name__}"
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2 * I] = [gate | up] -> silu(gate) * up, [..., I] (one Triton kernel on CUDA)."""
+    if x.is_cuda and x.dim() == 2:
+        from tokenmill.kernels.activation import silu_and_mul as kernel
+
+        return kernel(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class SiluAndMul(nn.Module):
     """x [..., 2 * I] = [gate | up] -> silu(gate) * up, [..., I]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dim() == 2:
-            from tokenmill.kernels.activation import silu_and_mul
-
-            return silu_and_mul(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)
 
 
 class VocabEmbedding(nn.Module):

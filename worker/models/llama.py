@@ -13,22 +13,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.worker.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.worker.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata, KVCache
 from tokenmill.worker.config import ModelArch
 from tokenmill.worker.models.layers import (
     Linear,
-    LinearMethod,
     ModelLoadError,
     RMSNorm,
     RotaryEmbedding,
     SiluAndMul,
     VocabEmbedding,
 )
+from tokenmill.worker.quant.base import LinearMethod
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
 # Steps of at most this many tokens use the fused decode GEMMs (kernels/gemv.py). Measured on the H200
-# (bench_gemv): at 1 token they beat cuBLAS + the separate norm/SwiGLU kernels on all four projections
-# (115 vs 129 us per layer); at 8 tokens cuBLAS wins on qkv, gate_up and down, so batches go to cuBLAS.
+# (bench_gemv): at 1 token they beat cuBLAS + the separate norm/SwiGLU kernels on all four projections; at
+# 8 tokens cuBLAS wins on qkv, gate_up and down, so batches go to cuBLAS (figures: kernels/gemv.py's notes).
 SKINNY_MAX_TOKENS = 1
 
 # HF names that may appear in checkpoints but carry nothing we need.
@@ -36,24 +35,17 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 
 
 class LlamaAttention(nn.Module):
-    def __init__(
-        self,
-        arch: ModelArch,
-        backend: AttentionBackend,
-        rotary: RotaryEmbedding,
-        linear_method: LinearMethod | None,
-        dtype: torch.dtype,
-    ) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding,
+                 linear_method: LinearMethod | None, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
         self.q_size = arch.q_size
         self.kv_size = arch.kv_size
-        self.scale = arch.head_dim**-0.5
-        self.sliding_window = arch.sliding_window
         self.backend = backend
-        self.rotary = rotary  # shared by all layers; holds no parameters
+        # rotary: shared by all layers, holds no parameters; its table is on the model's device already
+        self.spec = AttentionLayer(arch.head_dim**-0.5, arch.sliding_window, rotary.cos_sin_cache)
         self.qkv_proj = Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.qkv_bias,
                                linear_method, dtype=dtype)
         self.o_proj = Linear(arch.q_size, arch.hidden_size, False, linear_method, dtype=dtype)
@@ -81,12 +73,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.backend.fuses_rope and q.is_cuda:
-            out = self.backend.forward_rope(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                            self.sliding_window, self.rotary.cos_sin_cache, positions)
-        else:
-            q, k = self.rotary(positions, q, k)
-            out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        out = self.backend.forward(self.spec, q, k, v, positions, kv_cache, meta)  # rotary inside
         return out.reshape(num_tokens, self.q_size)
 
 
@@ -103,23 +90,18 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self,
-        arch: ModelArch,
-        backend: AttentionBackend,
-        rotary: RotaryEmbedding,
-        linear_method: LinearMethod | None,
-        dtype: torch.dtype,
-    ) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding,
+                 linear_method: LinearMethod | None, dtype: torch.dtype) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype)
         self.self_attn = LlamaAttention(arch, backend, rotary, linear_method, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype)
         self.mlp = LlamaMLP(arch, linear_method, dtype)
-        # Few-token steps (decode) on CUDA with the Triton backend and dense weights go through the fused
-        # skinny-GEMM kernels: each reads its weight once and computes its input on the fly (the norm,
-        # the SwiGLU product), so four projections replace seven kernels per layer.
-        self.skinny_decode = backend.name == "triton" and linear_method is None
+        # Few-token steps (decode) on CUDA with the Triton backend go through the linear methods' fused
+        # decode kernels: each reads its weight once and computes its input on the fly (the norm, the
+        # SwiGLU product), so four projections replace seven kernels per layer. A method whose format has
+        # no such kernel runs the unfused ops there instead (worker/quant/base.py).
+        self.skinny_decode = backend.name == "triton"
 
     def forward(
         self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
@@ -141,15 +123,13 @@ class LlamaDecoderLayer(nn.Module):
         self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward() for T <= SKINNY_MAX_TOKENS with the fused kernels; same numerics."""
-        from tokenmill.kernels.gemv import add_rmsnorm_matmul, silu_mul_matmul, skinny_matmul
-
-        attn, mlp, ln1, ln2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
-        qkv, residual = add_rmsnorm_matmul(h, residual, ln1.weight, ln1.eps, attn.qkv_proj.weight,
-                                           attn.qkv_proj.bias)
-        o = skinny_matmul(attn.attend(positions, qkv, kv_cache, meta), attn.o_proj.weight)
-        gate_up, residual = add_rmsnorm_matmul(o, residual, ln2.weight, ln2.eps, mlp.gate_up_proj.weight)
-        return silu_mul_matmul(gate_up, mlp.down_proj.weight), residual
+        """forward() for T <= SKINNY_MAX_TOKENS through the fused decode entry points of the layers'
+        linear methods (norm -> qkv, o_proj, norm -> gate_up, SwiGLU -> down); same numerics."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = attn.qkv_proj.forward_norm(self.input_layernorm, h, residual)
+        o = attn.o_proj.forward_skinny(attn.attend(positions, qkv, kv_cache, meta))
+        gate_up, residual = mlp.gate_up_proj.forward_norm(self.post_attention_layernorm, o, residual)
+        return mlp.down_proj.forward_silu_mul(gate_up), residual
 
 
 class LlamaModel(nn.Module):
@@ -188,7 +168,6 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
-        self.last_aux_hidden: torch.Tensor | None = None
         with torch.device(self.device):
             self.model = LlamaModel(arch, backend, linear_method, dtype)
             # Tied models read logits straight off embed_tokens.weight; lm_head is then None.
@@ -202,10 +181,8 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
-        capture_hidden: bool = False,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] int64; kv_caches[i] belongs to layer i. Returns [T, hidden].
-        With capture_hidden, last_aux_hidden holds the last layer's output before the final norm."""
+        """input_ids, positions: [T] int64; kv_caches[i] belongs to layer i. Returns [T, hidden]."""
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.model.layers)} layers")
         h = self.model.embed_tokens(input_ids)
@@ -213,19 +190,14 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             h, residual = layer(positions, h, residual, kv_cache, meta)
         assert residual is not None
-        out, stream = self.model.norm.add_forward(h, residual)
-        self.last_aux_hidden = stream if capture_hidden else None
+        out, _ = self.model.norm.add_forward(h, residual)
         return out
 
-    def lm_head_weight(self) -> torch.Tensor:
-        """[vocab, hidden]; embed_tokens.weight itself when the embeddings are tied."""
-        if self.lm_head is None:
-            return self.model.embed_tokens.weight
-        return self.lm_head.weight
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits [N, vocab] float32."""
-        return F.linear(hidden, self.lm_head_weight()).float()
+        """hidden: [N, hidden] -> logits [N, vocab] float32 (through embed_tokens.weight when tied)."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (possibly fused) parameters, casting dtype and device.

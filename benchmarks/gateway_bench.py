@@ -1,0 +1,356 @@
+"""HTTP gateway benchmark: the latency per token the gateway adds over the SDK path, with 64 concurrent
+streams, and a load generator this project did not write (aiperf) against the gateway.
+
+One run, one pool: a broker (`tokenmill broker`), a worker (the real worker process code around
+broker_bench's PacedEngine: a fake engine at a fixed step rate that holds the GIL for part of each step,
+one token per request per step, its text the time of the step's return in ns) and a gateway
+(`tokenmill gateway`), each its own process on 127.0.0.1. No model runs: this measures the gateway
+and the wire, not generation.
+
+1. Added latency per token, in rounds alternating the two paths, each time `--streams` concurrent
+   streams of `--tokens` tokens from a load-generator process of its own:
+   - SDK: `AsyncClient.stream` against the broker;
+   - gateway: the official `openai` async client streaming /v1/completions through the gateway.
+   Each token's latency is its arrival at the load generator's code minus its emit time (one monotonic
+   clock); the gateway's added latency per token is the difference of the two paths' percentiles.
+2. aiperf (`--aiperf`), installed by this script into its own virtual environment (never a tokenmill
+   dependency), profiles the gateway's streamed chat completions at the same concurrency: TTFT,
+   inter-token latency, throughput as aiperf reports them (its token counts use the server's usage).
+
+    python -m tokenmill.benchmarks.gateway_bench [--streams 64 --tokens 200 --step-rate 50 --rounds 2]
+    python -m tokenmill.benchmarks.gateway_bench --aiperf --aiperf-venv /tmp/aiperf-venv
+Results: benchmarks/results/cpu/gateway.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from tokenmill.benchmarks.broker_bench import PacedEngine
+from tokenmill.benchmarks.common import percentile, write_results
+
+MODEL = "bench"
+
+
+def paced_engine(args: Any) -> PacedEngine:
+    """The worker's engine (`--engine-factory tokenmill.benchmarks.gateway_bench:paced_engine`), set from
+    TOKENMILL_BENCH_STEP_RATE / _BUSY / _START_JOBS."""
+    env = os.environ
+    return PacedEngine(float(env.get("TOKENMILL_BENCH_STEP_RATE", "50")), float(env.get("TOKENMILL_BENCH_BUSY", "0.3")),
+                       int(env.get("TOKENMILL_BENCH_START_JOBS", "1")))
+
+
+# ---- load generators (each runs in its own process: --load sdk|openai) ---------------------------------
+
+
+def _record(latencies: list[float], text: str) -> None:
+    now = time.perf_counter_ns()
+    if text.isdigit():
+        latencies.append((now - int(text)) / 1e6)
+
+
+async def _timed(streams: int, one: Callable[[list[float]], Awaitable[int]]) -> dict[str, Any]:
+    """Run `streams` copies of `one` (which records per-token latencies and returns its token count)."""
+    latencies: list[float] = []
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(one(latencies) for _ in range(streams)))
+    return {"latencies_ms": latencies, "tokens": sum(counts), "wall_s": time.perf_counter() - t0}
+
+
+async def _sdk_load(address: str, streams: int, tokens: int) -> dict[str, Any]:
+    from tokenmill.client import AsyncClient
+
+    async with AsyncClient(address) as c:
+        async def one(latencies: list[float]) -> int:
+            n = 0
+            async for ev in c.stream("x", model=MODEL, max_tokens=tokens):
+                if ev.text:
+                    _record(latencies, ev.text)
+                    n += 1
+            return n
+
+        return await _timed(streams, one)
+
+
+async def _openai_load(base_url: str, streams: int, tokens: int) -> dict[str, Any]:
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=600) as c:
+        async def one(latencies: list[float]) -> int:
+            n = 0
+            stream = await c.completions.create(model=MODEL, prompt="x", max_tokens=tokens, stream=True)
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    _record(latencies, chunk.choices[0].text)
+                    n += 1
+            return n
+
+        return await _timed(streams, one)
+
+
+async def _sse_load(base_url: str, streams: int, tokens: int) -> dict[str, Any]:
+    """A lean HTTP client (asyncio streams, one JSON parse per event): what the gateway adds with the least
+    client-side cost on top."""
+    host, port = base_url.removeprefix("http://").split("/")[0].split(":")
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": tokens, "stream": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    async def one(latencies: list[float]) -> int:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(head + body)
+        n = 0
+        while line := await reader.readline():
+            if line.startswith(b"data: {"):
+                now = time.perf_counter_ns()
+                text = json.loads(line[6:])["choices"][0]["text"]
+                if text.isdigit():
+                    latencies.append((now - int(text)) / 1e6)
+                    n += 1
+            elif line.startswith(b"data: [DONE]"):
+                break
+        writer.close()
+        return n
+
+    return await _timed(streams, one)
+
+
+LOADS = {"sdk": _sdk_load, "sse": _sse_load, "openai": _openai_load}
+GENERATORS = {"sdk": "AsyncClient.stream, against the broker",
+              "sse": "a lean asyncio SSE reader, through the gateway",
+              "openai": "official `openai` AsyncOpenAI, through the gateway"}
+
+
+def run_load(args: argparse.Namespace) -> None:
+    from tokenmill.client import run
+
+    print(json.dumps(run(LOADS[args.load](args.target, args.streams, args.tokens))))
+
+
+# ---- the pool --------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Pool:
+    """broker + paced worker + gateway processes; `close()` stops them."""
+
+    def __init__(self, step_rate: float, busy: float, start_jobs: int, log_dir: Path) -> None:
+        self.front, self.back, self.http = _free_port(), _free_port(), _free_port()
+        self.address = f"tcp://127.0.0.1:{self.front}"
+        self.base_url = f"http://127.0.0.1:{self.http}/v1"
+        env = {**os.environ, "TOKENMILL_BENCH_STEP_RATE": str(step_rate), "TOKENMILL_BENCH_BUSY": str(busy),
+               "TOKENMILL_BENCH_START_JOBS": str(start_jobs), "PYTHONUNBUFFERED": "1"}
+        cli = [sys.executable, "-m", "tokenmill.cli.main"]
+        self.procs = []
+        for name, argv in (
+            ("broker", ["broker", "--frontend", self.address, "--backend", f"tcp://127.0.0.1:{self.back}"]),
+            ("worker", ["worker", "--broker", f"tcp://127.0.0.1:{self.back}", "--model", MODEL, "--engine-factory",
+                        "tokenmill.benchmarks.gateway_bench:paced_engine", "--max-num-seqs", "256"]),
+            ("gateway", ["gateway", "--broker", self.address, "--port", str(self.http)]),
+        ):
+            with open(log_dir / f"{name}.log", "wb") as log:
+                self.procs.append(subprocess.Popen([*cli, *argv], stdout=log, stderr=subprocess.STDOUT, env=env))
+        self._wait_healthy()
+
+    def _wait_healthy(self, timeout: float = 60.0) -> None:
+        import http.client
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.http, timeout=2)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("the pool did not become healthy")
+
+    def close(self) -> None:
+        for pr in reversed(self.procs):
+            pr.terminate()
+        for pr in self.procs:
+            try:
+                pr.wait(10)
+            except subprocess.TimeoutExpired:
+                pr.kill()
+
+
+def _load(kind: str, target: str, streams: int, tokens: int) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "tokenmill.benchmarks.gateway_bench", "--load", kind, "--target",
+                          target, "--streams", str(streams), "--tokens", str(tokens)],
+                         capture_output=True, text=True, check=True, timeout=900)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _summary(latencies: list[float]) -> dict[str, float]:
+    return {f"p{q}": round(percentile(latencies, q), 4) for q in (50, 90, 99)} | {
+        "mean": round(sum(latencies) / len(latencies), 4) if latencies else float("nan")}
+
+
+# ---- aiperf ----------------------------------------------------------------------------------------
+
+
+def ensure_aiperf(venv: Path) -> Path:
+    """aiperf's executable in its own virtual environment at `venv` (created and installed if missing)."""
+    exe = venv / "bin" / "aiperf"
+    if not exe.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "aiperf"], check=True, timeout=1800)
+    return exe
+
+
+def export_tokenizer(folder: Path) -> Path:
+    """The embedded model's tokenizer as a Hugging Face tokenizer folder (aiperf counts prompt tokens with
+    it; its `builtin` tokenizer would download an encoding, and nothing is fetched here)."""
+    from tokenmill.worker.registry_fetch import embedded_model_path
+    from tokenmill.worker.tokenizer import Tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    Tokenizer.from_gguf_file(embedded_model_path()).backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    return folder
+
+
+def run_aiperf(exe: Path, pool: Pool, streams: int, tokens: int, requests: int, work: Path) -> dict[str, Any]:
+    """aiperf against the gateway; returns its JSON summary (the metrics it exported)."""
+    art = work / "aiperf"
+    tokenizer = export_tokenizer(work / "tokenizer")
+    cmd = [str(exe), "profile", "--model", MODEL, "--url", pool.base_url.removesuffix("/v1"),
+           "--endpoint-type", "chat", "--streaming", "--concurrency", str(streams),
+           "--request-count", str(requests), "--synthetic-input-tokens-mean", "16",
+           "--output-tokens-mean", str(tokens), "--extra-inputs", f"max_tokens:{tokens}",
+           "--extra-inputs", "ignore_eos:true", "--use-server-token-count", "--artifact-dir", str(art),
+           "--tokenizer", str(tokenizer)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    found = sorted(art.rglob("profile_export_aiperf.json")) if art.exists() else []
+    result: dict[str, Any] = {"command": " ".join(cmd[1:]), "returncode": proc.returncode,
+                              "stdout_tail": proc.stdout[-3000:], "stderr_tail": proc.stderr[-3000:]}
+    if found:
+        result["export"] = json.loads(found[0].read_text())
+    return result
+
+
+# ---- main ------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=200, help="tokens per stream")
+    ap.add_argument("--step-rate", type=float, default=50.0, help="engine steps per second")
+    ap.add_argument("--busy", type=float, default=0.3, help="share of each step the engine holds the GIL")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of (SDK, gateway)")
+    ap.add_argument("--aiperf", action="store_true", help="also profile the gateway with aiperf")
+    ap.add_argument("--aiperf-venv", default=str(Path(tempfile.gettempdir()) / "tokenmill-aiperf-venv"))
+    ap.add_argument("--aiperf-requests", type=int, default=256)
+    ap.add_argument("--out", default="benchmarks/results/cpu")
+    ap.add_argument("--name", default="gateway")
+    ap.add_argument("--load", choices=sorted(LOADS), help=argparse.SUPPRESS)  # the load-generator child
+    ap.add_argument("--target", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.load:
+        run_load(args)
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="tokenmill-gateway-bench-"))
+    pool = Pool(args.step_rate, args.busy, 1, work)
+    rounds: list[dict[str, Any]] = []
+    aiperf: dict[str, Any] | None = None
+    try:
+        targets = {"sdk": pool.address, "sse": pool.base_url, "openai": pool.base_url}
+        for kind, target in targets.items():  # warm-up
+            _load(kind, target, args.streams, 8)
+        for r in range(args.rounds):
+            for kind, target in targets.items():
+                res = _load(kind, target, args.streams, args.tokens)
+                rounds.append({"round": r, "path": kind, **res})
+                print(f"round {r} {kind}: {_summary(res['latencies_ms'])} ({res['tokens']} tokens)", flush=True)
+        if args.aiperf:
+            aiperf = run_aiperf(ensure_aiperf(Path(args.aiperf_venv)), pool, args.streams, args.tokens,
+                                args.aiperf_requests, work)
+    finally:
+        pool.close()
+    report(args, rounds, aiperf, work)
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def report(args: argparse.Namespace, rounds: list[dict[str, Any]], aiperf: dict[str, Any] | None, work: Path) -> None:
+    paths: dict[str, dict[str, Any]] = {}
+    for path in LOADS:
+        lat = [x for r in rounds if r["path"] == path for x in r["latencies_ms"]]
+        toks = sum(r["tokens"] for r in rounds if r["path"] == path)
+        wall = sum(r["wall_s"] for r in rounds if r["path"] == path)
+        paths[path] = {"latency_ms": _summary(lat), "tokens": toks, "tokens_per_s": round(toks / wall, 1)}
+    added = {path: {q: round(paths[path]["latency_ms"][q] - paths["sdk"]["latency_ms"][q], 4)
+                    for q in ("p50", "p90", "p99")} for path in ("sse", "openai")}
+    per_round = [{"round": r["round"], "path": r["path"], **_summary(r["latencies_ms"]), "tokens": r["tokens"]}
+                 for r in rounds]
+    load = tuple(round(x, 2) for x in os.getloadavg())
+    payload = {"streams": args.streams, "tokens_per_stream": args.tokens, "step_rate": args.step_rate,
+               "busy": args.busy, "load_average": load, "paths": paths, "added_ms": added, "rounds": per_round,
+               "aiperf": aiperf}
+    lines = [
+        f"Fake engine at {args.step_rate:g} steps/s (holding the GIL {args.busy:.0%} of each step), {args.streams} "
+        f"concurrent streams x {args.tokens} tokens, {args.rounds} rounds of the three load generators in turn; "
+        f"load average at the end {load}. Latency per token = arrival at the load generator's code minus the "
+        "engine step's return (one monotonic clock).",
+        "",
+        "| path | load generator | p50 ms | p90 ms | p99 ms | tokens/s |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for path, s in paths.items():
+        lines.append(f"| {path} | {GENERATORS[path]} | {s['latency_ms']['p50']} | {s['latency_ms']['p90']} | "
+                     f"{s['latency_ms']['p99']} | {s['tokens_per_s']} |")
+    lines += [""]
+    for path in ("sse", "openai"):
+        a = added[path]
+        lines.append(f"- **Added over the SDK path per token ({path}): p50 {a['p50']} ms**, p90 {a['p90']} ms, "
+                     f"p99 {a['p99']} ms (goal: p50 <= 0.3 ms at 64 streams).")
+    lines += ["", "| round | path | p50 | p90 | p99 |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['round']} | {r['path']} | {r['p50']} | {r['p90']} | {r['p99']} |" for r in per_round]
+    if aiperf is not None:
+        lines += ["", "## aiperf against the gateway", "",
+                  f"`aiperf {aiperf['command']}` (exit {aiperf['returncode']})", ""]
+        lines += _aiperf_table(aiperf.get("export"))
+    write_results(Path(args.out), args.name, payload, "\n".join(lines))
+
+
+AIPERF_METRICS = ("time_to_first_token", "inter_token_latency", "inter_chunk_latency", "request_latency",
+                  "output_token_throughput", "output_token_throughput_per_user", "request_throughput",
+                  "output_sequence_length", "request_count")
+
+
+def _aiperf_table(export: dict[str, Any] | None) -> list[str]:
+    if not export:
+        return ["aiperf wrote no JSON export (see stdout_tail / stderr_tail in the JSON)."]
+    rows = ["| metric | unit | avg | p50 | p90 | p99 |", "| --- | --- | --- | --- | --- | --- |"]
+    for key in AIPERF_METRICS:
+        m = export.get(key)
+        if isinstance(m, dict) and "avg" in m:
+            rows.append(f"| {key} | {m.get('unit', '')} | " + " | ".join(
+                str(round(m[k], 4)) if isinstance(m.get(k), int | float) else "" for k in ("avg", "p50", "p90", "p99"))
+                + " |")
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Plain-torch references of the attention path's kernels: rotary embedding (kernels/rotary.py), the KV-cache
+write (kernels/kv_cache.py) and paged attention (kernels/paged_attention.py), all with float32 math. They
+import no Triton: the CPU worker's attention backend (worker/attention/torch_ref.py) runs on them, and the
+kernels' tests compare against them.
+
+Layouts are the kernels' (the module docstrings of rotary.py and paged_attention.py): q [T, Hq, D]; k, v
+[T, Hkv, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, W] int32; seq_lens [B]
+int32 (context including this step's tokens); query_start_loc [B+1] int32; slot_mapping [T] (-1: not
+written); cos_sin_cache [max_pos, D] (cos | sin per frequency pair, NeoX layout); positions [T].
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+
+def rotary_embedding_ref(
+    q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """New rotated (q, k): x1 * cos - x2 * sin | x2 * cos + x1 * sin in fp32, rounded once."""
+    half = q.shape[-1] // 2
+    cs = cos_sin_cache[positions.long()].float()  # [T, D]
+    cos, sin = cs[:, None, :half], cs[:, None, half:]  # [T, 1, D/2]
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rot(q), rot(k)
+
+
+def write_kv_cache_ref(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k_cache/v_cache[slot // block_size, slot % block_size] = k/v[t] for every t with slot_mapping[t] >= 0."""
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
+                        sliding_window: int | None = None) -> torch.Tensor:
+    """What `paged_attention` computes (its launch-tuning arguments aside): [T, Hq, D] in q's dtype. Reads the
+    batch layout on the host (a sync on CUDA). Decode rows (one query) of all requests go in one batched
+    softmax, longer query runs one request at a time; rows of no request stay zero."""
+    starts = query_start_loc.tolist()
+    query_lens = [b - a for a, b in itertools.pairwise(starts)]
+    lens = seq_lens.tolist()
+    block_size = k_cache.shape[1]
+    flat_k = k_cache.flatten(0, 1)  # [num_blocks * block_size, Hkv, D]: slot s is row s
+    flat_v = v_cache.flatten(0, 1)
+    out = torch.zeros_like(q)
+    decodes = [i for i, n in enumerate(query_lens) if n == 1]
+    if decodes:
+        rows = torch.tensor([starts[i] for i in decodes], device=q.device)
+        out[rows] = _decode_attention(
+            q[rows], flat_k, flat_v, block_tables[decodes], seq_lens[decodes], max(lens[i] for i in decodes),
+            block_size, scale, sliding_window,
+        ).to(q.dtype)
+    for i, (query_len, seq_len) in enumerate(zip(query_lens, lens)):
+        if query_len <= 1:
+            continue
+        slots = _context_slots(block_tables[i], seq_len, block_size)
+        mask = _attention_mask(query_len, seq_len, sliding_window, q.device)
+        span = slice(starts[i], starts[i + 1])
+        out[span] = _dense_attention(q[span], flat_k[slots], flat_v[slots], mask, scale).to(q.dtype)
+    return out
+
+
+def _context_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots [seq_len] int64 of positions 0..seq_len-1 of one request."""
+    positions = torch.arange(seq_len, device=block_table.device)
+    blocks = block_table[positions // block_size].long()
+    return blocks * block_size + positions % block_size
+
+
+def _attention_mask(query_len: int, seq_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+    """[query_len, seq_len] bool, True where the query (at position seq_len - query_len + i) may see key j:
+    causal, and within the window (j > position - window) when one is set."""
+    q_pos = torch.arange(seq_len - query_len, seq_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(seq_len, device=device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def _dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q: [L, Hq, D]; k, v: [S, Hkv, D]; mask: [L, S] bool -> [L, Hq, D] float32.
+    GQA: query head h reads kv head h // (Hq // Hkv), as HF's repeat_kv."""
+    group = q.shape[1] // k.shape[1]
+    k32 = k.float().repeat_interleave(group, dim=1)  # [S, Hq, D]
+    v32 = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("lhd,shd->hls", q.float(), k32) * scale  # [Hq, L, S]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hls,shd->lhd", probs, v32)
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    flat_k: torch.Tensor,
+    flat_v: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    block_size: int,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One query per request, all requests at once. q: [B, Hq, D]; flat caches [slots, Hkv, D];
+    block_tables [B, W]; seq_lens [B] -> [B, Hq, D] float32. Keys past a request's length are masked."""
+    b, hq, d = q.shape
+    hkv = flat_k.shape[1]
+    pos = torch.arange(max_seq_len, device=q.device)
+    slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size  # [B, S]
+    k = flat_k[slots].float().transpose(1, 2)  # [B, Hkv, S, D]
+    v = flat_v[slots].float().transpose(1, 2)
+    last = seq_lens.long().unsqueeze(1) - 1  # position of each query
+    mask = pos.unsqueeze(0) <= last  # [B, S]
+    if sliding_window is not None:
+        mask &= pos.unsqueeze(0) > last - sliding_window
+    qg = q.float().reshape(b, hkv, hq // hkv, d)  # query head h reads kv head h // group
+    # Masked slots may hold garbage (even NaN) from other requests or never-written memory. A NaN key is
+    # harmless (its score is overwritten with -inf below), but a NaN value would poison the weighted sum
+    # as 0 * NaN, so masked values are zeroed.
+    v = v.masked_fill(~mask[:, None, :, None], 0.0)
+    scores = torch.einsum("bhgd,bhsd->bhgs", qg, k) * scale
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    return torch.einsum("bhgs,bhsd->bhgd", torch.softmax(scores, dim=-1), v).reshape(b, hq, d)

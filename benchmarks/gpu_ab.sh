@@ -19,7 +19,8 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
 mkdir -p /tmp/before && tar xf .cache/before.tar -C /tmp/before
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/before_site /tmp/before 2>&1 | tail -2
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader | tee "$R/gpu.txt"
-SUITE_DIR=none SUITE_BUDGET_S=1 SUITE_ARGS="--sections none" bash benchmarks/gpu_suite.sh >/dev/null 2>&1  # ShareGPT into the cache
+[ -n "${AB_SECTIONS-x}" ] && SUITE_DIR=none SUITE_BUDGET_S=1 SUITE_ARGS="--sections none" bash benchmarks/gpu_suite.sh \
+  >/dev/null 2>&1  # the ShareGPT JSON into the cache, for the suite sections
 if [ -n "${AB_TESTS-tests/}" ]; then
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider ${AB_TESTS:-tests/} 2>&1 | tee "$R/gpu_tests.log" \
     | grep -E "passed|failed|^FAILED|^E " | head -30
@@ -28,11 +29,15 @@ echo "== tests done at $(( SECONDS - start )) s"
 sections=${AB_SECTIONS-engine,sharegpt,prefix}
 for side in ${AB_SIDES:-before after}; do
   if [ $side = before ]; then pp=/tmp/before_site:$PYTHONPATH; else pp=$PYTHONPATH; fi
-  if [ -n "${AB_CMD:-}" ]; then  # e.g. "python3 -m tokenmill.benchmarks.gpu_e2e --batches 1,8 --fill-requests 0"
-    t0=$SECONDS
-    (cd /tmp && PYTHONPATH=$pp timeout ${AB_CMD_TIMEOUT:-150} $AB_CMD --out "$R/$side-cmd") > "$R/$side-cmd.log" 2>&1
-    echo "== $side cmd: exit $? in $(( SECONDS - t0 )) s"; tail -${AB_CMD_TAIL:-6} "$R/$side-cmd.log" | cut -c1-160
-  fi
+  # AB_CMD: benchmark commands separated by ";;", each given --out (e.g. "python3 -m tokenmill.benchmarks.gpu_e2e
+  # --batches 1,8 --fill-requests 0 ;; python3 -m tokenmill.benchmarks.broker_bench --latency-steps 2000")
+  i=0
+  while IFS= read -r cmd; do
+    [ -z "${cmd// }" ] && continue
+    i=$((i + 1)); t0=$SECONDS
+    (cd /tmp && PYTHONPATH=$pp timeout ${AB_CMD_TIMEOUT:-150} $cmd --out "$R/$side-cmd$i") > "$R/$side-cmd$i.log" 2>&1
+    echo "== $side cmd$i: exit $? in $(( SECONDS - t0 )) s: $cmd"; tail -${AB_CMD_TAIL:-8} "$R/$side-cmd$i.log" | cut -c1-160
+  done <<< "$(echo "${AB_CMD:-}" | sed 's/;;/\n/g')"
   [ -z "$sections" ] && continue
   t0=$SECONDS
   (cd /tmp && PYTHONPATH=$pp timeout $(( ${AB_BUDGET_S:-150} + 30 )) python3 -m tokenmill.benchmarks.suite --device gpu \

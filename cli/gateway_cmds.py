@@ -3,6 +3,8 @@ gateway alone, in front of a running broker; several gateways may share one brok
 
     tokenmill serve --workers 1                       # embedded model, http://127.0.0.1:8000/v1
     tokenmill gateway --broker tcp://10.0.0.5:5555 --port 8000 --api-key-file keys.txt
+
+Their options come from the settings table (cli/settings.py), as `up`'s do; `serve` takes all of `up`'s.
 """
 
 from __future__ import annotations
@@ -14,18 +16,8 @@ from typing import Any
 
 import structlog
 
-from tokenmill.cli.serve import (
-    DEFAULT_BACKEND,
-    DEFAULT_FRONTEND,
-    _add_log_args,
-    _env,
-    _env_float,
-    _env_int,
-    _spawn,
-    _stop_all,
-    _wait_ready,
-    configure_logging,
-)
+from tokenmill.cli.serve import _spawn, _stop_all, _wait_ready, configure_logging
+from tokenmill.cli.settings import BROKER, GATEWAY, SERVE, WORKER, add_settings, to_argv
 
 log = structlog.get_logger("tokenmill.serve")
 
@@ -33,58 +25,28 @@ log = structlog.get_logger("tokenmill.serve")
 def register(sub: Any) -> None:
     s = sub.add_parser("serve", help="start a broker, N workers and the OpenAI-compatible HTTP gateway; Ctrl-C "
                                      "stops them all")
-    s.add_argument("--model", default=_env("MODEL", "embedded"), help="model to serve (env TOKENMILL_MODEL)")
-    s.add_argument("--workers", type=int, default=_env_int("WORKERS", 1))
-    s.add_argument("--load-format", default=_env("LOAD_FORMAT", "auto"), choices=["auto", "hf", "gguf", "dummy"])
-    s.add_argument("--device", default=_env("DEVICE", "auto"))
-    s.add_argument("--max-num-seqs", type=int, default=_env_int("MAX_NUM_SEQS", 128),
-                   help="sequences each worker runs at once")
-    s.add_argument("--queue-size", type=int, default=_env_int("QUEUE_SIZE", 256),
-                   help="jobs the broker queues per model before answering 429")
-    s.add_argument("--frontend", default=_env("FRONTEND", DEFAULT_FRONTEND), help="the broker's client address")
-    s.add_argument("--backend", default=_env("BACKEND", DEFAULT_BACKEND), help="the broker's worker address")
-    s.add_argument("--heartbeat-interval", type=float, default=_env_float("HEARTBEAT_INTERVAL", 1.0))
-    s.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the workers")
-    _add_http_args(s)
-    _add_log_args(s)
+    add_settings(s, SERVE)
+    _add_repeated_args(s)
     s.set_defaults(func=cmd_serve)
 
     g = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway in front of a running broker")
-    g.add_argument("--broker", default=_env("BROKER_ADDRESS", DEFAULT_FRONTEND),
-                   help="the broker's client (frontend) address (env TOKENMILL_BROKER_ADDRESS)")
+    add_settings(g, GATEWAY)
+    _add_repeated_args(g)
     g.add_argument("--model", action="append", default=None,
                    help="a model this gateway answers for while no worker serves it (503, not 404); repeatable")
-    g.add_argument("--curve-server-key", default=_env("CURVE_SERVER_KEY", None),
-                   help="the broker's public key (file or z85), when it runs CURVE")
-    g.add_argument("--curve-secret", default=_env("CURVE_SECRET", None), help="this gateway's NAME.key_secret")
-    _add_http_args(g)
-    _add_log_args(g)
     g.set_defaults(func=cmd_gateway)
 
 
-def _add_http_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="HTTP address to bind (env TOKENMILL_HOST)")
-    p.add_argument("--port", type=int, default=_env_int("PORT", 8000), help="HTTP port (env TOKENMILL_PORT)")
+def _add_repeated_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=None,
-                   help="accept only requests with 'Authorization: Bearer KEY' (repeatable; env TOKENMILL_API_KEY)")
-    p.add_argument("--api-key-file", default=_env("API_KEY_FILE", None),
-                   help="a file of API keys, one per line (env TOKENMILL_API_KEY_FILE)")
-    p.add_argument("--request-timeout", type=float, default=_env_float("REQUEST_TIMEOUT", None),
-                   help="deadline of each job in seconds (default: the broker's)")
-    p.add_argument("--health-stale", type=float, default=_env_float("HEALTH_STALE", 2.5),
-                   help="/health: seconds without a worker heartbeat before the worker counts as down")
-    p.add_argument("--progress-stall", type=float, default=_env_float("PROGRESS_STALL", 10.0),
-                   help="/health: seconds a worker with work may go without an engine step")
-    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+                   help="accept only requests with 'Authorization: Bearer KEY' (repeatable; a key on the command "
+                        "line is visible to other users of the machine: prefer --api-key-file)")
 
 
 def _gateway_config(args: argparse.Namespace, broker: str, models: tuple[str, ...]) -> Any:
     from tokenmill.gateway import GatewayConfig, load_api_keys
 
     keys = list(args.api_key or [])
-    env_key = _env("API_KEY", "")
-    if env_key:
-        keys.append(env_key)
     if args.api_key_file:
         keys.extend(load_api_keys(args.api_key_file))
     return GatewayConfig(broker=broker, host=args.host, port=args.port, models=models, api_keys=tuple(keys),
@@ -119,7 +81,7 @@ def _run_gateway(cfg: Any) -> int:
 def cmd_gateway(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_json)
     try:
-        cfg = _gateway_config(args, args.broker, tuple(args.model or ()))
+        cfg = _gateway_config(args, args.broker_address, tuple(args.model or ()))
     except (OSError, ValueError) as e:
         print(f"tokenmill: {e}", file=sys.stderr)
         return 2
@@ -136,15 +98,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not _port_free(cfg.host, cfg.port):
         print(f"tokenmill: port {cfg.port} on {cfg.host} is already in use", file=sys.stderr)
         return 1
-    common = ["--log-level", args.log_level, *(["--log-json"] if args.log_json else [])]
-    broker = _spawn(["broker", "--frontend", args.frontend, "--backend", args.backend,
-                     "--queue-size", str(args.queue_size), *common])
-    workers = [
-        _spawn(["worker", "--broker", args.backend, "--model", args.model, "--load-format", args.load_format,
-                "--device", args.device, "--heartbeat-interval", str(args.heartbeat_interval),
-                "--max-num-seqs", str(args.max_num_seqs), "--name", f"worker-{i}", *common])
-        for i in range(args.workers)
-    ]
+    # Every setting `serve` resolved (flags, environment, --config) goes to the children as a flag.
+    broker = _spawn(["broker", *to_argv(args, BROKER)])
+    workers = [_spawn(["worker", "--broker", args.backend, "--name", f"worker-{i}", *to_argv(args, WORKER)])
+               for i in range(args.workers)]
     try:
         if not _wait_ready(args.frontend, args.workers, args.ready_timeout, [broker, *workers]):
             log.error("serve_failed", reason="broker or workers did not become ready")

@@ -149,8 +149,9 @@ class Setting:
 
 
 BROKER, WORKER, UP, GENERATE, CHAT = "broker", "worker", "up", "generate", "chat"
+SERVE, GATEWAY = "serve", "gateway"  # serve: every setting of up, plus the gateway's
 ENGINE_CMDS = frozenset({WORKER, UP, GENERATE, CHAT})  # the engine's settings
-SERVING = frozenset({BROKER, WORKER, UP})
+SERVING = frozenset({BROKER, WORKER, UP, GATEWAY})
 
 
 def _s(name: str, kind: Kind, default: Any, help: str, commands: Iterable[str], *fields: str,
@@ -175,7 +176,7 @@ SETTINGS: tuple[Setting, ...] = (
     _s("client_timeout", number(0, low_open=True), 10.0, "seconds of silence after which a client with open jobs "
        "is gone (its jobs are cancelled)", (BROKER, UP), "BrokerConfig.client_timeout"),
     _s("liveness", integer(1), 3, "heartbeat intervals of silence after which the other side is dead",
-       SERVING, "BrokerConfig.liveness", "WorkerOptions.liveness"),
+       (BROKER, WORKER, UP), "BrokerConfig.liveness", "WorkerOptions.liveness"),
     _s("retention", number(0), 60.0, "seconds finished jobs (and their token logs) are kept for subscribers",
        (BROKER, UP), "BrokerConfig.retention"),
     _s("max_retained", integer(0), 10_000, "finished jobs kept at most", (BROKER, UP), "BrokerConfig.max_retained"),
@@ -189,7 +190,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("open_jobs", BOOL, False, "let any client cancel or subscribe to any job", (BROKER, UP),
        "BrokerConfig.open_jobs"),
     _s("curve_secret", TEXT, None, "this process's NAME.key_secret file: the broker's turns CURVE on for both its "
-       "sockets; a worker's needs --curve-server-key too", (BROKER, WORKER), "BrokerConfig.curve_secret_file"),
+       "sockets; a worker's or gateway's needs --curve-server-key too", (BROKER, WORKER, GATEWAY),
+       "BrokerConfig.curve_secret_file"),
     _s("curve_allow", TEXT, None, "broker: directory of the admitted public *.key files", _B,
        "BrokerConfig.curve_allow_dir"),
     # -- worker process
@@ -198,7 +200,8 @@ SETTINGS: tuple[Setting, ...] = (
        env_name="TOKENMILL_WORKER_NAME", default_text="worker-<pid>"),
     _s("heartbeat_interval", number(0, low_open=True), 1.0, "seconds between heartbeats", (WORKER, UP),
        "WorkerOptions.heartbeat_interval"),
-    _s("curve_server_key", TEXT, None, "worker: the broker's public key (a file or z85 text)", _W),
+    _s("curve_server_key", TEXT, None, "worker, gateway: the broker's public key (a file or z85 text)",
+       (WORKER, GATEWAY)),
     _s("engine_factory", TEXT, None, "module:callable building the engine from the parsed arguments (tests, "
        "benchmarks)", _W, hidden=True),
     # -- engine
@@ -247,10 +250,26 @@ SETTINGS: tuple[Setting, ...] = (
     # -- up
     _s("workers", integer(1), 1, "workers to start", _U),
     _s("ready_timeout", number(0, low_open=True), 600.0, "seconds to wait for the workers", _U),
+    # -- the HTTP gateway (serve, gateway)
+    _s("broker_address", TEXT, "tcp://127.0.0.1:5555", "gateway: the broker's client (frontend) address",
+       (GATEWAY,), "GatewayConfig.broker", flag_name="--broker"),
+    _s("host", TEXT, "127.0.0.1", "HTTP address the gateway binds", (SERVE, GATEWAY), "GatewayConfig.host"),
+    _s("port", integer(0), 8000, "HTTP port of the gateway", (SERVE, GATEWAY), "GatewayConfig.port"),
+    _s("api_key_file", TEXT, None, "file of accepted API keys, one per line (with --api-key: requests need "
+       "'Authorization: Bearer KEY'; each key is its own tenant)", (SERVE, GATEWAY)),
+    _s("request_timeout", number(0, low_open=True), None, "deadline in seconds of each HTTP request's jobs",
+       (SERVE, GATEWAY), "GatewayConfig.request_timeout", default_text="the broker's"),
+    _s("health_stale", number(0, low_open=True), 2.5, "/health: seconds without a worker heartbeat before the "
+       "worker counts as down", (SERVE, GATEWAY), "GatewayConfig.heartbeat_stale"),
+    _s("progress_stall", number(0, low_open=True), 10.0, "/health: seconds a worker with work may go without an "
+       "engine step", (SERVE, GATEWAY), "GatewayConfig.progress_stall"),
+    _s("access_log", BOOL, False, "log every HTTP request", (SERVE, GATEWAY), "GatewayConfig.log_requests"),
     # -- read where it is used (worker/registry_fetch.py), listed for the README and the tests
     _s("cache", TEXT, None, "folder of the fetched embedded model", (), env_name="TOKENMILL_CACHE", flag_name="-",
        default_text="the user cache directory"),
 )
+# `serve` is `up` plus the gateway: it takes every row of `up`.
+SETTINGS = tuple(dataclasses.replace(s, commands=s.commands | {SERVE}) if UP in s.commands else s for s in SETTINGS)
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 
 

@@ -21,11 +21,13 @@ from tokenmill.broker import BrokerConfig
 from tokenmill.cli import settings as st
 from tokenmill.cli.main import build_parser, main
 from tokenmill.cli.settings import SETTINGS, Setting, SettingError, build_config, settings_for, to_argv
+from tokenmill.gateway import GatewayConfig
 from tokenmill.worker.config import EngineConfig
 from tokenmill.worker.process import WorkerOptions
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS: dict[str, type] = {"EngineConfig": EngineConfig, "BrokerConfig": BrokerConfig, "WorkerOptions": WorkerOptions}
+CONFIGS: dict[str, type] = {"EngineConfig": EngineConfig, "BrokerConfig": BrokerConfig, "WorkerOptions": WorkerOptions,
+                             "GatewayConfig": GatewayConfig}
 # Fields of the config dataclasses that are not user settings, and why.
 NOT_SETTINGS = {
     "BrokerConfig.affinity_chunk_chars": "routing policy internals",
@@ -40,6 +42,13 @@ NOT_SETTINGS = {
     "WorkerOptions.curve_server_key": "loaded from --curve-server-key",
     "WorkerOptions.curve_keypair": "loaded from --curve-secret",
     "WorkerOptions.idle_wait": "loop internals",
+    "GatewayConfig.api_keys": "from --api-key and --api-key-file",
+    "GatewayConfig.curve_server_key": "from --curve-server-key",
+    "GatewayConfig.curve_secret_key": "from --curve-secret",
+    "GatewayConfig.models": "from --model (repeatable; serve: the model it serves)",
+    "GatewayConfig.stats_interval": "polling internals",
+    "GatewayConfig.max_n": "the HTTP API's limit",
+    "GatewayConfig.max_body_bytes": "the HTTP API's limit",
 }
 PRODUCT = ("protocol", "client", "broker", "worker", "kernels", "cli", "gateway")
 

@@ -303,6 +303,8 @@ class AsyncClient(RouterCore):
     async def _send_frames(self, frames: list[bytes]) -> None:
         if self._closed:
             raise BrokerUnavailable("client is closed")
+        if self._auth_refused:
+            raise self._unsendable(None)
         sock = self._start()
         if not self._is_open_besides():
             self._last_heard = time.monotonic()  # the silence clock starts when we start expecting

@@ -56,7 +56,11 @@ DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
 DEFAULT_IDLE_TIMEOUT = 300.0  # seconds a call waits for a job's next event when no timeout is named
 
 # Socket monitor events the SDK watches: handshake outcomes (a refused CURVE handshake is no outage).
-MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                  | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+# Handshakes the broker cut short in a row (TCP connected, then the peer closed it: what a CURVE server does
+# to a client without CURVE, when the client does not see the reason) before that reads as a refusal.
+REFUSED_HANDSHAKES = 3
 _AUTH_PROTOCOL_ERRORS: dict[int, str] = {
     zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "CURVE is on at one end only",
     zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "the CURVE handshake failed (wrong broker public key?)",
@@ -64,8 +68,12 @@ _AUTH_PROTOCOL_ERRORS: dict[int, str] = {
 }
 
 
-def auth_failure(event: int, value: int) -> str | None:
-    """What a handshake monitor event says went wrong with authentication, or None (not an auth failure)."""
+def auth_failure(event: int, value: int, cut_short: int = 0) -> str | None:
+    """What a handshake monitor event says went wrong with authentication, or None (not an auth failure).
+    `cut_short`: handshakes in a row, this one included, that failed with no detail."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        return (f"the broker cut {cut_short} handshakes short in a row (CURVE on at one end only?)"
+                if cut_short >= REFUSED_HANDSHAKES else None)
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return f"the broker refused this client's CURVE key (ZAP status {value})"
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
@@ -184,6 +192,7 @@ class RouterCore:
     _unacked: deque[tuple[float, Any]]
     _instance: str = ""  # the broker instance last heard from ("" until one names itself)
     _auth_refused: str = ""  # why the last handshake was refused; "" once one succeeds
+    _cut_short = 0  # handshakes in a row that failed with no detail
 
     def _expect_ack(self, handle: Any) -> None:
         self._unacked.append((time.monotonic() + self.broker_timeout, handle))
@@ -195,7 +204,7 @@ class RouterCore:
             job_id = h.job_id
             if not h._acked and self._handles.get(job_id) is h:
                 del self._handles[job_id]
-                self._deliver(h, BrokerUnavailable(
+                self._deliver(h, self._unsendable(job_id) if self._auth_refused else BrokerUnavailable(
                     f"broker {self.address} did not acknowledge the job within {self.broker_timeout}s",
                     job_id=job_id))
 
@@ -223,9 +232,10 @@ class RouterCore:
 
     def _on_monitor_event(self, event: int, value: int) -> None:
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self._auth_refused = ""
+            self._auth_refused, self._cut_short = "", 0
             return
-        why = auth_failure(event, value)
+        self._cut_short = self._cut_short + 1 if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL else 0
+        why = auth_failure(event, value, self._cut_short)
         if why is not None:
             self._auth_refused = why
             self._fail_all(f"broker {self.address}: {why}", AuthenticationFailed)
@@ -604,10 +614,12 @@ class Client(RouterCore):
                 return True
             if frames == [b"__close__"]:
                 return False
+            job_id = frames[0].decode()
             try:
+                if self._auth_refused and job_id:
+                    raise zmq.Again  # the broker refused this client: nothing it sends can be answered
                 self._dealer.send_multipart(frames[1:], zmq.NOBLOCK)
             except zmq.Again:
-                job_id = frames[0].decode()
                 h = self._handles.pop(job_id, None)
                 if h is not None:  # no connection (refused handshake, ...) or a full queue
                     self._deliver(h, self._unsendable(job_id))

@@ -6,12 +6,12 @@ chunk per active job per "step") at full speed (throughput) or at a fixed step r
 time in each chunk's text (latency; steps start once all the run's jobs are running). No model runs:
 this measures the broker and the wire, not generation. The broker is the real `Broker` class in its own
 process, pinned to one core (its Python loop and its ZeroMQ IO thread; `--broker-io-core` moves the IO
-thread elsewhere), started through `_broker` below: a subclass that only timestamps each worker message
-(on entry to the broker's handler, after its first client send, on exit) and records the broker's GC
-pauses (`--untraced` runs the plain `tokenmill broker` command instead, without the per-hop
-breakdown). The client is a raw DEALER that decodes every message (msgpack) and checks sequence
-numbers. The broker keeps the throughput run's jobs (256 x 1000 chunks) for its retention period, so
-the latency run sees that heap.
+thread elsewhere), started through `_broker` below with an observer (broker/observer.py) that only
+timestamps each worker message (on entry to the broker's handler, after its first client send, on
+exit) and records the broker's GC pauses (`--untraced` runs the plain `tokenmill broker` command
+instead, without the per-hop breakdown). The client is a raw DEALER that decodes every message
+(msgpack) and checks sequence numbers. The broker keeps the throughput run's jobs (256 x 1000 chunks)
+for its retention period, so the latency run sees that heap.
 
 Per-hop breakdown of the latency run (one clock, CLOCK_MONOTONIC, across the processes):
     worker emit -> broker recv   the worker's msgpack + send, both IO threads, TCP, the broker's wake-up
@@ -251,16 +251,16 @@ def traced_broker(frontend: str, backend: str, io_cores: list[int] | None, busy_
     """The real Broker with three timestamps per worker message (handler entry, return of its first
     send to a client, handler exit) and a record of its GC pauses; both are returned in its STATS reply
     under "bench"."""
-    from tokenmill.broker.broker import Broker, BrokerConfig
+    from tokenmill.broker import Broker, BrokerConfig
+    from tokenmill.broker.observer import BrokerObserver
 
     w_tokens = bytes((p.Cmd.W_TOKENS,))
 
-    class TracedBroker(Broker):
-        def __init__(self, cfg: BrokerConfig, ctx: zmq.Context) -> None:
-            super().__init__(cfg, ctx)
+    class Tracer(BrokerObserver):
+        def __init__(self) -> None:
             # (recv, sent, done, TOKENS body): handler entry, its first client send returned, handler exit
             self.trace: deque[tuple[int, int, int, bytes]] = deque(maxlen=200_000)
-            self._sent_at = 0
+            self._recv_at = self._sent_at = self._tick_at = 0
             self.gc_pauses: deque[tuple[int, int, int]] = deque(maxlen=200_000)  # (start, ns, generation)
             self.slow_ticks: deque[tuple[int, int]] = deque(maxlen=10_000)  # (start, ns) of ticks > 100 us
             self._gc_start = 0
@@ -272,29 +272,28 @@ def traced_broker(frontend: str, backend: str, io_cores: list[int] | None, busy_
             else:
                 self.gc_pauses.append((self._gc_start, time.perf_counter_ns() - self._gc_start, info["generation"]))
 
-        def _on_worker_frames(self, frames: list[Any]) -> None:
+        def worker_message(self, frames: list[Any]) -> None:
             self._sent_at = 0
-            t = time.perf_counter_ns()
-            super()._on_worker_frames(frames)
+            self._recv_at = time.perf_counter_ns()
+
+        def worker_message_handled(self, frames: list[Any]) -> None:
             if len(frames) == 4 and frames[2] == w_tokens:
                 done = time.perf_counter_ns()
-                self.trace.append((t, self._sent_at or done, done, frames[3]))
+                self.trace.append((self._recv_at, self._sent_at or done, done, frames[3]))
 
-        def _send_raw(self, cid: bytes, frames: list[Any]) -> str:
-            status = super()._send_raw(cid, frames)
+        def client_send(self) -> None:
             if not self._sent_at:
                 self._sent_at = time.perf_counter_ns()
-            return status
 
-        def _tick(self, now: float) -> None:
-            t = time.perf_counter_ns()
-            super()._tick(now)
-            d = time.perf_counter_ns() - t
+        def tick_started(self) -> None:
+            self._tick_at = time.perf_counter_ns()
+
+        def tick_finished(self) -> None:
+            d = time.perf_counter_ns() - self._tick_at
             if d > 100_000:
-                self.slow_ticks.append((t, d))
+                self.slow_ticks.append((self._tick_at, d))
 
         def stats(self) -> dict[str, Any]:
-            out = super().stats()
             hops = []
             for recv, sent, done, body in self.trace:
                 entries = msgpack.unpackb(body)[1]
@@ -307,15 +306,14 @@ def traced_broker(frontend: str, backend: str, io_cores: list[int] | None, busy_
             finally:
                 if was:
                     gc.enable()
-            out["bench"] = {"hops": hops, "gc_pauses": pauses, "slow_ticks": [list(x) for x in self.slow_ticks],
-                            "gc_threshold": list(gc.get_threshold()), "gc_enabled": gc.isenabled(),
-                            "gc_frozen": gc.get_freeze_count()}
-            return out
+            return {"bench": {"hops": hops, "gc_pauses": pauses, "slow_ticks": [list(x) for x in self.slow_ticks],
+                              "gc_threshold": list(gc.get_threshold()), "gc_enabled": gc.isenabled(),
+                              "gc_frozen": gc.get_freeze_count()}}
 
     ctx = zmq.Context()
     _pin_io(ctx, io_cores)
-    broker = TracedBroker(BrokerConfig(frontend=frontend, backend=backend, queue_size=1 << 20, busy_poll=busy_poll),
-                          ctx)
+    broker = Broker(BrokerConfig(frontend=frontend, backend=backend, queue_size=1 << 20, busy_poll=busy_poll),
+                    ctx, observer=Tracer())
     signal.signal(signal.SIGTERM, lambda *_: broker.stop())
     broker.serve_forever()
 

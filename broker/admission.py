@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from tokenmill.broker.registry import WorkerInfo
+from tokenmill.broker.workers import WorkerInfo
 from tokenmill.protocol.wire import RequestInput
 
 

@@ -1,21 +1,27 @@
-"""A job as the broker tracks it: its request, where it runs, and its token log.
+"""A job as the broker tracks it (its request, where it runs, its token log) and the table of all jobs.
 
-Invariants:
+Invariants of a Job:
 - The token log is the job's STREAM entries [job_id, seq, token_ids, text, logprobs], each msgpack-encoded
   once on arrival and stored back to back in `log` (entry i ends at byte `ends[i]`; its first token is
-  output position `seqs[i]`), in order and gap-free: seqs[i+1] == seqs[i] + len(token_ids of entry i);
-  `num_tokens` is the end of the last one. Relaying copies these bytes into a STREAM body; nothing is
-  re-encoded, and the log holds no Python object per chunk (so the cyclic GC never walks it).
-- `subscribers` maps a client routing id to the index of the next chunk that client has not been sent;
-  a subscriber leaves once it has been sent every chunk and the terminal reply.
+  output position `seqs[i]`), in order and gap-free: seqs[i+1] == seqs[i] + len(token_ids of entry i).
+- `num_tokens` is the output position the next chunk must start at. A chunk is first admitted
+  (`admit`: it starts there; num_tokens moves past it), then stored (`store`). Fanout.relay admits a
+  batch's chunks and stores every admitted one before it returns, so everywhere else the log ends at
+  num_tokens. Relaying copies the stored bytes into a STREAM body; nothing is re-encoded, and the log
+  holds no Python object per chunk (so the cyclic GC never walks it).
+- `subscribers` maps a client routing id to its cursor: the index of the next chunk that client has not
+  been sent; a subscriber leaves once it has been sent every chunk and the terminal reply.
 - Exactly one terminal reply (`terminal`) is set, once; after that the job never changes again and is
   kept until the retention period ends (late subscribers replay the log and get the terminal reply).
+- A job's output counts only from the attempt that runs now, on the worker that runs it (`runs`).
 """
 
 from __future__ import annotations
 
 import enum
 from array import array
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +51,7 @@ class Job:
     cancel_on_disconnect: bool
     created: float
     deadline: float | None  # monotonic time; None: none
-    prefix_hashes: list[bytes]
+    prefix_hashes: list[bytes]  # the prompt's prefix key (dispatch.prefix_hashes), for prefix affinity
     state: JobState = JobState.QUEUED
     worker: bytes | None = None
     attempt: int = 0
@@ -69,26 +75,33 @@ class Job:
     def num_chunks(self) -> int:
         return len(self.ends)
 
-    def append(self, seq: int, token_ids: list[int], text: str, logprobs: Any) -> bytes:
-        """Append one chunk (the caller checked seq == num_tokens: the gap-free invariant); returns its
-        encoded STREAM entry."""
-        entry: bytes = _pack((self.job_id, seq, token_ids, text, logprobs))
-        self._log_entry(entry, seq, len(token_ids))
-        return entry
+    def runs(self, worker: bytes, attempt: int) -> bool:
+        """Whether `worker` runs this job's current attempt `attempt` (its output counts; else stale)."""
+        return self.state is JobState.RUNNING and self.worker == worker and self.attempt == attempt
 
-    def append_entry(self, entry: list[Any]) -> int:
-        """Append one chunk given as its (validated) STREAM entry [job_id, seq, token_ids, text, logprobs]
-        with seq == num_tokens; returns its number of tokens."""
-        n = len(entry[2])
-        self._log_entry(_pack(entry), entry[1], n)
-        return n
+    def admit(self, seq: int, n_tokens: int) -> bool:
+        """Admit a chunk of `n_tokens` tokens at output position `seq` if it starts where the log ends
+        (never a gap or a duplicate); the caller then stores it. False (nothing changed) otherwise."""
+        if seq != self.num_tokens:
+            return False
+        self.num_tokens = seq + n_tokens
+        return True
 
-    def _log_entry(self, encoded: bytes, seq: int, n_tokens: int) -> None:
+    def store(self, entry: list[Any]) -> bytes:
+        """Store an admitted chunk, given as its (validated) STREAM entry [job_id, seq, token_ids, text,
+        logprobs], at the end of the log; returns its encoding."""
+        encoded: bytes = _pack(entry)
         log = self.log
         log += encoded  # in place
         self.ends.append(len(log))
-        self.seqs.append(seq)
-        self.num_tokens += n_tokens
+        self.seqs.append(entry[1])
+        return encoded
+
+    def append(self, seq: int, token_ids: list[int], text: str, logprobs: Any) -> bytes:
+        """Admit and store one chunk (raises ValueError if it does not start where the log ends)."""
+        if not self.admit(seq, len(token_ids)):
+            raise ValueError(f"chunk at {seq}: the log of {self.job_id!r} ends at {self.num_tokens}")
+        return self.store([self.job_id, seq, token_ids, text, logprobs])
 
     def entries(self, start: int) -> bytearray:
         """The encoded STREAM entries of chunks start.. (concatenated; an array header makes a body)."""
@@ -123,3 +136,61 @@ class Job:
             else:
                 lo = mid + 1
         return lo
+
+
+class JobTable:
+    """Every job the broker knows by id: the live ones, and the finished ones for `retention` seconds
+    after their terminal reply (at most `max_retained` of those; the oldest go first).
+
+    Invariant: `active` == the number of jobs in the table that are not terminal."""
+
+    def __init__(self, retention: float, max_retained: int) -> None:
+        self.retention = retention
+        self.max_retained = max_retained
+        self._jobs: dict[str, Job] = {}
+        self._retired: deque[tuple[float, str]] = deque()  # (finished at, job id), oldest first
+        self.active = 0
+        # The hot path's lookup: the dict's own get (the table never replaces its dict).
+        self.get: Callable[[str], Job | None] = self._jobs.get
+
+    def __getitem__(self, job_id: str) -> Job:
+        return self._jobs[job_id]
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._jobs
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __iter__(self) -> Iterator[Job]:
+        return iter(self._jobs.values())
+
+    def add(self, job: Job) -> None:
+        """Add a new (not terminal) job under an id not in the table."""
+        assert job.job_id not in self._jobs and not job.is_terminal
+        self._jobs[job.job_id] = job
+        self.active += 1
+
+    def current(self, worker: bytes, job_id: str, attempt: int) -> Job | None:
+        """The job if `worker` runs its current attempt `attempt`; else None (the output is stale)."""
+        job = self._jobs.get(job_id)
+        return job if job is not None and job.runs(worker, attempt) else None
+
+    def finish(self, job: Job, terminal: Done | Fail, now: float) -> None:
+        """Make `terminal` the job's one terminal reply; it is retained from `now`."""
+        assert job.terminal is None and self._jobs.get(job.job_id) is job
+        job.state, job.terminal, job.finished_at = JobState.DONE, terminal, now
+        self.active -= 1
+        self._retired.append((now, job.job_id))
+
+    def expire(self, now: float) -> list[Job]:
+        """Remove and return the finished jobs past their retention (or past `max_retained`)."""
+        horizon, retired, out = now - self.retention, self._retired, []
+        while retired and (retired[0][0] < horizon or len(retired) > self.max_retained):
+            job = self._jobs.pop(retired.popleft()[1], None)
+            if job is not None:
+                out.append(job)
+        return out
+
+    def unfinished(self) -> list[Job]:
+        return [j for j in self._jobs.values() if not j.is_terminal]

@@ -14,13 +14,16 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
+from broker_fakes import FakeRouter, make_job
 from helpers_net import wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenmill.broker.broker import Broker, BrokerConfig, _plain_chunks
-from tokenmill.broker.jobs import Job
-from tokenmill.broker.registry import WorkerInfo
+from tokenmill.broker.broker import Broker, BrokerConfig
+from tokenmill.broker.clients import ClientTable
+from tokenmill.broker.counters import Counters
+from tokenmill.broker.fanout import Fanout
+from tokenmill.broker.jobs import Job, JobTable
 from tokenmill.protocol import wire as p
 from tokenmill.protocol.errors import ProtocolError
 
@@ -104,12 +107,30 @@ _body = st.one_of(
 )
 
 
+def _kept(chunks: list[p.TokenChunk], jobs: tuple[str, ...]) -> tuple[list[tuple[str, int, list[int]]], int, int]:
+    """What a correct relay makes of decoded chunks at jobs that all run attempt 0 with empty logs: the
+    (job, seq, ids) it keeps, in order; how many chunks are stale; how many leave a gap or repeat."""
+    kept, stale, mismatched, seq = [], 0, 0, dict.fromkeys(jobs, 0)
+    for c in chunks:
+        if c.job_id not in seq or c.attempt != 0:
+            stale += 1
+        elif c.seq != seq[c.job_id]:
+            mismatched += 1
+        else:
+            kept.append((c.job_id, c.seq, c.token_ids))
+            seq[c.job_id] += len(c.token_ids)
+    return kept, stale, mismatched
+
+
 @settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=_body)
-def test_plain_chunks_accepts_only_what_decode_accepts(body: Any) -> None:
+def test_plain_check_accepts_only_what_decode_accepts(body: Any) -> None:
+    """The relay's check of a TOKENS body as it came (Fanout.relay given the body: no message objects)
+    accepts exactly the valid bodies without logprobs, reads each chunk as the strict decoder does, and
+    changes nothing when it refuses one (the broker then decodes strictly)."""
     raw = msgpack.packb(body)
     try:
-        decoded: list[Any] | None = [tuple(c) for c in p.Tokens.from_wire(p.unpack_body(raw)).chunks]
+        decoded: list[p.TokenChunk] | None = p.Tokens.from_wire(p.unpack_body(raw)).chunks
     except ProtocolError:
         decoded = None
     try:
@@ -118,12 +139,20 @@ def test_plain_chunks_accepts_only_what_decode_accepts(body: Any) -> None:
         assert decoded is None
         return
     assert msgpack.unpackb(raw[offset:]) == entries  # the entries' own bytes: a STREAM body
-    fast = _plain_chunks(attempts, entries)
-    if fast is not None:
-        assert decoded == fast
-    plain = type(entries) is list and all(type(e) is list and len(e) == 5 and e[4] is None for e in entries)
-    if decoded is not None and plain:
-        assert fast is not None, "a valid plain batch must take the fast path"
+    counters = Counters()
+    jobs = JobTable(60.0, 100)
+    for j in ("j", "a", "b"):
+        jobs.add(make_job(j, worker=W))
+    fanout = Fanout(jobs, ClientTable(counters, lambda cid, why: None), counters)
+    accepted = fanout.relay(W, attempts, entries, raw, offset)
+    assert accepted == (decoded is not None and all(c.logprobs is None for c in decoded))
+    if accepted:
+        assert decoded is not None
+        kept, stale, mismatched = _kept(decoded, ("j", "a", "b"))
+        assert sorted((c[0], c[1], c[2]) for job in jobs for c in job.chunks()) == sorted(kept)
+        assert counters["stale_messages_dropped"] == stale and counters["seq_mismatch"] == mismatched
+    else:
+        assert all(job.num_tokens == 0 and not job.ends for job in jobs) and not counters
 
 
 def test_split_tokens_body_rejects_bad_framing() -> None:
@@ -141,41 +170,43 @@ def test_split_tokens_body_rejects_bad_framing() -> None:
 
 
 class Harness:
-    """A Broker with one registered worker whose sends are recorded (and can be made to fail)."""
+    """A Broker with one registered worker whose sends go to fake sockets: those to clients are recorded
+    (and can be made to fail), those to the worker dropped."""
 
     def __init__(self) -> None:
         self.b = Broker(BrokerConfig())
-        self.failing: set[bytes] = set()
-        self.vanishing: set[bytes] = set()  # the next send to these finds the client gone
+        self.front = FakeRouter(self._record)
+        self.b.clients.sock = self.front
+        self.b.backend = FakeRouter()  # type: ignore[assignment]
+        self.failing = self.front.blocked  # the sends to these find their queue full
+        self.vanishing = self.front.vanishing  # the next send to these finds the client gone
         self.got: dict[tuple[bytes, str], list[tuple[int, list[int]]]] = {}  # (client, job) -> (seq, ids)
         self.terminal: dict[tuple[bytes, str], list[str]] = {}
-        self.b._send_raw = self._send  # type: ignore[method-assign]
-        self.b._send_worker = lambda *a, **k: True  # type: ignore[method-assign]
-        now = time.monotonic()
-        self.b.workers[W] = WorkerInfo(W, "w", frozenset({"m"}), 1 << 20, 1, 16, 1 << 20, 60.0, now, now + 60)
+        self.raw: list[bytes] = []  # the body of every message sent to a client
+        self.b.workers.register(W, p.Ready("w", ["m"], 1 << 20, 1, 16, 1 << 20, 60.0), time.monotonic())
         self.seq: dict[str, int] = {}
         self.sends = 0
 
-    def _send(self, cid: bytes, frames: list[Any]) -> str:
-        """Stands in for Broker._send_raw: "gone" (EHOSTUNREACH), "blocked" (queue full) or "sent"."""
-        if cid in self.vanishing:
-            self.vanishing.discard(cid)
-            return "gone"
-        if cid in self.failing:
-            return "blocked"
+    def _record(self, cid: bytes, frames: list[bytes]) -> None:
         self.sends += 1
-        msg = p.decode([bytes(f) for f in frames], p.BROKER_TO_CLIENT)
+        self.raw.append(frames[-1])
+        msg = p.decode(frames, p.BROKER_TO_CLIENT)
         if isinstance(msg, p.Stream):
             for c in msg.chunks:
                 self.got.setdefault((cid, c.job_id), []).append((c.seq, c.token_ids))
         elif isinstance(msg, p.Done | p.Fail) and msg.job_id:
             self.terminal.setdefault((cid, msg.job_id), []).append(type(msg).__name__)
-        return "sent"
+
+    def client(self, cid: bytes, msg: p.Message) -> None:
+        self.b.on_client_message([cid, *p.encode(msg)])
 
     def submit(self, cid: bytes, job_id: str) -> None:
-        self.b._on_submit(cid, "", p.Submit(job_id, "m", p.RequestInput(prompt="x"), {"max_tokens": 1000}))
+        self.client(cid, p.Submit(job_id, "m", p.RequestInput(prompt="x"), {"max_tokens": 1000}))
         assert self.b.jobs[job_id].worker == W
         self.seq[job_id] = 0
+
+    def subscribe(self, cid: bytes, job_id: str, from_seq: int) -> None:
+        self.client(cid, p.Subscribe(job_id, "", from_seq))
 
     def tokens(self, job_ids: list[str], n: int = 1, logprobs: bool = False) -> None:
         chunks = []
@@ -183,17 +214,17 @@ class Harness:
             ids = list(range(self.seq[j], self.seq[j] + n))
             chunks.append(p.TokenChunk(j, 0, self.seq[j], ids, "x", [[[t, -1.0]] for t in ids] if logprobs else None))
             self.seq[j] += n
-        self.b._on_worker_frames([W, *p.encode(p.Tokens(chunks))])
+        self.b.on_worker_message([W, *p.encode(p.Tokens(chunks))])
 
     def finish(self, job_id: str) -> None:
         body = msgpack.packb([[job_id, 0, "length", None, [1, self.seq[job_id], 0]]])
-        self.b._on_worker_frames([W, p.HEADER, bytes((p.Cmd.W_FINISHED,)), body])
+        self.b.on_worker_message([W, p.HEADER, bytes((p.Cmd.W_FINISHED,)), body])
 
     def settle(self) -> None:
         self.failing.clear()
         for _ in range(3):
-            self.b._tick(time.monotonic())
-        assert not self.b._lagging
+            self.b.tick(time.monotonic())
+        assert not self.b.clients.lagging
 
 
 @pytest.fixture
@@ -211,7 +242,7 @@ def test_caught_up_and_lagging_subscribers_get_every_chunk_once(h: Harness) -> N
     assert h.got[(b"a", "j1")] == [(0, [0])] and h.got[(b"b", "j3")] == [(0, [0])]
     h.failing.add(b"a")  # a's queue is full: its chunks wait behind its cursors
     h.tokens(["j1", "j2", "j3"], n=2)
-    assert h.b._lagging == {"j1", "j2"} and h.got[(b"b", "j3")] == [(0, [0]), (1, [1, 2])]
+    assert h.b.clients.lagging == {"j1", "j2"} and h.got[(b"b", "j3")] == [(0, [0]), (1, [1, 2])]
     h.failing.clear()
     h.tokens(["j1", "j1", "j2"])  # j1 twice in one batch; a is resumed from its cursors
     h.settle()
@@ -224,7 +255,7 @@ def test_second_subscriber_replays_then_follows(h: Harness) -> None:
     h.submit(b"a", "j1")
     h.tokens(["j1"], n=3)
     h.tokens(["j1"], n=2)
-    h.b._on_subscribe(b"b", "", p.Subscribe("j1", "", from_seq=4))  # mid-chunk: that whole chunk
+    h.subscribe(b"b", "j1", from_seq=4)  # mid-chunk: that whole chunk
     h.tokens(["j1"], logprobs=True)  # two subscribers + logprobs: the strict decode and the general flush
     h.finish("j1")
     assert h.got[(b"a", "j1")] == [(0, [0, 1, 2]), (3, [3, 4]), (5, [5])]
@@ -235,14 +266,14 @@ def test_second_subscriber_replays_then_follows(h: Harness) -> None:
 def test_a_batch_with_one_bad_chunk_is_dropped_whole(h: Harness) -> None:
     h.submit(b"a", "j1")
     body = msgpack.packb([[0, 0], [["j1", 0, [1], "x", None], ["j1", 1, [-1], "x", None]]])
-    h.b._on_worker_frames([W, p.HEADER, bytes((p.Cmd.W_TOKENS,)), body])
+    h.b.on_worker_message([W, p.HEADER, bytes((p.Cmd.W_TOKENS,)), body])
     assert h.b.counters["malformed_worker_messages"] == 1 and h.b.jobs["j1"].num_tokens == 0
     assert not h.got
 
 
 def test_owner_gone_mid_relay_other_subscriber_gets_each_chunk_once(h: Harness) -> None:
     h.submit(b"a", "j1")
-    h.b._on_subscribe(b"b", "", p.Subscribe("j1", "", 0))
+    h.subscribe(b"b", "j1", 0)
     h.tokens(["j1"])
     h.vanishing.add(b"a")  # the relay's send to a finds it gone: j1 is cancelled and flushed to b
     h.tokens(["j1"], n=2)  # ... inside the relay that was about to send b the same chunk
@@ -254,15 +285,13 @@ def test_owner_gone_mid_relay_other_subscriber_gets_each_chunk_once(h: Harness) 
 def test_batch_for_one_caught_up_client_is_forwarded_as_it_came(h: Harness) -> None:
     for j in ("j1", "j2", "j3"):
         h.submit(b"a", j)
-    raw: list[bytes] = []
-    send = h._send
-    h.b._send_raw = lambda cid, frames: (raw.append(bytes(frames[-1])), send(cid, frames))[1]  # type: ignore
+    h.raw.clear()
     chunks = [p.TokenChunk("j1", 0, 0, [5], "a"), p.TokenChunk("j2", 0, 0, [6, 7], "b"),
               p.TokenChunk("j3", 0, 0, [], "c")]
     frames = p.encode(p.Tokens(chunks))
-    h.b._on_worker_frames([W, *frames])
+    h.b.on_worker_message([W, *frames])
     _, _, offset = p.split_tokens_body(frames[2])
-    assert raw == [frames[2][offset:]] and h.b.counters["batches_forwarded"] == 1
+    assert h.raw == [frames[2][offset:]] and h.b.counters["batches_forwarded"] == 1
     assert h.got == {(b"a", "j1"): [(0, [5])], (b"a", "j2"): [(0, [6, 7])], (b"a", "j3"): [(0, [])]}
     for c in chunks:  # the log holds the same entries, and the cursors moved past them
         job = h.b.jobs[c.job_id]
@@ -271,7 +300,7 @@ def test_batch_for_one_caught_up_client_is_forwarded_as_it_came(h: Harness) -> N
     h.seq.update(j1=1, j2=2, j3=0)
     h.failing.add(b"a")  # a full queue: nothing lost, resumed from the cursors
     h.tokens(["j1", "j2", "j3"])
-    assert h.b.counters["batches_forwarded"] == 2 and h.b._lagging == {"j1", "j2", "j3"}
+    assert h.b.counters["batches_forwarded"] == 2 and h.b.clients.lagging == {"j1", "j2", "j3"}
     assert h.b.counters["tokens_out"] == 3 and h.b.jobs["j1"].num_tokens == 2
     h.settle()
     assert h.got[(b"a", "j1")] == [(0, [5]), (1, [1])] and h.got[(b"a", "j3")] == [(0, []), (0, [0])]
@@ -289,7 +318,7 @@ def test_forwarded_batch_to_a_gone_client_is_logged_then_cancelled(h: Harness) -
     for j in ("j1", "j2"):
         job = h.b.jobs[j]
         assert job.num_tokens == 3 and [c[1] for c in job.chunks()] == [0, 1] and isinstance(job.terminal, p.Fail)
-    h.b._on_subscribe(b"b", "", p.Subscribe("j1", "", 0))  # a late subscriber replays the whole log
+    h.subscribe(b"b", "j1", 0)  # a late subscriber replays the whole log
     assert h.got[(b"b", "j1")] == [(0, [0]), (1, [1, 2])] and h.terminal[(b"b", "j1")] == ["Fail"]
 
 
@@ -304,7 +333,7 @@ def test_stale_or_out_of_order_chunks_leave_the_forward_path(h: Harness) -> None
         [p.TokenChunk("zz", 0, 0, [1], "x"), p.TokenChunk("j2", 0, 1, [1], "x")],  # an unknown job
     ]
     for chunks in cases:
-        h.b._on_worker_frames([W, *p.encode(p.Tokens(chunks))])
+        h.b.on_worker_message([W, *p.encode(p.Tokens(chunks))])
         h.seq["j2"] = 1
     assert h.b.counters["batches_forwarded"] == 1  # only the first batch
     assert h.got[(b"a", "j2")] == [(0, [0]), (1, [1])]  # the valid chunk of the first case, once
@@ -339,11 +368,11 @@ def test_forward_path_relays_only_what_decode_accepts(body: Any) -> None:
             decoded: list[p.TokenChunk] | None = p.Tokens.from_wire(p.unpack_body(raw)).chunks
         except ProtocolError:
             decoded = None
-        h.b._on_worker_frames([W, p.HEADER, bytes((p.Cmd.W_TOKENS,)), raw])
+        h.b.on_worker_message([W, p.HEADER, bytes((p.Cmd.W_TOKENS,)), raw])
         got = sorted((j, s, ids) for (_, j), cs in h.got.items() for s, ids in cs)
         if decoded is None:
             assert h.b.counters["malformed_worker_messages"] == 1 and not h.got
-            assert all(job.num_tokens == 0 and not job.ends for job in h.b.jobs.values())
+            assert all(job.num_tokens == 0 and not job.ends for job in h.b.jobs)
         else:
             want = []
             seq = dict.fromkeys(("j", "a", "b"), 0)
@@ -365,7 +394,7 @@ def test_every_valid_batch_of_next_chunks_is_forwarded(body: Any) -> None:
         for j in ("j", "a", "b"):
             h.submit(b"c", j)
         h.sends = 0  # (the ACKs)
-        h.b._on_worker_frames([W, p.HEADER, bytes((p.Cmd.W_TOKENS,)), msgpack.packb(body)])
+        h.b.on_worker_message([W, p.HEADER, bytes((p.Cmd.W_TOKENS,)), msgpack.packb(body)])
         assert h.b.counters["batches_forwarded"] == 1 and h.sends == 1
         assert {j: cs for (_, j), cs in h.got.items()} == {e[0]: [(0, e[2])] for e in body[1]}
     finally:
@@ -404,7 +433,7 @@ def test_no_chunk_lost_or_duplicated(ops: list[tuple[Any, ...]]) -> None:
                 job = h.b.jobs[jobs[op[2]]]
                 if (op[1], job.job_id) not in subs and op[1] not in gone | h.vanishing:
                     subs[(op[1], job.job_id)] = job.chunk_index(op[3])
-                    h.b._on_subscribe(op[1], "", p.Subscribe(job.job_id, "", op[3]))
+                    h.subscribe(op[1], job.job_id, op[3])
             elif op[0] == "finish" and jobs[op[1]] not in done:
                 done.add(jobs[op[1]])
                 h.finish(jobs[op[1]])
@@ -412,7 +441,7 @@ def test_no_chunk_lost_or_duplicated(ops: list[tuple[Any, ...]]) -> None:
                 h.vanishing.add(op[1])
                 gone.add(op[1])
             else:
-                h.b._tick(time.monotonic())
+                h.b.tick(time.monotonic())
         h.vanishing.clear()
         h.settle()
         for (cid, j), first in subs.items():
@@ -445,11 +474,11 @@ def test_full_collections_wait_for_empty_sockets() -> None:
     ctx = zmq.Context()
     worker = ctx.socket(zmq.DEALER)
     try:
-        b._tune_gc()
+        b.gc.start()
         assert gc.get_threshold()[2] > 1 << 20 and gc.get_freeze_count() > 1000
         gc.callbacks.append(on_gc)
         now = time.monotonic()
-        b._collect(now)  # nothing waiting: collects at once
+        b.gc.collect(now)  # nothing waiting: collects at once
         assert full == [1] and b.counters["gc_full_collections"] == 1
         worker.connect(b.endpoint("backend"))
         worker.send_multipart(p.encode(p.WorkerHeartbeat()))
@@ -457,10 +486,10 @@ def test_full_collections_wait_for_empty_sockets() -> None:
         while not int(b.backend.get(zmq.EVENTS)) & zmq.POLLIN:  # type: ignore[union-attr]
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        b._collect(now)  # a message is waiting: deferred
-        b._collect(now + b._GC_MAX_DEFER / 2)
+        b.gc.collect(now)  # a message is waiting: deferred
+        b.gc.collect(now + b.gc.MAX_DEFER / 2)
         assert full == [1]
-        b._collect(now + b._GC_MAX_DEFER + 0.1)  # ... but not for longer than that
+        b.gc.collect(now + b.gc.MAX_DEFER + 0.1)  # ... but not for longer than that
         assert full == [1, 1] and b.counters["gc_full_collections_busy"] == 1
     finally:
         if on_gc in gc.callbacks:
@@ -572,7 +601,7 @@ def test_worker_output_on_its_data_socket() -> None:
         recv(ctl, p.BrokerHeartbeat)
         evil.send_multipart(p.encode(p.Ready("e", ["m"], 8, 100, 16, 1024, 5.0, data_id="w-1")))
         wait_until(lambda: b.counters["malformed_worker_messages"] == 1, 10, what="the bad READY refused")
-        assert list(b.workers) == [b"w-1"] and list(b.data_sockets) == [b"w-1/data"]
+        assert b.workers.control_idents() == [b"w-1"] and b.workers.data_idents() == [b"w-1/data"]
 
         client.send_multipart(p.encode(p.Submit("j1", "m", p.RequestInput(prompt="x"), {"max_tokens": 3})))
         sub = recv(ctl, p.WorkerSubmit)
@@ -586,7 +615,7 @@ def test_worker_output_on_its_data_socket() -> None:
 
         data.send_multipart(p.encode(p.WorkerDisconnect()))
         wait_until(lambda: not b.workers, 10, what="the worker gone")
-        assert b.data_sockets == {} and b.counters["workers_lost"] == 1
+        assert b.workers.data_idents() == [] and b.counters["workers_lost"] == 1
         data.send_multipart(p.encode(p.Tokens([p.TokenChunk("j1", 0, 3, [7], "d")])))
         wait_until(lambda: b.counters["stale_tokens_dropped"] == 1, 10, what="stale output dropped")
     finally:

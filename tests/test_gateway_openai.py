@@ -16,10 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
+
+try:  # the gateway and test extras; a worker-only install (the GPU machine) skips this module
+    import fastapi  # noqa: F401
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+except ImportError:
+    pytest.skip("needs the gateway extra (pip install 'tokenmill[gateway]') and openai", allow_module_level=True)
 from helpers_net import addr, free_port, procs_ctx, wait_until
-from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.client import AsyncClient, Client, Forbidden
 from tokenmill.gateway.tenants import owner_of_key

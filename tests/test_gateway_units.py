@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+pytest.importorskip("fastapi", reason="the gateway extra (pip install tokenmill[gateway])")
+
 from tokenmill.client import StreamEvent, Usage
 from tokenmill.gateway.config import GatewayConfig, load_api_keys
 from tokenmill.gateway.errors import APIError, from_tokenmill

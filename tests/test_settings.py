@@ -21,7 +21,7 @@ from tokenmill.broker import BrokerConfig
 from tokenmill.cli import settings as st
 from tokenmill.cli.main import build_parser, main
 from tokenmill.cli.settings import SETTINGS, Setting, SettingError, build_config, settings_for, to_argv
-from tokenmill.gateway import GatewayConfig
+from tokenmill.gateway.config import GatewayConfig
 from tokenmill.worker.config import EngineConfig
 from tokenmill.worker.process import WorkerOptions
 

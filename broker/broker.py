@@ -18,6 +18,10 @@ The parts, each with its own invariants (and tests without sockets):
     fanout.Fanout          the one path of a TOKENS batch to the logs and the subscribers
     counters.Counters      what STATS counts
     gcpacer.GcPacer        full GC collections at idle moments
+    admission.ModelCatalog what workers announced: unknown models and jobs that fit no worker are refused
+    blame                  whom a worker's death is charged to (the migration limit)
+    budget.Budget          per-client bounds on answers a client may leave unread
+    memory.trim_heap       freed heap handed back at idle moments
 This module wires them: it decodes messages and carries out a job's life (accept, dispatch, migrate,
 finish). Nothing a peer sends can stop the loop: every message is decoded strictly (ProtocolError ->
 dropped and counted, a FAIL "protocol" answer to clients), sends never block, and a send that fails
@@ -29,29 +33,34 @@ from __future__ import annotations
 import contextlib
 import operator
 import os
+import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 import zmq
 
+from tokenmill.broker.admission import ModelCatalog, fit_refusal, fits
+from tokenmill.broker.blame import charged, migration_refusal
+from tokenmill.broker.budget import Budget, BudgetConfig, ReplyKind
 from tokenmill.broker.clients import ClientTable
 from tokenmill.broker.counters import Counters
 from tokenmill.broker.dispatch import AffinityDispatcher, Dispatcher, prefix_hashes
 from tokenmill.broker.fanout import Fanout
 from tokenmill.broker.gcpacer import GcPacer
 from tokenmill.broker.jobs import Job, JobState, JobTable
+from tokenmill.broker.memory import trim_heap
 from tokenmill.broker.observer import BrokerObserver
 from tokenmill.broker.queues import JobQueues
-from tokenmill.broker.security import ZapAuthenticator, make_curve_server
+from tokenmill.broker.security import ZapAuthenticator, load_zap_allow_list, make_curve_server
 from tokenmill.broker.timers import Timer, Timers
 from tokenmill.broker.workers import WorkerInfo, WorkerTable
 from tokenmill.protocol import InvalidRequest, SamplingParams
 from tokenmill.protocol import wire as p
 from tokenmill.protocol.errors import ProtocolError
-from tokenmill.protocol.keys import load_allowed_keys, load_keypair
+from tokenmill.protocol.keys import load_keypair
 
 log = structlog.get_logger("tokenmill.broker")
 
@@ -88,10 +97,17 @@ class BrokerConfig:
     # of an idle core per message, at the price of a core at 100% while messages keep coming: only for
     # a broker that owns its core.
     busy_poll: float = 0.0
+    # A job for a model no worker has announced is refused at once, except in this many seconds after
+    # the first worker registered (the others may still be coming).
+    unknown_model_grace: float = 5.0
+    reply_budget: BudgetConfig = field(default_factory=BudgetConfig)  # per-client bounds (budget.py)
+    trim_interval: float = 1.0  # at idle moments, hand freed heap back at most this often (memory.py)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.busy_poll <= 1.0:
             raise ValueError(f"busy_poll must be between 0 and 1 s, got {self.busy_poll}")
+        if self.unknown_model_grace < 0 or self.trim_interval <= 0:
+            raise ValueError("unknown_model_grace must be >= 0 and trim_interval > 0 (seconds)")
 
 
 class Broker:
@@ -121,6 +137,10 @@ class Broker:
         self._drain_deadline: float | None = None
         self._stop = False
         self._curve = cfg.curve_secret_file is not None
+        self.instance = secrets.token_hex(8)  # new at every start: in PONG, ACK and STATS (clients see restarts)
+        self.budget = Budget(cfg.reply_budget)
+        self.catalog = ModelCatalog(cfg.unknown_model_grace)
+        self._next_trim = 0.0
         self.zap: ZapAuthenticator | None = None
         self.frontend: zmq.Socket | None = None
         self.backend: zmq.Socket | None = None
@@ -133,7 +153,7 @@ class Broker:
         if self._curve:
             assert self.cfg.curve_secret_file is not None
             keys = load_keypair(self.cfg.curve_secret_file)
-            allowed = load_allowed_keys(self.cfg.curve_allow_dir) if self.cfg.curve_allow_dir else set()
+            allowed = load_zap_allow_list(self.cfg.curve_allow_dir)
             self.zap = ZapAuthenticator(self.ctx, allowed)
             self.zap.start()
             log.info("curve_enabled", allowed_keys=len(allowed))
@@ -201,6 +221,10 @@ class Broker:
                     spin_until = now + spin
                 self.tick(now)
                 self.gc.after_turn(now)
+                if now >= self._next_trim:
+                    self._next_trim = now + self.cfg.trim_interval
+                    if not self._sockets_busy():  # an idle moment: hand freed heap back (memory.py)
+                        trim_heap()
         finally:
             self.gc.stop()
             self._shutdown()
@@ -259,6 +283,8 @@ class Broker:
             self._next_client_check = now + min(0.1, self.cfg.client_timeout / 10)
             for cid in self.clients.silent(now, self.cfg.client_timeout):
                 self._client_gone(cid, "timeout")
+        if now >= self._next_trim:  # (the loop hands freed heap back at the same pace: run())
+            self.budget.prune(now)
         for job in self.jobs.expire(now):
             self.clients.forget(job)
         if self.clients.lagging:
@@ -309,7 +335,8 @@ class Broker:
         except ProtocolError as e:
             oversized = len(frames) == 4 and len(frames[3]) > self.cfg.max_body_bytes
             self.counters["oversized_frames" if oversized else "malformed_client_messages"] += 1
-            self.clients.send(ident, p.Fail("", "protocol", str(e)[:300]))
+            job_id = "" if oversized else p.readable_job_id(frames[1:], self.cfg.max_body_bytes)
+            self._refuse(ident, None, p.Fail(job_id, "protocol", str(e)[:300]))
             return
         self.clients.heard(ident, time.monotonic())
         owner = owner_key if owner_key is not None else getattr(msg, "owner", "")
@@ -320,11 +347,21 @@ class Broker:
         elif isinstance(msg, p.Subscribe):
             self._on_subscribe(ident, owner, msg)
         elif isinstance(msg, p.Ping):
-            self.clients.send(ident, p.Pong())
+            if self._may_answer(ident, ReplyKind.CONTROL):
+                self.clients.send(ident, p.Pong(self.instance))
         elif isinstance(msg, p.Bye):
             self._client_gone(ident, "bye")
         elif isinstance(msg, p.StatsRequest):
-            self.clients.send(ident, p.StatsReply(self.stats()))
+            self.counters["stats_requests"] += 1
+            if self._may_answer(ident, ReplyKind.CONTROL):  # (before building the reply: that is the cost)
+                self.clients.send(ident, p.StatsReply(self.stats()))
+
+    def _may_answer(self, ident: bytes, kind: ReplyKind) -> bool:
+        """Whether `ident`'s budget for replies of `kind` has room (budget.py); counts the drops."""
+        if self.budget.allow(ident, kind, time.monotonic()):
+            return True
+        self.counters[f"replies_dropped_{kind.value}"] += 1
+        return False
 
     def _on_submit(self, ident: bytes, owner: str, msg: p.Submit) -> None:
         self.counters["submits"] += 1
@@ -340,6 +377,11 @@ class Broker:
         except InvalidRequest as e:
             self._refuse(ident, "rejected_invalid", p.Fail(msg.job_id, "invalid", str(e)[:1000]))
             return
+        why = self.catalog.refusal(msg.model, msg.input, max_tokens, self.workers.serving(msg.model),
+                                   time.monotonic())
+        if why is not None:
+            self._refuse(ident, "rejected_unfit", p.Fail(msg.job_id, "invalid", why))
+            return
         if self.queues.waiting(msg.model) >= self.cfg.queue_size:
             self._refuse(ident, "rejected_overloaded", p.Fail(msg.job_id, "overloaded",
                                                                f"queue for {msg.model!r} is full",
@@ -347,9 +389,13 @@ class Broker:
             return
         self._accept(ident, owner, msg, max_tokens)
 
-    def _refuse(self, ident: bytes, counter: str, reply: p.Fail) -> None:
-        self.counters[counter] += 1
-        self.clients.send(ident, reply)
+    def _refuse(self, ident: bytes, counter: str | None, reply: p.Fail) -> None:
+        """Send a FAIL that refuses a message or a job outright (counted as `counter`), within the client's
+        REJECT budget (budget.py)."""
+        if counter is not None:
+            self.counters[counter] += 1
+        if self._may_answer(ident, ReplyKind.REJECT):
+            self.clients.send(ident, reply)
 
     def _on_duplicate(self, ident: bytes, owner: str, msg: p.Submit, job: Job) -> None:
         """Idempotent submit: the same owner re-sending a job id is re-subscribed, not re-run."""
@@ -357,7 +403,7 @@ class Broker:
             self._refuse(ident, "rejected_conflict", p.Fail(msg.job_id, "conflict", "job id in use by another owner"))
             return
         self.counters["duplicate_submits"] += 1
-        self.clients.send(ident, p.Ack(msg.job_id, duplicate=True))
+        self.clients.send(ident, p.Ack(msg.job_id, True, self.instance))
         self._subscribe(job, ident, msg.from_seq)
 
     def _accept(self, ident: bytes, owner: str, msg: p.Submit, max_tokens: int) -> None:
@@ -370,7 +416,7 @@ class Broker:
         self.jobs.add(job)
         self.counters["accepted"] += 1
         self.clients.subscribe(job, ident)
-        self.clients.send(ident, p.Ack(job.job_id))
+        self.clients.send(ident, p.Ack(job.job_id, False, self.instance))
         if job.deadline is not None:
             self.timers.set(job.deadline, Timer.DEADLINE, job)
         self._enqueue(job, front=False)
@@ -383,7 +429,7 @@ class Broker:
     def _checked_job(self, ident: bytes, owner: str, job_id: str) -> Job | None:
         job = self.jobs.get(job_id)
         if job is None:
-            self.clients.send(ident, p.Fail(job_id, "unknown_job", "no such job (or expired)"))
+            self._refuse(ident, None, p.Fail(job_id, "unknown_job", "no such job (or expired)"))
             return None
         if not self.clients.may_access(job, owner):
             self._refuse(ident, "forbidden", p.Fail(job_id, "forbidden", "job belongs to another client"))
@@ -394,7 +440,7 @@ class Broker:
         job = self._checked_job(ident, owner, msg.job_id)
         if job is None:
             return
-        self.clients.send(ident, p.Ack(job.job_id, duplicate=True))
+        self.clients.send(ident, p.Ack(job.job_id, True, self.instance))
         if not job.is_terminal:
             self.counters["cancels"] += 1
             self._finish(job, p.Fail(job.job_id, "cancelled", "cancelled by client"), cancel_worker=True)
@@ -404,7 +450,7 @@ class Broker:
         if job is None:
             return
         self.counters["subscribes"] += 1
-        self.clients.send(ident, p.Ack(job.job_id, duplicate=True))
+        self.clients.send(ident, p.Ack(job.job_id, True, self.instance))
         self._subscribe(job, ident, msg.from_seq)
 
     def _subscribe(self, job: Job, ident: bytes, from_seq: int) -> None:
@@ -413,6 +459,7 @@ class Broker:
 
     def _client_gone(self, cid: bytes, reason: str) -> None:
         """The client left (BYE, silence, unreachable): drop its subscriptions, cancel its jobs."""
+        self.budget.forget(cid)
         for job_id in self.clients.leave(cid):
             job = self.jobs.get(job_id)
             if job is None:
@@ -498,6 +545,7 @@ class Broker:
         for old in self.workers.replaced_by(ident, msg):
             self._worker_dead(old, "re-registered")
         w = self.workers.register(ident, msg, now)
+        self.catalog.note_ready(w, now)
         self.counters["workers_registered"] += 1
         log.info("worker_ready", worker=w.name, models=sorted(w.models), capacity=w.capacity,
                  kv_blocks=w.kv_blocks, block_size=w.block_size, max_model_len=w.max_model_len)
@@ -532,22 +580,25 @@ class Broker:
             return  # already handled
         self.counters["workers_lost"] += 1
         log.warning("worker_dead", worker=w.name, reason=reason, jobs=len(w.jobs))
-        jobs, w.jobs = sorted(w.jobs), set()
-        for job_id in jobs:
-            job = self.jobs.get(job_id)
-            if job is not None and not job.is_terminal and job.worker == w.ident:
-                self._migrate(job)
+        ids, w.jobs = sorted(w.jobs), set()
+        jobs = [j for i in ids if (j := self.jobs.get(i)) is not None and not j.is_terminal and j.worker == w.ident]
+        blamed = charged(jobs)
+        for job in jobs:
+            self._migrate(job, job.job_id in blamed)
         self._need_dispatch = True
 
     # ---- a job's life: queue, dispatch, migrate, finish ---------------------------------------------
 
-    def _migrate(self, job: Job) -> None:
+    def _migrate(self, job: Job, blamed: bool) -> None:
+        """Queue `job` again after its worker died (`blamed`: the death is charged to it, blame.py), or
+        fail it at the migration bounds."""
         job.worker = None
-        job.failures += 1
-        if job.failures >= self.cfg.migration_limit:
+        job.failures += blamed
+        self.counters["migrations_uncharged"] += not blamed
+        why = migration_refusal(job, self.cfg.migration_limit)
+        if why is not None:
             self.counters["migration_limit_failures"] += 1
-            self._finish(job, p.Fail(job.job_id, "failed",
-                                     f"job was running on {job.failures} workers that died (migration limit)"))
+            self._finish(job, p.Fail(job.job_id, "failed", why))
         elif job.num_tokens >= job.max_tokens:  # everything was delivered; only FINISHED was lost
             self._finish(job, p.Done(job.job_id, "length", None, (0, job.num_tokens, 0), job.num_tokens))
         else:
@@ -567,11 +618,20 @@ class Broker:
         self.queues.dispatch(self._pick, self._start)
 
     def _pick(self, job: Job) -> WorkerInfo | None:
-        return self.dispatcher.pick(job, self.workers.serving(job.model))
+        """The dispatcher's pick among the workers that serve the job's model and that it fits; a job that
+        fits none of them (those it fitted are gone) fails here, invalid (the rest of its queue: next turn)."""
+        serving = self.workers.serving(job.model)
+        w = self.dispatcher.pick(job, [w for w in serving if fits(w, job.input, job.max_tokens)])
+        if w is None and (why := fit_refusal(serving, job.input, job.max_tokens)) is not None:
+            self.counters["rejected_unfit"] += 1
+            self._finish(job, p.Fail(job.job_id, "invalid", why))
+            self._need_dispatch = True
+        return w
 
     def _start(self, job: Job, w: WorkerInfo) -> None:
         job.state = JobState.RUNNING
         job.worker = w.ident
+        job.dispatched_tokens = job.num_tokens
         if job.dispatched_at is None:
             job.dispatched_at = time.monotonic()
         w.assign(job.job_id)
@@ -607,6 +667,10 @@ class Broker:
             "clients": len(self.clients),
             "draining": self._draining,
             **self.dispatcher.stats(),
-            "zap": {"accepted": self.zap.accepted, "refused": self.zap.refused} if self.zap else None,
+            "instance": self.instance,
+            "reply_buckets": len(self.budget),
+            "unknown_model_grace_left": round(self.catalog.grace_left(now), 3),
+            "zap": ({"accepted": self.zap.accepted, "refused": self.zap.refused, "refused_role": self.zap.refused_role}
+                    if self.zap else None),
             **(self.observer.stats() if self.observer is not None else {}),
         }

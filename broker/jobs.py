@@ -55,7 +55,8 @@ class Job:
     state: JobState = JobState.QUEUED
     worker: bytes | None = None
     attempt: int = 0
-    failures: int = 0  # workers that died while running it
+    failures: int = 0  # workers that died while running it, that were charged to it (broker/blame.py)
+    dispatched_tokens: int = 0  # num_tokens when its current attempt was dispatched
     queued_at: float = 0.0
     dispatched_at: float | None = None  # first dispatch (monotonic); DONE's queue_time
     log: bytearray = field(default_factory=bytearray)

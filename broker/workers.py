@@ -36,12 +36,14 @@ class WorkerInfo:
     load: WorkerHeartbeat = field(default_factory=WorkerHeartbeat)
     dispatched: int = 0
     data_ident: bytes = b""
+    max_prompt_chars: int = 0  # Ready.max_prompt_chars: longer text never fits (0: no bound known)
 
     @classmethod
     def from_ready(cls, ident: bytes, msg: Ready, now: float) -> WorkerInfo:
         return cls(ident, msg.name, frozenset(msg.models), msg.capacity, msg.kv_blocks, msg.block_size,
                    msg.max_model_len, msg.heartbeat_interval, now, now + msg.heartbeat_interval,
-                   load=WorkerHeartbeat(0, 0, msg.kv_blocks, 0), data_ident=msg.data_id.encode())
+                   load=WorkerHeartbeat(0, 0, msg.kv_blocks, 0), data_ident=msg.data_id.encode(),
+                   max_prompt_chars=msg.max_prompt_chars)
 
     def serves(self, model: str) -> bool:
         """An empty model name means "any model"."""
@@ -66,7 +68,8 @@ class WorkerInfo:
     def describe(self, now: float) -> dict[str, object]:
         return {"name": self.name, "models": sorted(self.models), "capacity": self.capacity,
                 "inflight": len(self.jobs), "kv_blocks": self.kv_blocks, "block_size": self.block_size,
-                "max_model_len": self.max_model_len, "running": self.load.running, "waiting": self.load.waiting,
+                "max_model_len": self.max_model_len, "max_prompt_chars": self.max_prompt_chars,
+                "running": self.load.running, "waiting": self.load.waiting,
                 "free_blocks": self.load.free_blocks, "cached_blocks": self.load.cached_blocks,
                 "dispatched": self.dispatched, "last_seen_ago": round(now - self.last_seen, 3),
                 # cumulative counters from the worker's heartbeat (the gateway's /health and /metrics)

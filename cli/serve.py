@@ -54,8 +54,12 @@ def register(sub: Any) -> None:
     g = ksub.add_parser("generate", help="write CURVE key pairs (mode 0600) into DIR")
     g.add_argument("dir")
     g.add_argument("--name", action="append", default=None,
-                   help="key pair name (repeatable; default: broker, worker, client). Public keys of all "
-                        "but 'broker' are also copied to DIR/allowed/ (the broker's --curve-allow)")
+                   help="key pair name (repeatable; default: broker, worker, client). 'broker' is the broker's "
+                        "own key; a name starting with 'worker' gets the worker role, any other the client role. "
+                        "Public keys of all but 'broker' are also copied to DIR/allowed/ (the broker's "
+                        "--curve-allow), where each is admitted only on the socket of its role")
+    g.add_argument("--worker", action="append", default=[], metavar="NAME",
+                   help="a key pair with the worker role, whatever its name (repeatable)")
     g.set_defaults(func=cmd_keys_generate)
 
 
@@ -281,12 +285,15 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_generate(args: argparse.Namespace) -> int:
-    from tokenmill.protocol.keys import generate_keypair, install_public_key
+    from tokenmill.protocol.keys import ROLE_CLIENT, ROLE_WORKER, generate_keypair, install_public_key
 
-    names = args.name or ["broker", "worker", "client"]
-    for name in names:
-        pub, sec = generate_keypair(args.dir, name)
-        if name != "broker":
+    names = args.name or ([] if args.worker else ["broker", "worker", "client"])
+    roles = {name: None if name == "broker" else ROLE_WORKER if name.startswith("worker") else ROLE_CLIENT
+             for name in names}
+    roles.update({name: ROLE_WORKER for name in args.worker})
+    for name, role in roles.items():
+        pub, sec = generate_keypair(args.dir, name, role)
+        if role is not None:
             install_public_key(pub, os.path.join(args.dir, "allowed"))
-        print(f"{name}: {pub} {sec}")
+        print(f"{name} ({role or 'broker'}): {pub} {sec}")
     return 0

@@ -8,6 +8,7 @@
 from tokenmill.client.async_client import AsyncClient, AsyncJobHandle, run
 from tokenmill.client.client import DEFAULT_ADDRESS, Client, JobHandle, Result, StreamEvent, Usage
 from tokenmill.protocol.errors import (
+    AuthenticationFailed,
     BrokerUnavailable,
     Cancelled,
     DeadlineExceeded,
@@ -25,6 +26,7 @@ __all__ = [
     "DEFAULT_ADDRESS",
     "AsyncClient",
     "AsyncJobHandle",
+    "AuthenticationFailed",
     "BrokerUnavailable",
     "Cancelled",
     "Client",

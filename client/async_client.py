@@ -5,8 +5,9 @@
             print(ev.text, end="", flush=True)
 
 The socket lives on the running event loop (zmq.asyncio); a reader task routes replies to per-job
-asyncio queues and a heartbeat task pings the broker while jobs are open. `run()` runs a coroutine on
-uvloop when it is installed.
+asyncio queues, a heartbeat task pings the broker while jobs are open (and fails unacknowledged jobs at
+their deadline), and a monitor task watches the handshakes (a refused CURVE key: AuthenticationFailed).
+Every wait is bounded as in `Client`. `run()` runs a coroutine on uvloop when it is installed.
 """
 
 from __future__ import annotations
@@ -16,23 +17,27 @@ import contextlib
 import secrets
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from tokenmill.client.client import (
     DEFAULT_ADDRESS,
+    DEFAULT_IDLE_TIMEOUT,
+    MONITOR_EVENTS,
     Assembly,
     Result,
     RouterCore,
     StreamEvent,
     _Gap,
-    build_params,
-    make_submit,
+    check_settings,
     terminal_error,
 )
+from tokenmill.client.requests import build_params, checked_frames, make_submit, wait_seconds
 from tokenmill.protocol import wire as p
 from tokenmill.protocol.errors import BrokerUnavailable, DeadlineExceeded, TokenmillError
 from tokenmill.protocol.keys import apply_client_curve, load_keypair, load_public_key
@@ -61,6 +66,8 @@ class AsyncJobHandle:
         self._q: asyncio.Queue[Any] = asyncio.Queue()
         self._asm = Assembly(job_id, from_seq)
         self._accepted = asyncio.Event()
+        self._acked = False
+        self._instance = ""
         self._error: TokenmillError | None = None
         self._finished = False
 
@@ -69,20 +76,22 @@ class AsyncJobHandle:
         """True once the job's terminal reply (or an error) was consumed."""
         return self._finished or self._error is not None
 
-    def _on_ack(self) -> None:
+    def _on_ack(self, instance: str) -> None:
+        self._acked, self._instance = True, instance or self._instance
         self._accepted.set()
 
     async def wait_accepted(self, timeout: float | None = None) -> bool:
-        """Wait until the broker acknowledged the job (False on timeout)."""
+        """Wait until the broker acknowledged the job (None: the client's `broker_timeout`); False on timeout."""
         try:
-            await asyncio.wait_for(self._accepted.wait(), timeout)
+            await asyncio.wait_for(self._accepted.wait(), wait_seconds(timeout, self._client.broker_timeout))
             return True
         except TimeoutError:
             return False
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[StreamEvent]:
         """Yield the job's events in order (the last has `finish_reason`); raises the job's typed error,
-        or DeadlineExceeded when no event arrives for `timeout` seconds."""
+        or DeadlineExceeded when no event arrives for `timeout` seconds (None: the client's `idle_timeout`)."""
+        timeout = wait_seconds(timeout, self._client.idle_timeout)
         if self._error is not None:
             raise self._error
         while not self._finished:
@@ -124,16 +133,20 @@ class AsyncClient(RouterCore):
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, owner: str | None = None, timeout: float | None = None,
                  heartbeat_interval: float = 1.0, broker_timeout: float = 10.0,
+                 idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
                  curve_server_key: str | None = None, curve_secret_key: str | None = None) -> None:
+        check_settings(heartbeat_interval, broker_timeout, idle_timeout)
         self.address = address
         self.owner = owner if owner is not None else secrets.token_hex(16)
         self.timeout = timeout
         self.heartbeat_interval = heartbeat_interval
         self.broker_timeout = broker_timeout
+        self.idle_timeout = idle_timeout
         self._curve = (curve_server_key, curve_secret_key)
         self._handles: dict[str, AsyncJobHandle] = {}
         self._waiters: dict[str, asyncio.Future[Any]] = {}
         self._stats_waiters: list[asyncio.Future[Any]] = []
+        self._unacked: deque[tuple[float, AsyncJobHandle]] = deque()
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -148,16 +161,20 @@ class AsyncClient(RouterCore):
                      job_id: str | None = None, priority: int = 0, cancel_on_disconnect: bool = True,
                      **sampling: Any) -> AsyncJobHandle:
         """Submit a job and return its handle at once; see `Client.submit`."""
-        msg = make_submit(job_id, model, prompt, messages, prompt_token_ids, build_params(params, sampling),
-                          timeout if timeout is not None else self.timeout, priority, self.owner,
-                          cancel_on_disconnect)
-        handle = AsyncJobHandle(self, msg.job_id)
-        self._handles[msg.job_id] = handle
+        msg, frames = make_submit(job_id, model, prompt, messages, prompt_token_ids, build_params(params, sampling),
+                                  timeout if timeout is not None else self.timeout, priority, self.owner,
+                                  cancel_on_disconnect)
+        return await self._open(AsyncJobHandle(self, msg.job_id), frames)
+
+    async def _open(self, handle: AsyncJobHandle, frames: list[bytes]) -> AsyncJobHandle:
+        """Register `handle`, send `frames` (its SUBMIT or SUBSCRIBE) and start its acknowledgement clock."""
+        self._handles[handle.job_id] = handle
         try:
-            await self._send(msg)
+            await self._send_frames(frames)
         except BaseException:
-            self._handles.pop(msg.job_id, None)
+            self._handles.pop(handle.job_id, None)
             raise
+        self._expect_ack(handle)
         return handle
 
     async def generate(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
@@ -191,20 +208,21 @@ class AsyncClient(RouterCore):
 
     async def subscribe(self, job_id: str, *, from_seq: int = 0, owner: str | None = None) -> AsyncJobHandle:
         """Follow a job submitted elsewhere from output position `from_seq`; see `Client.subscribe`."""
-        handle = AsyncJobHandle(self, job_id, from_seq)
-        self._handles[job_id] = handle
-        await self._send(p.Subscribe(job_id, owner if owner is not None else self.owner, from_seq))
-        return handle
+        frames = checked_frames(p.Subscribe(job_id, owner if owner is not None else self.owner, from_seq))
+        return await self._open(AsyncJobHandle(self, job_id, from_seq), frames)
 
     async def cancel(self, job_id: str, *, owner: str | None = None, timeout: float = 5.0) -> None:
         """Cancel any job this client may access; raises Forbidden, UnknownJob or BrokerUnavailable."""
+        frames = checked_frames(p.Cancel(job_id, owner if owner is not None else self.owner))
+        timeout = wait_seconds(timeout, 5.0)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiters[job_id] = fut
-        await self._send(p.Cancel(job_id, owner if owner is not None else self.owner))
+        await self._send_frames(frames)
         await self._wait_reply(fut, timeout)
 
     async def stats(self, timeout: float = 5.0) -> dict[str, Any]:
         """The broker's counters, queue depths and workers."""
+        timeout = wait_seconds(timeout, 5.0)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._stats_waiters.append(fut)
         await self._send(p.StatsRequest())
@@ -237,9 +255,9 @@ class AsyncClient(RouterCore):
 
     # ---- internals --------------------------------------------------------------------------------
 
-    def _wait_bound(self, timeout: float | None) -> float | None:
+    def _wait_bound(self, timeout: float | None) -> float:
         t = timeout if timeout is not None else self.timeout
-        return None if t is None else t + self.broker_timeout
+        return self.idle_timeout if t is None else t + self.broker_timeout
 
     async def _run(self, h: AsyncJobHandle, timeout: float | None) -> Result:
         try:
@@ -271,24 +289,31 @@ class AsyncClient(RouterCore):
         server_key, secret_file = self._curve
         if server_key is not None and secret_file is not None:
             apply_client_curve(s, load_public_key(server_key), load_keypair(secret_file))
+        monitor = s.get_monitor_socket(MONITOR_EVENTS)
         s.connect(self.address)
         self._sock = s
         self._tasks = [asyncio.create_task(self._reader(), name=f"tokenmill-reader-{uuid.uuid4().hex[:6]}"),
-                       asyncio.create_task(self._heartbeat(), name="tokenmill-heartbeat")]
+                       asyncio.create_task(self._heartbeat(), name="tokenmill-heartbeat"),
+                       asyncio.create_task(self._watch(monitor), name="tokenmill-monitor")]
         return s
 
     async def _send(self, msg: p.Message) -> None:
+        await self._send_frames(p.encode(msg))
+
+    async def _send_frames(self, frames: list[bytes]) -> None:
         if self._closed:
             raise BrokerUnavailable("client is closed")
+        if self._auth_refused:
+            raise self._unsendable(None)
         sock = self._start()
-        if not self._is_open_besides(msg):
+        if not self._is_open_besides():
             self._last_heard = time.monotonic()  # the silence clock starts when we start expecting
         try:
-            await sock.send_multipart(p.encode(msg), zmq.NOBLOCK)
+            await sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
-            raise BrokerUnavailable("send queue to the broker is full") from None
+            raise self._unsendable(None) from None
 
-    def _is_open_besides(self, msg: p.Message) -> bool:
+    def _is_open_besides(self) -> bool:
         n = len(self._handles) + len(self._waiters) + len(self._stats_waiters)
         return n > 1
 
@@ -306,10 +331,23 @@ class AsyncClient(RouterCore):
             self._last_heard = time.monotonic()
             self._route(frames)
 
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        """Handshake outcomes from the socket's monitor (a refused key fails everything open)."""
+        assert self._sock is not None
+        try:
+            while True:
+                ev = parse_monitor_message(await monitor.recv_multipart())
+                self._on_monitor_event(int(ev["event"]), int(ev["value"]))
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
+            monitor.close(linger=0)
+
     async def _heartbeat(self) -> None:
         assert self._sock is not None
         while True:
             await asyncio.sleep(self.heartbeat_interval)
+            self._expire_unacked(time.monotonic())
             if not (self._handles or self._waiters or self._stats_waiters):
                 continue
             if time.monotonic() - self._last_heard > self.broker_timeout:

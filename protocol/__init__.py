@@ -10,6 +10,7 @@ This package imports nothing else of the project's (a test enforces it).
 """
 
 from tokenmill.protocol.errors import (
+    AuthenticationFailed,
     BrokerUnavailable,
     Cancelled,
     DeadlineExceeded,
@@ -26,6 +27,7 @@ from tokenmill.protocol.errors import (
 from tokenmill.protocol.sampling import SamplingParams
 
 __all__ = [
+    "AuthenticationFailed",
     "BrokerUnavailable",
     "Cancelled",
     "DeadlineExceeded",

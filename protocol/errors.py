@@ -78,6 +78,14 @@ class BrokerUnavailable(TokenmillError):
     code = "unavailable"
 
 
+class AuthenticationFailed(BrokerUnavailable):
+    """The broker refused this peer's CURVE handshake: its key is not admitted (or not for this socket),
+    or CURVE is on at one end only. Not an outage: retrying with the same key cannot succeed. Raised by
+    the SDK (no FAIL reply carries it: the broker never talks to an unauthenticated peer)."""
+
+    code = "unauthenticated"
+
+
 _BY_CODE: dict[str, type[TokenmillError]] = {
     cls.code: cls
     for cls in (ProtocolError, Overloaded, DeadlineExceeded, Cancelled, InvalidRequest, JobFailed, Forbidden,

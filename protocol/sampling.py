@@ -34,11 +34,11 @@ class SamplingParams:
         # Lists from JSON/msgpack are accepted and frozen into tuples.
         object.__setattr__(self, "stop", _as_tuple(self.stop, str, "stop"))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, int, "stop_token_ids"))
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be an integer >= 1")
-        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+        _check(_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens must be an integer >= 1")
+        _check(_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                "min_tokens must be an integer in [0, max_tokens]")
         _check(_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be an integer >= 0 (0 disables)")
+        _check(_int(self.top_k) and self.top_k >= 0, "top_k must be an integer >= 0 (0 disables)")
         _check(_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
         _check(_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]")
         _check(_num(self.repetition_penalty) and self.repetition_penalty > 0.0, "repetition_penalty must be > 0")
@@ -46,11 +46,14 @@ class SamplingParams:
                "presence_penalty must be in [-2, 2]")
         _check(_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
                "frequency_penalty must be in [-2, 2]")
-        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+        _check(self.seed is None or (_int(self.seed) and 0 <= self.seed < 2**63),
                "seed must be an integer in [0, 2**63)")
         _check(all(s for s in self.stop), "stop strings must be non-empty")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+        _check(type(self.ignore_eos) is bool, "ignore_eos must be a boolean")
+        _check(type(self.skip_special_tokens) is bool, "skip_special_tokens must be a boolean")
+        _check(isinstance(self.extra, dict), "extra must be a mapping")
+        _check(self.logprobs is None or (_int(self.logprobs) and 0 <= self.logprobs <= 20),
                "logprobs must be an integer in [0, 20]")
 
     @property
@@ -74,6 +77,11 @@ class SamplingParams:
             return cls(**d)
         except TypeError as e:
             raise InvalidRequest(str(e)) from None
+
+
+def _int(x: object) -> bool:
+    """An integer that is not a boolean (booleans are never integers here, as on the wire)."""
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _num(x: object) -> bool:

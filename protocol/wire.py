@@ -41,6 +41,8 @@ MAX_TOKEN_ID = (1 << 31) - 1
 MAX_ATTEMPT = 1 << 16
 MAX_MESSAGES = 4096  # chat turns in one request
 MAX_TOKEN_BYTES = 256  # bytes of one token in a logprobs entry
+# The roles a chat message may have (OpenAI's, plus Llama 3's "ipython" for tool output).
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "ipython"})
 
 FINISH_REASONS = frozenset({"stop", "length", "abort", "error"})
 
@@ -226,8 +228,10 @@ def _chat_messages(v: Any, name: str = "messages") -> list[dict[str, str]]:
         m = _map(m, f"{name}[{i}]")
         if set(m) != {"role", "content"}:
             raise _fail(f"{name}[{i}]: exactly the keys 'role' and 'content' are allowed")
-        out.append({"role": _str(m["role"], f"{name}[{i}].role", 64, 1),
-                    "content": _str(m["content"], f"{name}[{i}].content")})
+        role = _str(m["role"], f"{name}[{i}].role", 64, 1)
+        if role not in CHAT_ROLES:
+            raise _fail(f"{name}[{i}].role: {role[:64]!r} is not one of {sorted(CHAT_ROLES)}")
+        out.append({"role": role, "content": _str(m["content"], f"{name}[{i}].content")})
     return out
 
 
@@ -275,6 +279,15 @@ def _tuple(v: Any, name: str, n: int) -> list[Any]:
     return v
 
 
+def max_tokens_error(max_tokens: int, max_model_len: int) -> str | None:
+    """Why `max_tokens` output tokens can never fit a context of `max_model_len` (the prompt takes at least
+    one), or None."""
+    if max_tokens >= max_model_len:
+        return (f"max_tokens={max_tokens} can never be reached: the model's context is {max_model_len} tokens, "
+                "prompt included")
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class RequestInput:
     """What to generate from: exactly one of a prompt string, chat messages, or prompt token ids."""
@@ -302,6 +315,31 @@ class RequestInput:
         messages = _chat_messages(d["messages"]) if "messages" in d else None
         ids = _token_ids(d["prompt_token_ids"], "prompt_token_ids") if "prompt_token_ids" in d else None
         return RequestInput(prompt, messages, ids)
+
+    def text_chars(self) -> int:
+        """Characters of text to tokenize (the prompt, or every message's content); 0 for token ids. What a
+        prompt-length bound (Ready.max_prompt_chars) is checked against; O(1) for a prompt."""
+        if self.prompt is not None:
+            return len(self.prompt)
+        if self.messages is not None:
+            return sum(len(m["content"]) for m in self.messages)
+        return 0
+
+    def fit_error(self, max_model_len: int, max_prompt_chars: int = 0, max_tokens: int | None = None) -> str | None:
+        """Why this input (with `max_tokens`, if given) can never run on a worker of context `max_model_len`
+        whose text bound is `max_prompt_chars` (0: none; Ready.max_prompt_chars), judged from lengths
+        alone (O(1) for a prompt or token ids: no tokenizing); None when it may fit. The one rule the
+        broker (before dispatch) and the worker (before tokenizing) apply."""
+        if max_tokens is not None and (why := max_tokens_error(max_tokens, max_model_len)) is not None:
+            return why
+        if self.prompt_token_ids is not None and len(self.prompt_token_ids) >= max_model_len:
+            return (f"the prompt has {len(self.prompt_token_ids)} tokens but the model's context is "
+                    f"{max_model_len} tokens (at least one must be left to generate)")
+        chars = self.text_chars()
+        if max_prompt_chars and chars > max_prompt_chars:
+            return (f"the prompt has {chars} characters; no prompt over {max_prompt_chars} characters fits "
+                    f"the model's context of {max_model_len} tokens")
+        return None
 
     def affinity_text(self) -> str:
         """A string whose leading chunks identify the request's prefix (used for cache affinity)."""
@@ -458,20 +496,26 @@ class StatsRequest(_Empty):
 
 @dataclass(frozen=True, slots=True)
 class Ack(Message):
-    """A SUBMIT was accepted (queued or running); `duplicate` when the job id was already known."""
+    """A SUBMIT was accepted (queued or running); `duplicate` when the job id was already known.
+    `instance`: the id of the broker instance that holds the job ("" from a broker that sends none)."""
 
     CMD: ClassVar[Cmd] = Cmd.ACK
     job_id: str
     duplicate: bool = False
+    instance: str = ""
 
     def to_wire(self) -> Any:
-        return {"job_id": self.job_id, "duplicate": self.duplicate}
+        d: dict[str, Any] = {"job_id": self.job_id, "duplicate": self.duplicate}
+        if self.instance:
+            d["instance"] = self.instance
+        return d
 
     @classmethod
     def from_wire(cls, obj: Any) -> Ack:
         d = _map(obj, "ack")
-        _keys(d, "ack", ("job_id",), ("duplicate",))
-        return cls(_ident(d["job_id"], "job_id"), _bool(d.get("duplicate", False), "duplicate"))
+        _keys(d, "ack", ("job_id",), ("duplicate", "instance"))
+        return cls(_ident(d["job_id"], "job_id"), _bool(d.get("duplicate", False), "duplicate"),
+                   _instance(d))
 
 
 class StreamChunk(NamedTuple):
@@ -584,11 +628,26 @@ class Fail(Message):
                    _opt_float(d.get("retry_after"), "retry_after", 0.0, 3600.0))
 
 
+def _instance(d: dict[str, Any]) -> str:
+    return _ident(d["instance"], "instance") if "instance" in d else ""
+
+
 @dataclass(frozen=True, slots=True)
-class Pong(_Empty):
-    """Answer to PING: the broker is alive."""
+class Pong(Message):
+    """Answer to PING: the broker is alive. `instance`: the broker instance's id, new at every start, so
+    a client whose jobs another instance accepted learns they are gone ("" from a broker that sends none)."""
 
     CMD: ClassVar[Cmd] = Cmd.PONG
+    instance: str = ""
+
+    def to_wire(self) -> Any:
+        return {"instance": self.instance} if self.instance else {}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Pong:
+        d = _map(obj, "pong")
+        _keys(d, "pong", (), ("instance",))
+        return cls(_instance(d))
 
 
 @dataclass(frozen=True, slots=True)
@@ -616,7 +675,9 @@ class Ready(Message):
     """A worker (re-)registers. `models`: names it answers to (engine name first, then aliases).
     `heartbeat_interval`: seconds between heartbeats both ways for this worker. `data_id`: the routing id
     of the worker's second DEALER (its engine loop's, carrying TOKENS / FINISHED / ERROR straight from the
-    engine thread); "" when everything comes over the socket that sent this READY."""
+    engine thread); "" when everything comes over the socket that sent this READY. `max_prompt_chars`: a
+    text prompt (or chat contents) longer than this many characters can never fit `max_model_len` on this
+    worker (0: no bound known); the broker refuses such a job before it costs the worker anything."""
 
     CMD: ClassVar[Cmd] = Cmd.W_READY
     name: str
@@ -627,6 +688,7 @@ class Ready(Message):
     max_model_len: int
     heartbeat_interval: float
     data_id: str = ""
+    max_prompt_chars: int = 0
 
     def to_wire(self) -> Any:
         d = {"name": self.name, "models": self.models, "capacity": self.capacity, "kv_blocks": self.kv_blocks,
@@ -634,13 +696,15 @@ class Ready(Message):
              "heartbeat_interval": self.heartbeat_interval}
         if self.data_id:
             d["data_id"] = self.data_id
+        if self.max_prompt_chars:
+            d["max_prompt_chars"] = self.max_prompt_chars
         return d
 
     @classmethod
     def from_wire(cls, obj: Any) -> Ready:
         d = _map(obj, "ready")
         _keys(d, "ready", ("name", "models", "capacity", "kv_blocks", "block_size", "max_model_len",
-                           "heartbeat_interval"), ("data_id",))
+                           "heartbeat_interval"), ("data_id", "max_prompt_chars"))
         models = [_str(m, "models[]", 512, 1) for m in _list(d["models"], "models", 16)]
         if not models:
             raise _fail("ready.models: empty")
@@ -648,7 +712,8 @@ class Ready(Message):
                    _int(d["kv_blocks"], "kv_blocks"), _int(d["block_size"], "block_size", 1, 1 << 20),
                    _int(d["max_model_len"], "max_model_len", 1),
                    _float(d["heartbeat_interval"], "heartbeat_interval", 0.01, 60.0),
-                   _ident(d["data_id"], "data_id") if "data_id" in d else "")
+                   _ident(d["data_id"], "data_id") if "data_id" in d else "",
+                   _int(d.get("max_prompt_chars", 0), "max_prompt_chars"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -890,6 +955,19 @@ def encode(msg: Message) -> list[bytes]:
 W_TOKENS_FRAME = bytes((Cmd.W_TOKENS,))  # the command frame of a TOKENS message
 
 
+def encode_checked(msg: Message, allowed: frozenset[Cmd], max_bytes: int = MAX_BODY_BYTES) -> list[bytes]:
+    """encode(msg), checked with the receiving side's rules: the frames, which decode(frames, allowed,
+    max_bytes) accepts, or ProtocolError saying what the receiver would refuse, including what msgpack
+    cannot encode (integers past 64 bits, lone surrogates, types it does not know). What a sender runs
+    on a message built from untrusted input (the SDK: every request made from a caller's arguments)."""
+    try:
+        frames = encode(msg)
+    except Exception as e:  # msgpack: TypeError, OverflowError, UnicodeEncodeError, ValueError (depth), ...
+        raise ProtocolError(f"{msg.CMD.name} cannot be encoded: {type(e).__name__}: {str(e)[:200]}") from None
+    decode(frames, allowed, max_bytes)
+    return frames
+
+
 def encode_tokens(attempts: list[int], entries: list[list[Any]]) -> list[bytes]:
     """encode(Tokens(chunks)) from the body's two columns (Tokens): the worker's per-step hot path,
     which builds them directly instead of a TokenChunk per job."""
@@ -941,6 +1019,19 @@ def split_tokens_body(body: bytes, max_bytes: int = MAX_BODY_BYTES) -> tuple[Any
     if up.tell() != len(body):
         raise ProtocolError("tokens: trailing bytes after the body")
     return attempts, entries, offset
+
+
+def readable_job_id(frames: Sequence[bytes], max_bytes: int = MAX_BODY_BYTES) -> str:
+    """The job id of a message that failed to decode, when one can be read: the body is a msgpack map
+    (under the limits) whose "job_id" is a valid id; else "". What the broker echoes in its FAIL
+    "protocol", so that the sender can tell which of its requests was refused."""
+    if len(frames) != 3:
+        return ""
+    try:
+        body = unpack_body(frames[2], max_bytes)
+        return _ident(body["job_id"], "job_id") if isinstance(body, dict) and "job_id" in body else ""
+    except ProtocolError:
+        return ""
 
 
 def decode(frames: Sequence[bytes], allowed: frozenset[Cmd] | None = None,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from tokenmill.protocol import InvalidRequest, SamplingParams
+from tokenmill.protocol.wire import max_tokens_error
 from tokenmill.worker.block_manager import BlockManager
 from tokenmill.worker.config import EngineConfig
 from tokenmill.worker.detokenizer import IncrementalDetokenizer
@@ -146,17 +147,35 @@ class LLMEngine:
         self._live[request_id] = live
         self.scheduler.add(req)
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """A text prompt (or chat contents) longer than this many characters cannot fit max_model_len: a
+        bound checked before tokenizing (a token stands for at most max_chars_per_token characters)."""
+        return self.max_model_len * self.tokenizer.max_chars_per_token
+
+    def tokenize_prompt(self, prompt: str | None, messages: list[dict[str, Any]] | None,
+                        params: SamplingParams) -> list[int]:
+        """The prompt ids add_request makes of a text `prompt` or of chat `messages` (exactly one given) for a
+        request with `params`, computed without holding the GIL while the tokenizer runs: for a caller on
+        another thread, so that the engine loop and the worker's heartbeats go on while a long prompt is
+        tokenized."""
+        return self._text_ids(prompt, messages, _template_kwargs(params), release_gil=True)
+
+    def _text_ids(self, prompt: str | None, messages: list[dict[str, Any]] | None,
+                  template_kwargs: dict[str, Any] | None, release_gil: bool) -> list[int]:
+        if messages is not None:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}))
+            return self.tokenizer.encode(text, add_special_tokens=False, release_gil=release_gil)
+        if not isinstance(prompt, str):
+            raise InvalidRequest("prompt must be a string")
+        return self.tokenizer.encode(prompt, release_gil=release_gil)
+
     def _prompt_ids(self, prompt: str | None, token_ids: Sequence[int] | None,
                     messages: list[dict[str, Any]] | None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
         if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
             raise InvalidRequest("give exactly one of prompt, prompt_token_ids or messages")
-        if messages is not None:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}))
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        if prompt is not None:
-            if not isinstance(prompt, str):
-                raise InvalidRequest("prompt must be a string")
-            return self.tokenizer.encode(prompt)
+        if messages is not None or prompt is not None:
+            return self._text_ids(prompt, messages, template_kwargs, release_gil=False)
         assert token_ids is not None
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
             raise InvalidRequest("prompt_token_ids must be integers")
@@ -172,6 +191,8 @@ class LLMEngine:
         unknown = [t for t in params.stop_token_ids if t >= vocab]
         if unknown:
             raise InvalidRequest(f"stop token id {unknown[0]} is not in the vocabulary (size {vocab})")
+        if (why := max_tokens_error(params.max_tokens, self.max_model_len)) is not None:
+            raise InvalidRequest(why)
         n = len(ids) + len(resume)
         if n >= self.max_model_len:
             raise InvalidRequest(

@@ -15,8 +15,10 @@ Two threads, two DEALER sockets to the broker's backend:
   step's Python holds it (measured: benchmarks/results/cpu/broker_relay_realworker*.md).
 
 A request is `"{job_id}#{attempt}"` inside the engine, so a stale attempt never collides with a new one.
-A malformed or invalid job is answered with ERROR for that job alone. An exception in the IO thread is
-re-raised in the main thread, which exits non-zero.
+A malformed or invalid job is answered with ERROR for that job alone; a prompt that cannot fit the
+context is refused from its length before it is tokenized, and a long text prompt is tokenized off the
+engine loop (worker/prompt_guard.py), so no prompt stalls the loop or the heartbeats. An exception in
+the IO thread is re-raised in the main thread, which exits non-zero.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from tokenmill.protocol import InvalidRequest, SamplingParams
 from tokenmill.protocol import wire as p
 from tokenmill.protocol.errors import ProtocolError
 from tokenmill.protocol.keys import apply_client_curve
+from tokenmill.worker.prompt_guard import INLINE_TOKENIZE_CHARS, Tokenized, TokenizerThread
 
 log = structlog.get_logger("tokenmill.worker")
 
@@ -243,6 +246,12 @@ class EngineLoop:
         self.stopping = threading.Event()
         self.steps = 0  # engine steps run (the heartbeat's progress counter)
         self._byte_table: Callable[[int], list[int]] | None = None  # token id -> its bytes (_token_bytes)
+        # Jobs whose prompt the tokenizer thread is working on (engine request id -> job, params); results
+        # for ids not here (cancelled, or from before a reset: `generation` counts resets) are dropped.
+        self.tokenizing: dict[str, tuple[p.WorkerSubmit, SamplingParams]] = {}
+        self.generation = 0
+        tokenize = getattr(engine, "tokenize_prompt", None)
+        self.tokenizer = TokenizerThread(tokenize, self.io.inbound.put) if tokenize is not None else None
 
     def run(self) -> None:
         while not self.stopping.is_set():
@@ -275,14 +284,19 @@ class EngineLoop:
             self._submit(item)
         elif isinstance(item, p.WorkerCancel):
             rid = f"{item.job_id}#{item.attempt}"
+            self.tokenizing.pop(rid, None)
             if self.active.pop(rid, None) is not None:
                 self.engine.abort_request(rid)
+        elif isinstance(item, Tokenized):
+            self._tokenized(item)
 
     def _reset(self) -> None:
         for rid in list(self.active):
             self.engine.abort_request(rid)
-        n = len(self.active)
+        n = len(self.active) + len(self.tokenizing)
         self.active.clear()
+        self.tokenizing.clear()
+        self.generation += 1
         if n:
             log.info("worker_reset", aborted=n)
         self.close()
@@ -308,9 +322,34 @@ class EngineLoop:
         rid = f"{msg.job_id}#{msg.attempt}"
         try:
             params = SamplingParams.from_dict(msg.params)
-            self.engine.add_request(rid, msg.input.prompt, prompt_token_ids=msg.input.prompt_token_ids,
-                                    messages=msg.input.messages, params=params, priority=msg.priority,
-                                    resume_token_ids=msg.resume_token_ids)
+        except InvalidRequest as e:
+            self._push(p.JobError(msg.job_id, msg.attempt, "invalid", str(e)[:1000]))
+            return
+        too_long = msg.input.fit_error(self.engine.max_model_len, self.ready.max_prompt_chars)
+        if too_long is not None:
+            self._push(p.JobError(msg.job_id, msg.attempt, "invalid", too_long))
+        elif self.tokenizer is not None and msg.input.text_chars() > INLINE_TOKENIZE_CHARS:
+            self.tokenizing[rid] = (msg, params)
+            self.tokenizer.submit(rid, self.generation, msg.input, params)
+        else:
+            self._add(rid, msg, params, msg.input.prompt, msg.input.prompt_token_ids, msg.input.messages)
+
+    def _tokenized(self, t: Tokenized) -> None:
+        job = self.tokenizing.pop(t.rid, None) if t.generation == self.generation else None
+        if job is None:
+            return  # cancelled meanwhile, or asked before a reset
+        msg, params = job
+        if t.error is not None:
+            code = "invalid" if isinstance(t.error, InvalidRequest | ValueError | TypeError) else "failed"
+            self._push(p.JobError(msg.job_id, msg.attempt, code, str(t.error)[:1000]))
+        else:
+            self._add(t.rid, msg, params, None, t.ids, None)
+
+    def _add(self, rid: str, msg: p.WorkerSubmit, params: SamplingParams, prompt: str | None,
+             prompt_token_ids: list[int] | None, messages: list[dict[str, str]] | None) -> None:
+        try:
+            self.engine.add_request(rid, prompt, prompt_token_ids=prompt_token_ids, messages=messages,
+                                    params=params, priority=msg.priority, resume_token_ids=msg.resume_token_ids)
         except (InvalidRequest, ValueError, TypeError) as e:
             self._push(p.JobError(msg.job_id, msg.attempt, "invalid", str(e)[:1000]))
             return
@@ -393,7 +432,7 @@ def ready_message(engine: EngineLike, opts: WorkerOptions) -> p.Ready:
     capacity = opts.capacity or int(getattr(getattr(getattr(engine, "config", None), "scheduler", None),
                                             "max_num_seqs", 64))
     return p.Ready(opts.name, models[:16], capacity, s.num_total_blocks, s.block_size, engine.max_model_len,
-                   opts.heartbeat_interval)
+                   opts.heartbeat_interval, max_prompt_chars=int(getattr(engine, "max_prompt_chars", 0)))
 
 
 def run_worker(engine: EngineLike, opts: WorkerOptions, stop: threading.Event | None = None,
@@ -425,6 +464,8 @@ def run_worker(engine: EngineLike, opts: WorkerOptions, stop: threading.Event | 
         # Output, then DISCONNECT, in order on one socket: the broker must not migrate a job whose FINISHED
         # is still on the way.
         io.say_goodbye = not loop.close(goodbye=True)
+        if loop.tokenizer is not None:
+            loop.tokenizer.stop()
         io.stop()
         io.join(2.0)
         outbox.close(linger=0)

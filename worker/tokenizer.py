@@ -330,6 +330,14 @@ class Tokenizer:
         return self._chat_template
 
     @cached_property
+    def max_chars_per_token(self) -> int:
+        """An upper bound on the characters of input text one token stands for: the longest token string
+        (added tokens included; a byte-level token's string has one character per byte it covers), times 4
+        when the backend normalizes (a normalizer such as NFKC may compose several characters into one)."""
+        longest = max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
+        return max(1, longest) * (4 if self.backend.normalizer is not None else 1)
+
+    @cached_property
     def token_bytes(self) -> tuple[bytes, ...] | None:
         """Per id, the bytes decode() emits for it, when decode() is the lossy UTF-8 decoding of the
         concatenated per-token bytes (ByteLevel decoder); None for any other decoder."""
@@ -340,8 +348,14 @@ class Tokenizer:
 
     # ------------------------------------------------------------------------------------ encode / decode
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self.backend.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = True, release_gil: bool = False) -> list[int]:
+        """Token ids of `text` (BOS first iff `add_special_tokens` and the model adds one). `release_gil`:
+        run the backend without holding the GIL (its batch entry point), so other threads keep running
+        while a long text is tokenized; the ids are the same."""
+        if release_gil:
+            ids: list[int] = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self.backend.encode(text, add_special_tokens=False).ids
         return self._with_bos(ids) if add_special_tokens else ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:

@@ -320,14 +320,55 @@ def _check_weight(name: str, x: torch.Tensor, w: torch.Tensor, k: int, bias: tor
         raise ValueError(f"w is on {w.device}, {name} on {x.device}")
     if not w.is_contiguous():
         raise ValueError(f"w must be a contiguous [N, K] tensor, got strides {w.stride()}")
-    if bias is not None:
-        if bias.shape != (w.shape[0],) or bias.dtype != x.dtype or bias.device != x.device:
+    check_bias(bias, w.shape[0], x)
+
+
+def _check_norm_args(h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor) -> None:
+    """The activation operands of a fused add + RMSNorm + matmul: h [M, K], residual like h, norm_weight [K]."""
+    _check_act("h", h)
+    k = h.shape[1]
+    if residual is not None:
+        if residual.shape != h.shape or residual.dtype != h.dtype or residual.device != h.device:
             raise ValueError(
-                f"bias must be [{w.shape[0]}] {x.dtype} on {x.device}, got "
-                f"{tuple(bias.shape)} {bias.dtype} on {bias.device}"
+                f"residual must match h ({tuple(h.shape)} {h.dtype} {h.device}), got "
+                f"{tuple(residual.shape)} {residual.dtype} {residual.device}"
             )
-        if bias.stride(0) != 1:
-            raise ValueError(f"bias must be contiguous, got stride {bias.stride()}")
+        if residual.stride(-1) != 1 and k > 1:
+            raise ValueError(f"residual must be contiguous in its last dim, got strides {residual.stride()}")
+    if norm_weight.dim() != 1 or norm_weight.shape[0] != k:
+        raise ValueError(f"norm_weight must be [K={k}], got {tuple(norm_weight.shape)}")
+    if not norm_weight.is_floating_point():
+        raise ValueError(f"norm_weight must be floating point, got {norm_weight.dtype}")
+    if norm_weight.device != h.device:
+        raise ValueError(f"norm_weight is on {norm_weight.device}, h on {h.device}")
+    if norm_weight.stride(0) != 1:
+        raise ValueError(f"norm_weight must be contiguous, got stride {norm_weight.stride()}")
+
+
+def _check_norm_outs(h: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None,
+                     residual_out: torch.Tensor | None, n: int, inputs: tuple[torch.Tensor | None, ...]) -> None:
+    """The optional outputs of a fused add + RMSNorm + matmul: out [M, N], residual_out [M, K] (with residual)."""
+    m, k = h.shape
+    if out is not None:
+        _check_out("out", out, (m, n), h, inputs)
+    if residual_out is not None:
+        if residual is None:
+            raise ValueError("residual_out is only written when residual is given (else the new residual is h)")
+        _check_out("residual_out", residual_out, (m, k), h, inputs)
+        if out is not None:
+            _check_out("residual_out", residual_out, (m, k), h, (out,))
+
+
+def check_bias(bias: torch.Tensor | None, n: int, x: torch.Tensor) -> None:
+    """bias: None or a contiguous [N] tensor of x's dtype on x's device."""
+    if bias is None:
+        return
+    if bias.shape != (n,) or bias.dtype != x.dtype or bias.device != x.device:
+        raise ValueError(
+            f"bias must be [{n}] {x.dtype} on {x.device}, got {tuple(bias.shape)} {bias.dtype} on {bias.device}"
+        )
+    if bias.stride(0) != 1:
+        raise ValueError(f"bias must be contiguous, got stride {bias.stride()}")
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -430,34 +471,9 @@ def add_rmsnorm_matmul(
     """(rmsnorm(r) @ w.T (+ bias), r) for M <= 16, with r = (h + residual) rounded to h's dtype, or r = h
     (returned as is) when residual is None. Numerics of kernels/rmsnorm.py followed by F.linear. The new
     residual goes to a fresh buffer (`residual_out` if given, which must not overlap h or residual)."""
-    _check_act("h", h)
-    m, k = h.shape
-    if residual is not None:
-        if residual.shape != h.shape or residual.dtype != h.dtype or residual.device != h.device:
-            raise ValueError(
-                f"residual must match h ({tuple(h.shape)} {h.dtype} {h.device}), got "
-                f"{tuple(residual.shape)} {residual.dtype} {residual.device}"
-            )
-        if residual.stride(-1) != 1 and k > 1:
-            raise ValueError(f"residual must be contiguous in its last dim, got strides {residual.stride()}")
-    if norm_weight.dim() != 1 or norm_weight.shape[0] != k:
-        raise ValueError(f"norm_weight must be [K={k}], got {tuple(norm_weight.shape)}")
-    if not norm_weight.is_floating_point():
-        raise ValueError(f"norm_weight must be floating point, got {norm_weight.dtype}")
-    if norm_weight.device != h.device:
-        raise ValueError(f"norm_weight is on {norm_weight.device}, h on {h.device}")
-    if norm_weight.stride(0) != 1:
-        raise ValueError(f"norm_weight must be contiguous, got stride {norm_weight.stride()}")
-    _check_weight("h", h, w, k, bias)
-    inputs = (h, residual, norm_weight, w, bias)
-    if out is not None:
-        _check_out("out", out, (m, w.shape[0]), h, inputs)
-    if residual_out is not None:
-        if residual is None:
-            raise ValueError("residual_out is only written when residual is given (else the new residual is h)")
-        _check_out("residual_out", residual_out, (m, k), h, inputs)
-        if out is not None:
-            _check_out("residual_out", residual_out, (m, k), h, (out,))
+    _check_norm_args(h, residual, norm_weight)
+    _check_weight("h", h, w, h.shape[1], bias)
+    _check_norm_outs(h, residual, out, residual_out, w.shape[0], (h, residual, norm_weight, w, bias))
     y, res_out = _launch(_NORM, h, residual, norm_weight, eps, w, bias, out, residual_out, config)
     return y, (h if res_out is None else res_out)
 

@@ -115,6 +115,28 @@ def unpack_int4(words: torch.Tensor) -> torch.Tensor:
     return ((words[..., None] >> shifts) & 0xF).reshape(*words.shape[:-1], -1).to(torch.uint8)
 
 
+# AutoAWQ's GEMM layout packs 8 outputs per word in an interleaved order: nibble j holds output 8c + _AWQ_ORDER[j]
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _awq_columns(n: int, order: tuple[int, ...]) -> torch.Tensor:
+    return (torch.arange(n) // PACK) * PACK + torch.tensor(order)[torch.arange(n) % PACK]
+
+
+def awq_pack(v: torch.Tensor) -> torch.Tensor:
+    """v [R, N] in 0..15 -> int32 [R, N // 8] in AWQ's interleaved order."""
+    return pack_int4(v[:, _awq_columns(v.shape[1], _AWQ_ORDER).to(v.device)])
+
+
+def awq_unpack(words: torch.Tensor) -> torch.Tensor:
+    """int32 [R, N // 8] in AWQ's order -> uint8 [R, N] (inverse of awq_pack)."""
+    inverse = [0] * PACK
+    for j, m in enumerate(_AWQ_ORDER):
+        inverse[m] = j  # output 8c + m sits at nibble inverse[m]
+    nib = unpack_int4(words)
+    return nib[:, _awq_columns(nib.shape[1], tuple(inverse)).to(nib.device)]
+
+
 def unpacked_q(w: PackedWeight) -> torch.Tensor:
     """The integer values q [N, K] (int16) in packed column order."""
     return (unpack_int4(w.qweight) if w.bits == 4 else w.qweight).to(torch.int16)

@@ -3,15 +3,16 @@ checkpoint layout to the canonical tensors of the LinearMethods (worker/quant/),
 dense checkpoints (HF, GGUF, dummy).
 
 Checkpoint layouts read here (4-bit values v, W[n, k] = (v - z) * s, groups g(k) = k // group_size):
-  gptq (AutoGPTQ / GPTQModel v1, bits 4): qweight int32 [K/8, N] (k = 8i + j at bits 4j of row i), qzeros int32
-      [G, N/8] (n = 8c + j at bits 4j; stored z - 1), scales float16 [G, N], g_idx int32 [K] (the group of each
-      input column; with desc_act the columns are in activation order and the groups are not contiguous).
+  gptq (AutoGPTQ v1 / GPTQModel v2, bits 4): qweight int32 [K/8, N] (k = 8i + j at bits 4j of row i), qzeros
+      int32 [G, N/8] (n = 8c + j at bits 4j; v1 stores z - 1, v2 z), scales float16 [G, N], g_idx int32 [K] (the
+      group of each input column; with desc_act the groups are not contiguous runs of columns).
   awq (AutoAWQ GEMM, bits 4, zero points): qweight int32 [K, N/8] and qzeros int32 [G, N/8], packed along N in
       the interleaved order n = 8c + (0, 2, 4, 6, 1, 3, 5, 7)[j] at bits 4j; scales float16 [G, N].
   compressed-tensors (llm-compressor): pack-quantized int4 (weight_packed int32 [N, K/8], k = 8i + j at bits 4j,
-      stored v + 8 for signed v; weight_scale [N, G]; weight_zero_point [N, G] signed (asymmetric); weight_g_idx
-      [K] (actorder); weight_shape [2]); int-quantized int8 channel (weight int8 [N, K], weight_scale [N, 1]);
-      float-quantized fp8 (weight e4m3 [N, K], weight_scale [N, 1] or [1]) with dynamic per-token activations.
+      stored v + 8 for signed v; weight_scale [N, G]; asymmetric: weight_zero_point int32 [N/8, G] packed along
+      N, stored zp + 8; actorder: weight_g_idx [K]; weight_shape [2]); int-quantized int8 channel (weight int8
+      [N, K], weight_scale [N, 1]); float-quantized fp8 (weight e4m3 [N, K], weight_scale [N, 1] or [1]) with
+      dynamic per-token activations.
   fp8 (vLLM's own): weight e4m3 [N, K], weight_scale per tensor ([] or [1]), activation_scheme dynamic.
 An unsupported method or option fails when the model is resolved, naming it; a tensor of the wrong shape or
 dtype fails naming the tensor and what was expected.
@@ -19,6 +20,7 @@ dtype fails naming the tensor and what was expected.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,14 +28,13 @@ from typing import Any
 
 import torch
 
-from tokenmill.kernels.quant_weight import pack_int4, unpack_int4
+from tokenmill.kernels.quant_weight import awq_unpack, pack_int4, unpack_int4
 from tokenmill.worker.models.layers import ModelLoadError
 from tokenmill.worker.quant.base import LinearMethod
 from tokenmill.worker.quant.config import INT4_GROUP_SIZES, METHODS, QuantConfig
 
 Weights = Iterator[tuple[str, torch.Tensor]]
 FORMATS = ("gptq", "awq", "compressed-tensors", "fp8")
-_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of an AWQ word holds output 8c + _AWQ_ORDER[j]
 _PROJ_SUFFIX = "_proj"
 
 
@@ -83,12 +84,13 @@ def _int4_group(bits: Any, group_size: Any, method: str, where: Path) -> int:
 
 def _gptq_config(qc: dict[str, Any], where: Path) -> CheckpointQuant:
     fmt = str(qc.get("checkpoint_format", "gptq")).lower()
-    if fmt not in ("gptq",):
-        raise ModelLoadError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported (the v1 'gptq' layout)")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ModelLoadError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
     g = _int4_group(qc.get("bits", 4), qc.get("group_size", 128), "GPTQ", where)
     if qc.get("lm_head"):
         raise ModelLoadError(f"{where}: a GPTQ-quantized lm_head is not supported")
-    return CheckpointQuant("gptq", QuantConfig("int4", g, bool(qc.get("sym", True)), bool(qc.get("desc_act"))))
+    return CheckpointQuant("gptq", QuantConfig("int4", g, bool(qc.get("sym", True)), bool(qc.get("desc_act"))),
+                           (("zero_offset", 1 if fmt == "gptq" else 0),))
 
 
 def _awq_config(qc: dict[str, Any], where: Path) -> CheckpointQuant:
@@ -239,7 +241,7 @@ def _int4_zeros(z: torch.Tensor, config: QuantConfig, what: str) -> dict[str, to
     return {"zeros": z.to(torch.uint8).contiguous()}
 
 
-def _gptq(parts: dict[str, torch.Tensor], config: QuantConfig) -> dict[str, torch.Tensor]:
+def _gptq(parts: dict[str, torch.Tensor], config: QuantConfig, offset: int) -> dict[str, torch.Tensor]:
     qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
     if qweight.dtype != torch.int32 or qweight.dim() != 2:
         raise ValueError(f"qweight is {tuple(qweight.shape)} {qweight.dtype}, expected int32 [in / 8, out]")
@@ -248,24 +250,13 @@ def _gptq(parts: dict[str, torch.Tensor], config: QuantConfig) -> dict[str, torc
     _expect(qzeros, "qzeros", (groups, -(-n // 8)), torch.int32)
     _expect(scales, "scales", (groups, n))
     q = unpack_int4(qweight.t().contiguous())  # [N, K]
-    z = unpack_int4(qzeros)[:, :n].t().to(torch.int16) + 1  # v1 stores z - 1
+    z = unpack_int4(qzeros)[:, :n].t().to(torch.int16) + offset  # v1 stores z - 1, v2 z
     g_idx = parts.get("g_idx")
     if g_idx is None:
         g_idx = torch.arange(k, dtype=torch.int32) // config.group_size
     _expect(g_idx, "g_idx", (k,))
     return {**_act_order(q, g_idx, config), "scales": scales.t().contiguous(),
-            **_int4_zeros(z, config, "qzeros + 1")}
-
-
-def _awq_unpack(packed: torch.Tensor) -> torch.Tensor:
-    """[R, N/8] int32 in AWQ's interleaved order -> [R, N] uint8."""
-    nib = unpack_int4(packed)  # column 8c + j = nibble j
-    n = nib.shape[1]
-    order = torch.tensor(_AWQ_ORDER)
-    src = torch.empty(8, dtype=torch.int64)
-    src[order] = torch.arange(8)  # output 8c + m sits at nibble src[m]
-    cols = (torch.arange(n) // 8) * 8 + src[torch.arange(n) % 8]
-    return nib[:, cols.to(nib.device)]
+            **_int4_zeros(z, config, f"qzeros + {offset}")}
 
 
 def _awq(parts: dict[str, torch.Tensor], config: QuantConfig) -> dict[str, torch.Tensor]:
@@ -276,8 +267,8 @@ def _awq(parts: dict[str, torch.Tensor], config: QuantConfig) -> dict[str, torch
     groups = -(-k // config.group_size)
     _expect(qzeros, "qzeros", (groups, n // 8), torch.int32)
     _expect(scales, "scales", (groups, n))
-    q = _awq_unpack(qweight).t().contiguous()  # [N, K]
-    z = _awq_unpack(qzeros).t().to(torch.int16)
+    q = awq_unpack(qweight).t().contiguous()  # [N, K]
+    z = awq_unpack(qzeros).t().to(torch.int16)
     return {"qweight": pack_int4(q), "scales": scales.t().contiguous(), **_int4_zeros(z, config, "qzeros")}
 
 
@@ -296,10 +287,11 @@ def _ct_int4(parts: dict[str, torch.Tensor], config: QuantConfig) -> dict[str, t
     _expect(packed, "weight_packed", (n, -(-k // 8)), torch.int32)
     _expect(scale, "weight_scale", (n, groups))
     q = unpack_int4(packed)[:, :k]  # stored v + 8
-    zp = parts.get("weight_zero_point")
-    z = torch.full((n, groups), 8, dtype=torch.int16) if zp is None else zp.to(torch.int16) + 8
+    zp = parts.get("weight_zero_point")  # int32 [N/8, G], packed along the output dim (stored zp + 8)
+    z = torch.full((n, groups), 8, dtype=torch.int16)
     if zp is not None:
-        _expect(zp, "weight_zero_point", (n, groups))
+        _expect(zp, "weight_zero_point", (-(-n // 8), groups), torch.int32)
+        z = unpack_int4(zp.t().contiguous())[:, :n].t().to(torch.int16)
     g_idx = parts.get("weight_g_idx")
     g_idx = torch.arange(k, dtype=torch.int32) // config.group_size if g_idx is None else g_idx
     _expect(g_idx, "weight_g_idx", (k,))
@@ -331,7 +323,8 @@ def _ct_converter(ckpt: CheckpointQuant) -> tuple[Callable[..., dict[str, torch.
 
 _CONVERTERS: dict[str, Callable[[CheckpointQuant], tuple[Callable[..., dict[str, torch.Tensor]],
                                                          Callable[[dict[str, torch.Tensor]], bool]]]] = {
-    "gptq": lambda c: (_gptq, _need("qweight", "qzeros", "scales")),
+    "gptq": lambda c: (functools.partial(_gptq, offset=c.option("zero_offset")),
+                       _need("qweight", "qzeros", "scales")),
     "awq": lambda c: (_awq, _need("qweight", "qzeros", "scales")),
     "compressed-tensors": _ct_converter,
     "fp8": lambda c: (_ct_dense, _need("weight", "weight_scale")),

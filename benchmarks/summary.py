@@ -41,6 +41,10 @@ KEYS: dict[str, str] = {
     "hf_static_ratio": "x",
     "broker_relay_tok_s": "tok/s",
     "broker_added_p99_ms": "ms",
+    "ppl_delta_pct_int8": "%",
+    "ppl_delta_pct_fp8": "%",
+    "ppl_delta_pct_int4_rtn": "%",
+    "ppl_delta_pct_int4_gptq": "%",
 }
 
 # The suite section each suite figure comes from (a merged suite takes sections from several runs).
@@ -209,10 +213,19 @@ def broker_figures(r: Mapping[str, Any]) -> dict[str, float]:
     return {"broker_relay_tok_s": t["tokens_per_s"], "broker_added_p99_ms": lat["added_p99_ms"]} if headline else {}
 
 
+def quant_accuracy_figures(r: Mapping[str, Any]) -> dict[str, float]:
+    """quant_accuracy.py on the embedded model (the dequantized Q4_1 reference), INT4 in groups of 128."""
+    if r.get("model") != "embedded" or r.get("group_size") != 128:
+        return {}
+    return {f"ppl_delta_pct_{name}": res["ppl_delta_pct"] for name, res in r.get("results", {}).items()
+            if f"ppl_delta_pct_{name}" in KEYS}
+
+
 def figures_of(result: Mapping[str, Any]) -> dict[str, float]:
     """The figures a result file holds, by what kind of result it is."""
     kind: Callable[[Mapping[str, Any]], dict[str, float]] | None = (
         broker_figures if result.get("benchmark") == "broker_relay" else
+        quant_accuracy_figures if result.get("benchmark") == "quant_accuracy" else
         suite_figures if "sections_s" in result else
         e2e_figures if "latency_b8_in32_out128_s" in result else None)
     return kind(result) if kind else {}

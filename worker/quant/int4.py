@@ -55,11 +55,13 @@ class Int4LinearMethod(PackedLinearMethod):
                             cast(torch.Tensor | None, layer.zeros), cast(torch.Tensor | None, layer.perm), 4,
                             self.group_size)
 
-    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Round to nearest (no act-order: the permutation comes from GPTQ, worker/quant/gptq.py)."""
+    def quantize(self, weight: torch.Tensor, scale_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Round to nearest (no act-order: the permutation comes from GPTQ, worker/quant/gptq.py). Scales in
+        `scale_dtype` (default: what this method stores for the weight's dtype; checkpoints: float16)."""
         if self.act_order:
             raise ValueError("act-order INT4 weights come from GPTQ; online quantization rounds to nearest")
-        q, scales, zeros = quantize_int4(weight, self.group_size, self.symmetric, scale_dtype_for(weight.dtype))
+        q, scales, zeros = quantize_int4(weight, self.group_size, self.symmetric,
+                                         scale_dtype or scale_dtype_for(weight.dtype))
         out = {"qweight": pack_int4(q), "scales": scales}
         if not self.symmetric:
             out["zeros"] = zeros

@@ -11,6 +11,7 @@ with the torch attention backend (this is an offline tool); it is modified in pl
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -23,15 +24,19 @@ from tokenmill.worker.model_runner import attention_metadata
 from tokenmill.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, fused_target, projections
 from tokenmill.worker.quant.config import QuantConfig, make_linear_method
 from tokenmill.worker.quant.gptq import Hessian, gptq_quantize
+from tokenmill.worker.quant.int4 import Int4LinearMethod
 
 Canonical = dict[str, dict[str, torch.Tensor]]  # HF projection name (model.layers.N.self_attn.q_proj) -> tensors
 Progress = Callable[[str], None]
 
 
 def rtn_quantize_model(model: LlamaForCausalLM, config: QuantConfig, progress: Progress | None = None) -> Canonical:
-    """Round to nearest: each HF projection's dense weight through the method's `quantize`."""
+    """Round to nearest: each HF projection's dense weight through the method's `quantize` (INT4 scales in
+    float16, what checkpoints store)."""
     method = make_linear_method(config, torch.device("cpu"), fp8_emulation=True)
     assert method is not None, "quantization method 'none' has nothing to quantize"
+    quantize = functools.partial(method.quantize, scale_dtype=torch.float16) if isinstance(
+        method, Int4LinearMethod) else method.quantize
     params = dict(model.named_parameters())
     out: Canonical = {}
     for i in range(model.arch.num_layers):
@@ -39,7 +44,7 @@ def rtn_quantize_model(model: LlamaForCausalLM, config: QuantConfig, progress: P
             name = f"model.layers.{i}.{hf}"
             param, rows = fused_target(name + ".weight", model.arch)
             weight = params[param].data
-            out[name] = method.quantize(weight if rows is None else weight[rows[0]:rows[1]])
+            out[name] = quantize(weight if rows is None else weight[rows[0]:rows[1]])
         if progress is not None:
             progress(f"layer {i + 1}/{model.arch.num_layers}")
     return out

@@ -305,6 +305,9 @@ def _ct_dense(parts: dict[str, torch.Tensor], config: QuantConfig) -> dict[str, 
     want = torch.int8 if config.method == "int8" else torch.float8_e4m3fn
     if weight.dtype != want or weight.dim() != 2:
         raise ValueError(f"weight is {tuple(weight.shape)} {weight.dtype}, expected {want} [out, in]")
+    if scale.numel() not in (1, weight.shape[0]):
+        raise ValueError(f"weight is {tuple(weight.shape)} {weight.dtype} but weight_scale {tuple(scale.shape)}: "
+                         "one scale per output row (or one for the tensor) expected")
     zp = parts.get("weight_zero_point")
     if zp is not None and bool((zp != 0).any()):
         raise ValueError("weight_zero_point is not 0: asymmetric weights are not supported in this format")

@@ -45,6 +45,9 @@ KEYS: dict[str, str] = {
     "ppl_delta_pct_fp8": "%",
     "ppl_delta_pct_int4_rtn": "%",
     "ppl_delta_pct_int4_gptq": "%",
+    "int8_decode_b1_ms": "ms",
+    "int4_decode_b1_ms": "ms",
+    "fp8_decode_b1_ms": "ms",
 }
 
 # The suite section each suite figure comes from (a merged suite takes sections from several runs).
@@ -221,11 +224,20 @@ def quant_accuracy_figures(r: Mapping[str, Any]) -> dict[str, float]:
             if f"ppl_delta_pct_{name}" in KEYS}
 
 
+def gpu_quant_figures(r: Mapping[str, Any]) -> dict[str, float]:
+    """gpu_quant.py's batch-1 decode on dummy Llama-3-8B quantized on load (bf16 measured in the same call)."""
+    decode = r.get("decode") or {}
+    if r.get("model") != "llama3-8b" or "auto" not in decode:
+        return {}
+    return {f"{q}_decode_b1_ms": d["ms_per_step_p50"] for q, d in decode.items() if q in ("int8", "int4", "fp8")}
+
+
 def figures_of(result: Mapping[str, Any]) -> dict[str, float]:
     """The figures a result file holds, by what kind of result it is."""
     kind: Callable[[Mapping[str, Any]], dict[str, float]] | None = (
         broker_figures if result.get("benchmark") == "broker_relay" else
         quant_accuracy_figures if result.get("benchmark") == "quant_accuracy" else
+        gpu_quant_figures if result.get("benchmark") == "gpu_quant" else
         suite_figures if "sections_s" in result else
         e2e_figures if "latency_b8_in32_out128_s" in result else None)
     return kind(result) if kind else {}

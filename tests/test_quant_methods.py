@@ -338,3 +338,15 @@ def test_gptq_model_quantizer_and_cli_round_trip(tiny_hf: Path, tmp_path: Path) 
 
 def _rtn(path: Path) -> LlamaForCausalLM:
     return build_model(resolve_model(str(path)), TorchRefBackend(), CPU, torch.float32, "int4")
+
+
+def test_compressed_tensors_packing_matches_the_library() -> None:
+    """Our int4 pack-quantized layout (weights along K, zero points along N) is compressed-tensors' own, where
+    that library is installed (it is not a dependency)."""
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    from tokenmill.kernels.quant_weight import pack_int4
+
+    v = torch.randint(-8, 8, (24, 64), dtype=torch.int8)
+    assert torch.equal(helpers.pack_to_int32(v, 4), pack_int4(v.int() + 8))
+    zp = torch.randint(-8, 8, (24, 3), dtype=torch.int8)
+    assert torch.equal(helpers.pack_to_int32(zp, 4, packed_dim=0), pack_int4((zp.int() + 8).t().contiguous()).t())

@@ -224,7 +224,7 @@ def test_skinny_refuses_more_than_16_rows_and_bad_outputs() -> None:
         quant_skinny_matmul(x, w, config=FMA)
 
 
-# ---- ahead-of-time compile for Hopper (catches GPU-only compile errors on a CPU-only machine) -------------------
+# ---- ahead-of-time compile for Hopper: GPU-only compile errors on a CPU-only machine, pipelined K loops ---------
 
 
 def _sm90_compile_all() -> None:
@@ -256,7 +256,8 @@ def _sm90_compile_all() -> None:
                       "BLOCK_M": m if use_dot else 1, "BLOCK_N": 16, "BLOCK_K": 256, "EVEN_K": True,
                       "STATS_BLOCK": 256, "EVEN_KS": True, "USE_DOT": use_dot, "DOT_PRECISION": "tf32",
                       "NUM_STAGES": 3, "PDL": False}
-            build(qv._quant_skinny_kernel, consts, ("K", "stride_xm", "stride_ym"), 4, 3)
+            ttgir = build(qv._quant_skinny_kernel, consts, ("K", "stride_xm", "stride_ym"), 4, 3)
+            assert "async_copy_global_to_local" in ttgir, f"{fmt} {prologue=} {m=}: the K loop is not pipelined"
         consts = {**fmt, "HAS_BIAS": True, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
                   "EVEN_K": True, "DOT_PRECISION": "tf32"}
         build(qm._quant_gemm_kernel, consts, ("K", "stride_xm", "stride_ym"), 8, 3)

@@ -202,6 +202,26 @@ def _residual_tile(
 
 
 @triton.jit
+def row_rstd(
+    x_rows, r_rows, ro_rows, ro_mask, K, eps,
+    dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, STATS_BLOCK: tl.constexpr,
+    EVEN_KS: tl.constexpr, NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    """1/rms [BLOCK_M] fp32 of r = h (+ residual) rounded to dtype, in one pass over K (the RMSNorm statistics
+    pass; the new residual is stored through ro_rows [BLOCK_M, 1] where ro_mask holds)."""
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum of r^2 per row
+    offs_ks = tl.arange(0, STATS_BLOCK)
+    for k0 in tl.range(0, K, STATS_BLOCK, num_stages=NUM_STAGES):
+        offs_k = k0 + offs_ks
+        k_mask = (offs_k < K)[None, :]
+        r = _residual_tile(x_rows, r_rows, offs_k, k_mask, dtype, HAS_RESIDUAL, EVEN_KS)
+        if HAS_RESIDUAL:
+            tl.store(ro_rows + offs_k[None, :], r.to(dtype), mask=ro_mask & k_mask)
+        ss += tl.sum(r * r, 1)
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
 def _skinny_kernel(
     x_ptr,  # [M, K] activations (PLAIN: x, NORM: h, SILU: gu [M, 2K]); row stride stride_xm, last dim contiguous
     res_ptr,  # [M, K] residual, row stride stride_rm (NORM with HAS_RESIDUAL)
@@ -251,19 +271,11 @@ def _skinny_kernel(
     # wide steps (STATS_BLOCK, see _stats_block), pipelined like the main loop.
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PROLOGUE == 1:
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum of r^2 per row
         # program 0 stores the new residual; masked for the others (no branch in the loop)
         ro_mask = (offs_m < M)[:, None] & (pid == 0)  # [BLOCK_M, 1]
         ro_rows = res_out_ptr + offs_m.to(tl.int64)[:, None] * stride_om  # [BLOCK_M, 1]
-        offs_ks = tl.arange(0, STATS_BLOCK)
-        for k0 in tl.range(0, K, STATS_BLOCK, num_stages=NUM_STAGES):
-            offs_k = k0 + offs_ks
-            k_mask = (offs_k < K)[None, :]
-            r = _residual_tile(x_rows, r_rows, offs_k, k_mask, dtype, HAS_RESIDUAL, EVEN_KS)
-            if HAS_RESIDUAL:
-                tl.store(ro_rows + offs_k[None, :], r.to(dtype), mask=ro_mask & k_mask)
-            ss += tl.sum(r * r, 1)
-        rstd = tl.rsqrt(ss / K + eps)
+        rstd = row_rstd(x_rows, r_rows, ro_rows, ro_mask, K, eps, dtype, HAS_RESIDUAL, BLOCK_M, STATS_BLOCK,
+                        EVEN_KS, NUM_STAGES)
 
     # ---- main loop: stream BLOCK_N rows of w over K, x tile produced on the fly ----------------------
     if USE_DOT:
@@ -396,6 +408,17 @@ def _check_out(
                 raise ValueError(f"{name} overlaps an input of the kernel; pass a separate buffer")
 
 
+def alloc_outputs(x: torch.Tensor, n: int, k: int, residual: torch.Tensor | None, out: torch.Tensor | None,
+                  res_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The outputs a launch writes: `out` or a new [M, N]; with a residual, `res_out` or a new [M, K]."""
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if residual is not None and res_out is None:
+        res_out = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    return out, res_out
+
+
 def _launch(
     prologue: int,
     x: torch.Tensor,
@@ -412,10 +435,7 @@ def _launch(
     launches. Operands are already validated."""
     m = x.shape[0]
     n, k = w.shape
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if residual is not None and res_out is None:
-        res_out = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    out, res_out = alloc_outputs(x, n, k, residual, out, res_out)
     if config is None:
         config = default_config(m, n, k, x.element_size(), _num_sms(x.device))
     elif not config.use_dot and m > 1:

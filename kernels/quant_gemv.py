@@ -29,11 +29,12 @@ from tokenmill.kernels.gemv import (
     _check_norm_args,
     _check_norm_outs,
     _check_out,
-    _residual_tile,
     _stats_block,
     _x_tile,
+    alloc_outputs,
     check_bias,
     default_config,
+    row_rstd,
 )
 from tokenmill.kernels.launch import next_pow2, num_sms, pdl_launch_args, pdl_release, pdl_wait
 from tokenmill.kernels.quant_weight import PackedWeight, check_packed, quant_matmul_ref, scale_later
@@ -101,26 +102,6 @@ def dequant_tile(
 
 
 @triton.jit
-def _row_rstd(
-    x_rows, r_rows, ro_rows, ro_mask, K, eps,
-    dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, STATS_BLOCK: tl.constexpr,
-    EVEN_KS: tl.constexpr, NUM_STAGES: tl.constexpr,
-):  # fmt: skip
-    """1/rms [BLOCK_M] of r = h (+ residual) rounded to dtype, in one pass over K (the new residual is stored
-    through ro_rows where ro_mask holds)."""
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    offs_ks = tl.arange(0, STATS_BLOCK)
-    for k0 in tl.range(0, K, STATS_BLOCK, num_stages=NUM_STAGES):
-        offs_k = k0 + offs_ks
-        k_mask = (offs_k < K)[None, :]
-        r = _residual_tile(x_rows, r_rows, offs_k, k_mask, dtype, HAS_RESIDUAL, EVEN_KS)
-        if HAS_RESIDUAL:
-            tl.store(ro_rows + offs_k[None, :], r.to(dtype), mask=ro_mask & k_mask)
-        ss += tl.sum(r * r, 1)
-    return tl.rsqrt(ss / K + eps)
-
-
-@triton.jit
 def _quant_skinny_kernel(
     x_ptr,  # [M, K] activations (PLAIN: x, NORM: h, SILU: gu [M, 2K]); row stride stride_xm
     res_ptr,  # [M, K] residual (NORM with HAS_RESIDUAL)
@@ -159,8 +140,8 @@ def _quant_skinny_kernel(
     if PROLOGUE == 1:  # statistics first (natural column order; program 0 stores the new residual)
         ro_mask = (offs_m < M)[:, None] & (pid == 0)
         ro_rows = res_out_ptr + offs_m.to(tl.int64)[:, None] * stride_om
-        rstd = _row_rstd(x_rows, r_rows, ro_rows, ro_mask, K, eps, dtype, HAS_RESIDUAL, BLOCK_M, STATS_BLOCK,
-                         EVEN_KS, NUM_STAGES)
+        rstd = row_rstd(x_rows, r_rows, ro_rows, ro_mask, K, eps, dtype, HAS_RESIDUAL, BLOCK_M, STATS_BLOCK,
+                        EVEN_KS, NUM_STAGES)
 
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -226,10 +207,7 @@ def _launch(prologue: int, x: torch.Tensor, residual: torch.Tensor | None, norm_
             ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     m = x.shape[0]
     n, k = w.shape
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if residual is not None and res_out is None:
-        res_out = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    out, res_out = alloc_outputs(x, n, k, residual, out, res_out)
     cfg = _config_for(x, w, config)
     if m == 0:
         return out, res_out

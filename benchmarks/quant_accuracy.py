@@ -43,8 +43,8 @@ GROUP_SIZE = 128
 def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--model", default="embedded")
     p.add_argument("--num-replies", type=int, default=200, help="held-out ShareGPT exchanges (the file's last)")
-    p.add_argument("--max-prompt-tokens", type=int, default=256)
-    p.add_argument("--max-reply-tokens", type=int, default=256)
+    p.add_argument("--max-prompt-tokens", type=int, default=128, help="the prompt's last tokens")
+    p.add_argument("--max-reply-tokens", type=int, default=128, help="the reply's first tokens")
     p.add_argument("--num-calibration", type=int, default=16, help="GPTQ calibration exchanges (the file's first)")
     p.add_argument("--calibration-tokens", type=int, default=512)
     p.add_argument("--formats", default=",".join(FORMATS))

@@ -218,7 +218,8 @@ def broker_figures(r: Mapping[str, Any]) -> dict[str, float]:
 
 def quant_accuracy_figures(r: Mapping[str, Any]) -> dict[str, float]:
     """quant_accuracy.py on the embedded model (the dequantized Q4_1 reference), INT4 in groups of 128."""
-    if r.get("model") != "embedded" or r.get("group_size") != 128:
+    if (r.get("model"), r.get("group_size"), r.get("max_prompt_tokens"), r.get("max_reply_tokens")) != (
+            "embedded", 128, 128, 128):
         return {}
     return {f"ppl_delta_pct_{name}": res["ppl_delta_pct"] for name, res in r.get("results", {}).items()
             if f"ppl_delta_pct_{name}" in KEYS}

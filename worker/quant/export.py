@@ -14,6 +14,7 @@ The embeddings, norms, biases and lm_head are written dense in `dtype`; INT4 sca
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -176,8 +177,11 @@ def write_folder(out: Path, model: LlamaForCausalLM, canonical: dict[str, dict[s
     cfg["torch_dtype"] = _DTYPE_NAMES[dtype]
     cfg.pop("dtype", None)
     cfg["quantization_config"] = quantization_config(config, fmt)
-    save_file(checkpoint_state(model, canonical, config, fmt, dtype), str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    weights = out / "model.safetensors"
+    save_file(checkpoint_state(model, canonical, config, fmt, dtype), str(weights), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    weights.chmod(0o666 & ~umask)  # safetensors creates it 0600; the rest of the folder gets the usual mode
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     if tokenizer_dir is not None:
         for name in _TOKENIZER_FILES:

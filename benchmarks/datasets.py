@@ -155,3 +155,28 @@ class _Limits:
         if prompt_len + output_len > self.max_total_len:
             return False
         return self.max_output_len is None or output_len <= self.max_output_len
+
+
+@dataclass(frozen=True)
+class ChatExchange:
+    """A ShareGPT exchange as the model sees it: the chat-formatted human turn (generation prompt included) and
+    the gpt reply's tokens after it."""
+
+    prompt_ids: tuple[int, ...]
+    reply_ids: tuple[int, ...]
+
+
+def chat_exchanges(tokenizer: Tokenizer, indices: range, max_prompt_tokens: int = 256, max_reply_tokens: int = 256,
+                   path: str | os.PathLike[str] | None = None) -> list[ChatExchange]:
+    """The ShareGPT pairs at `indices` (file order; negative ranges count from the end), prompts cut to their
+    last max_prompt_tokens tokens and replies to their first max_reply_tokens. Pairs whose reply is empty are
+    skipped, so fewer may come back. Calibration (quantization) and held-out evaluation take disjoint ranges."""
+    pairs = sharegpt_pairs(path)
+    out = []
+    for i in indices:
+        human, gpt = pairs[i]
+        prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": human}]))
+        reply = tokenizer.encode(gpt, add_special_tokens=False)[:max_reply_tokens]
+        if reply:
+            out.append(ChatExchange(tuple(prompt[-max_prompt_tokens:]), tuple(reply)))
+    return out

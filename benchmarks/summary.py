@@ -41,6 +41,13 @@ KEYS: dict[str, str] = {
     "hf_static_ratio": "x",
     "broker_relay_tok_s": "tok/s",
     "broker_added_p99_ms": "ms",
+    "ppl_delta_pct_int8": "%",
+    "ppl_delta_pct_fp8": "%",
+    "ppl_delta_pct_int4_rtn": "%",
+    "ppl_delta_pct_int4_gptq": "%",
+    "int8_decode_b1_ms": "ms",
+    "int4_decode_b1_ms": "ms",
+    "fp8_decode_b1_ms": "ms",
 }
 
 # The suite section each suite figure comes from (a merged suite takes sections from several runs).
@@ -209,10 +216,29 @@ def broker_figures(r: Mapping[str, Any]) -> dict[str, float]:
     return {"broker_relay_tok_s": t["tokens_per_s"], "broker_added_p99_ms": lat["added_p99_ms"]} if headline else {}
 
 
+def quant_accuracy_figures(r: Mapping[str, Any]) -> dict[str, float]:
+    """quant_accuracy.py on the embedded model (the dequantized Q4_1 reference), INT4 in groups of 128."""
+    if (r.get("model"), r.get("group_size"), r.get("max_prompt_tokens"), r.get("max_reply_tokens")) != (
+            "embedded", 128, 128, 128):
+        return {}
+    return {f"ppl_delta_pct_{name}": res["ppl_delta_pct"] for name, res in r.get("results", {}).items()
+            if f"ppl_delta_pct_{name}" in KEYS}
+
+
+def gpu_quant_figures(r: Mapping[str, Any]) -> dict[str, float]:
+    """gpu_quant.py's batch-1 decode on dummy Llama-3-8B quantized on load (bf16 measured in the same call)."""
+    decode = r.get("decode") or {}
+    if r.get("model") != "llama3-8b" or "auto" not in decode:
+        return {}
+    return {f"{q}_decode_b1_ms": d["ms_per_step_p50"] for q, d in decode.items() if q in ("int8", "int4", "fp8")}
+
+
 def figures_of(result: Mapping[str, Any]) -> dict[str, float]:
     """The figures a result file holds, by what kind of result it is."""
     kind: Callable[[Mapping[str, Any]], dict[str, float]] | None = (
         broker_figures if result.get("benchmark") == "broker_relay" else
+        quant_accuracy_figures if result.get("benchmark") == "quant_accuracy" else
+        gpu_quant_figures if result.get("benchmark") == "gpu_quant" else
         suite_figures if "sections_s" in result else
         e2e_figures if "latency_b8_in32_out128_s" in result else None)
     return kind(result) if kind else {}

@@ -59,6 +59,7 @@ class ModelSpec:
     cuda_graphs: bool = True
     threads: int = 0  # torch CPU threads (0: torch's default); the worker process gets the same
     async_scheduling: bool | None = None  # None: the engine's default (on for CUDA only)
+    quantization: str = "auto"  # EngineConfig.quantization: auto, int8, int4, fp8
 
     @property
     def dummy(self) -> bool:
@@ -68,6 +69,7 @@ class ModelSpec:
         return EngineConfig(
             model=self.model, load_format=self.load_format, dtype=self.dtype, device=self.device,  # type: ignore[arg-type]
             max_model_len=self.max_model_len, cuda_graphs=self.cuda_graphs, async_scheduling=self.async_scheduling,
+            quantization=self.quantization,  # type: ignore[arg-type]
             cache=CacheConfig(gpu_memory_utilization=self.gpu_memory_utilization, cpu_kv_bytes=self.cpu_kv_bytes,
                               enable_prefix_caching=prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
@@ -530,6 +532,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     ap.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     ap.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    ap.add_argument("--quantization", default=d.quantization, choices=["auto", "int8", "int4", "fp8"],
+                    help="decoder-layer weights (auto: the checkpoint's own; else quantized on load)")
     ap.add_argument("--async-scheduling", type=int, choices=[0, 1], default=None,
                     help="force async scheduling off (0) or on (1; e.g. on CPU to count the steps a GPU takes)")
 
@@ -552,7 +556,7 @@ def spec_from_args(args: argparse.Namespace) -> ModelSpec:
     return replace(ModelSpec(), model=args.model, load_format=args.load_format, dtype=dtype,
                    device=device, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens,
-                   gpu_memory_utilization=args.gpu_memory_utilization,
+                   gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization,
                    async_scheduling=None if args.async_scheduling is None else bool(args.async_scheduling))
 
 

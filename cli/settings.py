@@ -222,6 +222,13 @@ SETTINGS: tuple[Setting, ...] = (
     _s("dtype", choice("auto", "float32", "float16", "bfloat16"), "auto", "weights and activations (auto: "
        "bfloat16 on CUDA, float32 on CPU)", ENGINE_CMDS, "EngineConfig.dtype"),
     _s("device", TEXT, "auto", "torch device (auto: cuda if available, else cpu)", ENGINE_CMDS, "EngineConfig.device"),
+    _s("quantization", choice("auto", "int8", "int4", "fp8"), "auto", "decoder-layer weights: auto (the "
+       "checkpoint's own: dense, or its GPTQ / AWQ / compressed-tensors / fp8 quantization_config), or quantize a "
+       "dense checkpoint on load: int8 (W8A16 per channel), int4 (W4A16, groups of 128), fp8 (W8A8 e4m3, needs a "
+       "GPU of compute capability >= 8.9)", ENGINE_CMDS, "EngineConfig.quantization"),
+    _s("kv_cache_dtype", choice("auto", "fp8"), "auto", "KV-cache element type (auto: the model dtype; fp8: "
+       "e4m3, refused where the device or the attention kernels lack it)", ENGINE_CMDS,
+       "EngineConfig.kv_cache_dtype"),
     _s("max_model_len", integer(1), None, "context length", ENGINE_CMDS,
        "EngineConfig.max_model_len", default_text="the model's"),
     _s("seed", integer(), 0, "seed of the per-request seeds of requests that name none", (WORKER, UP),

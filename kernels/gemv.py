@@ -202,6 +202,26 @@ def _residual_tile(
 
 
 @triton.jit
+def row_rstd(
+    x_rows, r_rows, ro_rows, ro_mask, K, eps,
+    dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, STATS_BLOCK: tl.constexpr,
+    EVEN_KS: tl.constexpr, NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    """1/rms [BLOCK_M] fp32 of r = h (+ residual) rounded to dtype, in one pass over K (the RMSNorm statistics
+    pass; the new residual is stored through ro_rows [BLOCK_M, 1] where ro_mask holds)."""
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum of r^2 per row
+    offs_ks = tl.arange(0, STATS_BLOCK)
+    for k0 in tl.range(0, K, STATS_BLOCK, num_stages=NUM_STAGES):
+        offs_k = k0 + offs_ks
+        k_mask = (offs_k < K)[None, :]
+        r = _residual_tile(x_rows, r_rows, offs_k, k_mask, dtype, HAS_RESIDUAL, EVEN_KS)
+        if HAS_RESIDUAL:
+            tl.store(ro_rows + offs_k[None, :], r.to(dtype), mask=ro_mask & k_mask)
+        ss += tl.sum(r * r, 1)
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
 def _skinny_kernel(
     x_ptr,  # [M, K] activations (PLAIN: x, NORM: h, SILU: gu [M, 2K]); row stride stride_xm, last dim contiguous
     res_ptr,  # [M, K] residual, row stride stride_rm (NORM with HAS_RESIDUAL)
@@ -251,19 +271,11 @@ def _skinny_kernel(
     # wide steps (STATS_BLOCK, see _stats_block), pipelined like the main loop.
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PROLOGUE == 1:
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum of r^2 per row
         # program 0 stores the new residual; masked for the others (no branch in the loop)
         ro_mask = (offs_m < M)[:, None] & (pid == 0)  # [BLOCK_M, 1]
         ro_rows = res_out_ptr + offs_m.to(tl.int64)[:, None] * stride_om  # [BLOCK_M, 1]
-        offs_ks = tl.arange(0, STATS_BLOCK)
-        for k0 in tl.range(0, K, STATS_BLOCK, num_stages=NUM_STAGES):
-            offs_k = k0 + offs_ks
-            k_mask = (offs_k < K)[None, :]
-            r = _residual_tile(x_rows, r_rows, offs_k, k_mask, dtype, HAS_RESIDUAL, EVEN_KS)
-            if HAS_RESIDUAL:
-                tl.store(ro_rows + offs_k[None, :], r.to(dtype), mask=ro_mask & k_mask)
-            ss += tl.sum(r * r, 1)
-        rstd = tl.rsqrt(ss / K + eps)
+        rstd = row_rstd(x_rows, r_rows, ro_rows, ro_mask, K, eps, dtype, HAS_RESIDUAL, BLOCK_M, STATS_BLOCK,
+                        EVEN_KS, NUM_STAGES)
 
     # ---- main loop: stream BLOCK_N rows of w over K, x tile produced on the fly ----------------------
     if USE_DOT:
@@ -320,14 +332,55 @@ def _check_weight(name: str, x: torch.Tensor, w: torch.Tensor, k: int, bias: tor
         raise ValueError(f"w is on {w.device}, {name} on {x.device}")
     if not w.is_contiguous():
         raise ValueError(f"w must be a contiguous [N, K] tensor, got strides {w.stride()}")
-    if bias is not None:
-        if bias.shape != (w.shape[0],) or bias.dtype != x.dtype or bias.device != x.device:
+    check_bias(bias, w.shape[0], x)
+
+
+def _check_norm_args(h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor) -> None:
+    """The activation operands of a fused add + RMSNorm + matmul: h [M, K], residual like h, norm_weight [K]."""
+    _check_act("h", h)
+    k = h.shape[1]
+    if residual is not None:
+        if residual.shape != h.shape or residual.dtype != h.dtype or residual.device != h.device:
             raise ValueError(
-                f"bias must be [{w.shape[0]}] {x.dtype} on {x.device}, got "
-                f"{tuple(bias.shape)} {bias.dtype} on {bias.device}"
+                f"residual must match h ({tuple(h.shape)} {h.dtype} {h.device}), got "
+                f"{tuple(residual.shape)} {residual.dtype} {residual.device}"
             )
-        if bias.stride(0) != 1:
-            raise ValueError(f"bias must be contiguous, got stride {bias.stride()}")
+        if residual.stride(-1) != 1 and k > 1:
+            raise ValueError(f"residual must be contiguous in its last dim, got strides {residual.stride()}")
+    if norm_weight.dim() != 1 or norm_weight.shape[0] != k:
+        raise ValueError(f"norm_weight must be [K={k}], got {tuple(norm_weight.shape)}")
+    if not norm_weight.is_floating_point():
+        raise ValueError(f"norm_weight must be floating point, got {norm_weight.dtype}")
+    if norm_weight.device != h.device:
+        raise ValueError(f"norm_weight is on {norm_weight.device}, h on {h.device}")
+    if norm_weight.stride(0) != 1:
+        raise ValueError(f"norm_weight must be contiguous, got stride {norm_weight.stride()}")
+
+
+def _check_norm_outs(h: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None,
+                     residual_out: torch.Tensor | None, n: int, inputs: tuple[torch.Tensor | None, ...]) -> None:
+    """The optional outputs of a fused add + RMSNorm + matmul: out [M, N], residual_out [M, K] (with residual)."""
+    m, k = h.shape
+    if out is not None:
+        _check_out("out", out, (m, n), h, inputs)
+    if residual_out is not None:
+        if residual is None:
+            raise ValueError("residual_out is only written when residual is given (else the new residual is h)")
+        _check_out("residual_out", residual_out, (m, k), h, inputs)
+        if out is not None:
+            _check_out("residual_out", residual_out, (m, k), h, (out,))
+
+
+def check_bias(bias: torch.Tensor | None, n: int, x: torch.Tensor) -> None:
+    """bias: None or a contiguous [N] tensor of x's dtype on x's device."""
+    if bias is None:
+        return
+    if bias.shape != (n,) or bias.dtype != x.dtype or bias.device != x.device:
+        raise ValueError(
+            f"bias must be [{n}] {x.dtype} on {x.device}, got {tuple(bias.shape)} {bias.dtype} on {bias.device}"
+        )
+    if bias.stride(0) != 1:
+        raise ValueError(f"bias must be contiguous, got stride {bias.stride()}")
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -355,6 +408,17 @@ def _check_out(
                 raise ValueError(f"{name} overlaps an input of the kernel; pass a separate buffer")
 
 
+def alloc_outputs(x: torch.Tensor, n: int, k: int, residual: torch.Tensor | None, out: torch.Tensor | None,
+                  res_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The outputs a launch writes: `out` or a new [M, N]; with a residual, `res_out` or a new [M, K]."""
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if residual is not None and res_out is None:
+        res_out = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    return out, res_out
+
+
 def _launch(
     prologue: int,
     x: torch.Tensor,
@@ -371,10 +435,7 @@ def _launch(
     launches. Operands are already validated."""
     m = x.shape[0]
     n, k = w.shape
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if residual is not None and res_out is None:
-        res_out = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    out, res_out = alloc_outputs(x, n, k, residual, out, res_out)
     if config is None:
         config = default_config(m, n, k, x.element_size(), _num_sms(x.device))
     elif not config.use_dot and m > 1:
@@ -430,34 +491,9 @@ def add_rmsnorm_matmul(
     """(rmsnorm(r) @ w.T (+ bias), r) for M <= 16, with r = (h + residual) rounded to h's dtype, or r = h
     (returned as is) when residual is None. Numerics of kernels/rmsnorm.py followed by F.linear. The new
     residual goes to a fresh buffer (`residual_out` if given, which must not overlap h or residual)."""
-    _check_act("h", h)
-    m, k = h.shape
-    if residual is not None:
-        if residual.shape != h.shape or residual.dtype != h.dtype or residual.device != h.device:
-            raise ValueError(
-                f"residual must match h ({tuple(h.shape)} {h.dtype} {h.device}), got "
-                f"{tuple(residual.shape)} {residual.dtype} {residual.device}"
-            )
-        if residual.stride(-1) != 1 and k > 1:
-            raise ValueError(f"residual must be contiguous in its last dim, got strides {residual.stride()}")
-    if norm_weight.dim() != 1 or norm_weight.shape[0] != k:
-        raise ValueError(f"norm_weight must be [K={k}], got {tuple(norm_weight.shape)}")
-    if not norm_weight.is_floating_point():
-        raise ValueError(f"norm_weight must be floating point, got {norm_weight.dtype}")
-    if norm_weight.device != h.device:
-        raise ValueError(f"norm_weight is on {norm_weight.device}, h on {h.device}")
-    if norm_weight.stride(0) != 1:
-        raise ValueError(f"norm_weight must be contiguous, got stride {norm_weight.stride()}")
-    _check_weight("h", h, w, k, bias)
-    inputs = (h, residual, norm_weight, w, bias)
-    if out is not None:
-        _check_out("out", out, (m, w.shape[0]), h, inputs)
-    if residual_out is not None:
-        if residual is None:
-            raise ValueError("residual_out is only written when residual is given (else the new residual is h)")
-        _check_out("residual_out", residual_out, (m, k), h, inputs)
-        if out is not None:
-            _check_out("residual_out", residual_out, (m, k), h, (out,))
+    _check_norm_args(h, residual, norm_weight)
+    _check_weight("h", h, w, h.shape[1], bias)
+    _check_norm_outs(h, residual, out, residual_out, w.shape[0], (h, residual, norm_weight, w, bias))
     y, res_out = _launch(_NORM, h, residual, norm_weight, eps, w, bias, out, residual_out, config)
     return y, (h if res_out is None else res_out)
 

@@ -32,6 +32,9 @@ class TransposedLinearMethod(LinearMethod):
     def __init__(self) -> None:
         self.calls: list[tuple[nn.Module, str, int]] = []
 
+    def param_shapes(self, input_size: int, output_size: int) -> dict[str, tuple[int, ...]]:
+        return {"weight_t": (input_size, output_size)}
+
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool,
                        dtype: torch.dtype, device: torch.device | None) -> None:
         weight_t = torch.empty(input_size, output_size, dtype=dtype, device=device)

@@ -10,6 +10,8 @@ from tokenmill.kernels.config import KernelConfig
 
 LoadFormat = Literal["auto", "hf", "gguf", "dummy"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
+Quantization = Literal["auto", "int8", "int4", "fp8"]
+KVCacheDType = Literal["auto", "fp8"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)  # process-wide: set by the model runner
+    # decoder-layer projections: "auto" = the checkpoint's own format (dense, or its quantization_config);
+    # int8 / int4 / fp8 quantize a dense checkpoint on load (worker/quant/)
+    quantization: Quantization = "auto"
+    kv_cache_dtype: KVCacheDType = "auto"  # "auto": the model dtype; "fp8": e4m3 (needs an FP8 GPU)
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "hf", "gguf", "dummy"):
@@ -139,3 +145,7 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 1")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}; use auto, torch or triton")
+        if self.quantization not in ("auto", "int8", "int4", "fp8"):
+            raise ValueError(f"unknown quantization {self.quantization!r}; use auto, int8, int4 or fp8")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use auto or fp8")

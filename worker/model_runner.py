@@ -22,7 +22,8 @@ from tokenmill.kernels.config import configure as configure_kernels
 from tokenmill.worker.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.worker.config import CacheConfig, EngineConfig, ModelArch
 from tokenmill.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, graph_batch_sizes, mixed_graph_sizes
-from tokenmill.worker.loader import ModelSource, build_model
+from tokenmill.worker.loader import ModelLoadError, ModelSource, build_model
+from tokenmill.worker.quant.fp8 import check_kv_cache_dtype
 from tokenmill.worker.request import Request
 from tokenmill.worker.sampler import Sampler, SamplingMetadata
 from tokenmill.worker.scheduler import ScheduledBatch
@@ -99,10 +100,14 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         configure_kernels(config.kernels)  # before the first kernel launch (and its per-device decisions)
+        try:
+            check_kv_cache_dtype(config.kv_cache_dtype, self.device)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
         self.backend = make_backend(config.attention_backend, self.device, config.decode_rope_in_attention)
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
-        self.model = build_model(source, self.backend, self.device, self.dtype)
+        self.model = build_model(source, self.backend, self.device, self.dtype, config.quantization)
         self.sampler = Sampler()
         self.sampler.warm_up(self.arch.vocab_size, self.device)
         self._wants_piecewise = (self.device.type == "cuda" and config.cuda_graphs and config.piecewise_graphs

@@ -1,5 +1,6 @@
 """Resolve a model argument (HF folder, .gguf file, dummy shape name, "embedded") to a ModelSource and
-build a loaded LlamaForCausalLM from it."""
+build a loaded LlamaForCausalLM from it, its projections in the checkpoint's quantized format or quantized
+on load (worker/loader/quantized.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import torch
 from tokenmill.worker.attention.backend import AttentionBackend
 from tokenmill.worker.config import LoadFormat, ModelArch
 from tokenmill.worker.loader import dummy, gguf_loader, hf
+from tokenmill.worker.loader.quantized import CheckpointQuant, convert_checkpoint, effective_quant, quantize_online
 from tokenmill.worker.models.layers import ModelLoadError
 from tokenmill.worker.models.llama import LlamaForCausalLM
+from tokenmill.worker.quant.base import LinearMethod
+from tokenmill.worker.quant.config import QuantConfig, make_linear_method
 
 __all__ = ["ModelLoadError", "ModelSource", "build_model", "resolve_model"]
 
@@ -23,7 +27,8 @@ __all__ = ["ModelLoadError", "ModelSource", "build_model", "resolve_model"]
 class ModelSource:
     """A resolved model. `path` is the HF folder or .gguf file (None for dummy). `gguf_metadata` holds the
     GGUF key/values as plain Python values (tokenizer.*, general.*, <arch>.*), None for other kinds.
-    `native_dtype` is the checkpoint's own float dtype where it has one (HF config "dtype"/"torch_dtype")."""
+    `native_dtype` is the checkpoint's own float dtype where it has one (HF config "dtype"/"torch_dtype").
+    `quant`: the quantization of a quantized HF checkpoint (config.json quantization_config), else None."""
 
     kind: Literal["hf", "gguf", "dummy"]
     path: Path | None
@@ -31,13 +36,16 @@ class ModelSource:
     name: str
     gguf_metadata: dict[str, Any] | None = None
     native_dtype: torch.dtype | None = None
+    quant: CheckpointQuant | None = None
 
-    def iter_weights(self, device: torch.device, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor on device in dtype), one at a time."""
+    def iter_weights(self, device: torch.device, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor on device in dtype), one at a time (dtype None: float tensors as stored; HF only)."""
         if self.kind == "dummy":
+            assert dtype is not None
             return dummy.iter_dummy_weights(self.arch, device, dtype)
         assert self.path is not None
         if self.kind == "gguf":
+            assert dtype is not None
             return gguf_loader.iter_gguf_weights(self.path, self.arch, device, dtype)
         return hf.iter_hf_weights(self.path, device, dtype)
 
@@ -67,7 +75,7 @@ def resolve_model(model: str, load_format: LoadFormat = "auto") -> ModelSource:
         hint = f" (it holds {', '.join(ggufs)}: pass the .gguf file itself)" if ggufs else ""
         raise ModelLoadError(f"no config.json in {path}{hint}")
     return ModelSource(kind="hf", path=path, arch=hf.read_hf_arch(path), name=path.name,
-                       native_dtype=hf.native_dtype(path))
+                       native_dtype=hf.native_dtype(path), quant=hf.read_hf_quant(path))
 
 
 def _resolve_dummy(model: str) -> ModelSource:
@@ -85,10 +93,31 @@ def _resolve_gguf(path: Path, name: str) -> ModelSource:
 
 
 def build_model(
-    source: ModelSource, backend: AttentionBackend, device: torch.device, dtype: torch.dtype
+    source: ModelSource, backend: AttentionBackend, device: torch.device, dtype: torch.dtype,
+    quantization: str = "auto", *, fp8_emulation: bool = False,
 ) -> LlamaForCausalLM:
-    """Construct the model on `device` in `dtype`, fill its weights from `source`, set eval mode."""
+    """Construct the model on `device` in `dtype`, fill its weights from `source`, set eval mode.
+
+    quantization: "auto" (the checkpoint's own format: dense, or its quantization_config) or a method of
+    worker/quant/config.py to quantize a dense checkpoint on load ("int4": groups of 128, symmetric).
+    fp8_emulation: FP8 through the CPU reference (accuracy studies, tests); never the engine's."""
+    quant = effective_quant(source.quant, quantization, source.name)
+    method = _linear_method(quant, torch.device(device), fp8_emulation)
     with torch.no_grad():
-        model = LlamaForCausalLM(source.arch, backend, dtype=dtype, device=device)
-        model.load_weights(source.iter_weights(torch.device(device), dtype))
+        try:
+            model = LlamaForCausalLM(source.arch, backend, dtype=dtype, device=device, linear_method=method)
+        except ValueError as e:  # a format that cannot hold these shapes
+            raise ModelLoadError(f"{source.name} as {quant.describe()}: {e}") from None
+        if source.quant is not None:
+            weights = convert_checkpoint(source.iter_weights(torch.device(device), None), source.quant)
+        else:
+            weights = quantize_online(source.iter_weights(torch.device(device), dtype), method)
+        model.load_weights(weights)
     return model.eval()
+
+
+def _linear_method(quant: QuantConfig, device: torch.device, fp8_emulation: bool) -> LinearMethod | None:
+    try:
+        return make_linear_method(quant, device, fp8_emulation=fp8_emulation)
+    except ValueError as e:  # FP8 on a device without it
+        raise ModelLoadError(str(e)) from None

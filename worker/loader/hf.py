@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from tokenmill.worker.config import ModelArch, RopeScaling
+from tokenmill.worker.loader.quantized import CheckpointQuant, read_checkpoint_quant
 from tokenmill.worker.models.layers import ModelLoadError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -147,6 +148,11 @@ def native_dtype(model_dir: Path) -> torch.dtype | None:
     return _DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype")))
 
 
+def read_hf_quant(model_dir: Path) -> CheckpointQuant | None:
+    """The quantization_config of model_dir/config.json (None: a dense checkpoint)."""
+    return read_checkpoint_quant(read_json(model_dir / "config.json"), model_dir / "config.json")
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
     """The checkpoint's .safetensors files: the shards of model.safetensors.index.json, or
     model.safetensors, or (last resort) every *.safetensors in the folder."""
@@ -169,20 +175,22 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def iter_hf_weights(
-    model_dir: Path, device: torch.device, dtype: torch.dtype
+    model_dir: Path, device: torch.device, dtype: torch.dtype | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor on device in dtype), one tensor at a time, memory-mapped from disk."""
+    """(HF name, tensor on device in dtype), one tensor at a time, memory-mapped from disk. dtype None: as
+    stored (quantized checkpoints: their scales and FP8 weights are cast, if at all, by the layer's method)."""
     for path in safetensors_files(model_dir):
         yield from _iter_file(path, device, dtype)
 
 
-def _iter_file(path: Path, device: torch.device, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_file(path: Path, device: torch.device, dtype: torch.dtype | None,
+               ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             names = list(f.keys())
             for name in names:
                 tensor = f.get_tensor(name).to(device)  # moved first, so a GPU does the cast
-                yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+                yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
     except ModelLoadError:
         raise
     except Exception as e:  # safetensors raises its own error type for truncated/corrupt headers

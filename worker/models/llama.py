@@ -24,6 +24,7 @@ from tokenmill.worker.models.layers import (
     VocabEmbedding,
 )
 from tokenmill.worker.quant.base import LinearMethod
+from tokenmill.worker.quant.unquantized import UnquantizedLinearMethod
 
 # Steps of at most this many tokens use the fused decode GEMMs (kernels/gemv.py). Measured on the H200
 # (bench_gemv): at 1 token they beat cuBLAS + the separate norm/SwiGLU kernels on all four projections; at
@@ -168,6 +169,7 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
+        self.linear_method = linear_method  # the decoder layers' projections (None: dense)
         with torch.device(self.device):
             self.model = LlamaModel(arch, backend, linear_method, dtype)
             # Tied models read logits straight off embed_tokens.weight; lm_head is then None.
@@ -200,30 +202,44 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the (possibly fused) parameters, casting dtype and device.
-        Raises ModelLoadError on an unexpected name, a shape mismatch, or a tensor never provided."""
-        expected = expected_hf_weights(self.arch)
+        """Copy HF-named tensors into the (possibly fused) parameters, casting dtype and device. Projection
+        tensors are in their LinearMethod's canonical layout and go through it (worker/quant/base.py).
+        Raises ModelLoadError on an unexpected name, a shape or dtype mismatch, or a tensor never provided."""
+        expected = expected_hf_weights(self.arch, self.linear_method)
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         seen: set[str] = set()
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
                 continue
             if name not in expected:
                 raise ModelLoadError(f"unexpected weight {name!r} for a {self.arch.arch} model "
-                                     f"with {self.arch.num_layers} layers")
+                                     f"with {self.arch.num_layers} layers{_method_note(self.linear_method)}")
             if tuple(tensor.shape) != expected[name]:
                 raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
                                      f"the model expects {expected[name]}")
             param_name, rows = fused_target(name, self.arch)
-            target = params[param_name].data
-            if rows is not None:
-                target = target[rows[0]:rows[1]]
-            target.copy_(tensor)
+            module_name, _, suffix = param_name.rpartition(".")
+            module = modules.get(module_name)
+            if isinstance(module, Linear):
+                try:
+                    module.method.load_weight(module, suffix, tensor, rows)
+                except ValueError as e:
+                    raise ModelLoadError(f"weight {name!r}: {e}") from None
+            else:
+                target = params[param_name].data
+                if rows is not None:
+                    target = target[rows[0]:rows[1]]
+                target.copy_(tensor)
             seen.add(name)
         missing = [n for n in expected if n not in seen]
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ModelLoadError(f"checkpoint is missing {len(missing)} weight(s): {shown}")
+
+
+def _method_note(method: LinearMethod | None) -> str:
+    return "" if method is None else f" with {method.name} projections"
 
 
 def _fused_shards(arch: ModelArch) -> dict[str, tuple[str, int, int]]:
@@ -248,18 +264,27 @@ def fused_target(hf_name: str, arch: ModelArch) -> tuple[str, tuple[int, int] | 
     return ".".join([*parts[:-2], fused, parts[-1]]), (start, end)
 
 
-def expected_hf_weights(arch: ModelArch) -> dict[str, tuple[int, ...]]:
-    """Every HF-named tensor a checkpoint of `arch` must provide, with its shape (HF layout [out, in])."""
-    h, q, kv, inter, d = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size, arch.head_dim
+def projections(arch: ModelArch) -> list[tuple[str, int, int]]:
+    """(HF module name under model.layers.N, in_features, out_features) of every decoder-layer projection."""
+    h, q, kv, inter = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
+    return [("self_attn.q_proj", h, q), ("self_attn.k_proj", h, kv), ("self_attn.v_proj", h, kv),
+            ("self_attn.o_proj", q, h), ("mlp.gate_proj", h, inter), ("mlp.up_proj", h, inter),
+            ("mlp.down_proj", inter, h)]
+
+
+def expected_hf_weights(arch: ModelArch, method: LinearMethod | None = None) -> dict[str, tuple[int, ...]]:
+    """Every HF-named tensor a checkpoint of `arch` must provide, with its shape (HF layout [out, in]; the
+    projections in `method`'s canonical layout, dense by default)."""
+    h, q, kv, d = arch.hidden_size, arch.q_size, arch.kv_size, arch.head_dim
+    method = method if method is not None else UnquantizedLinearMethod()
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, h)}
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (q, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        for proj, fan_in, fan_out in projections(arch):
+            for suffix, shape in method.param_shapes(fan_in, fan_out).items():
+                shapes[f"{p}{proj}.{suffix}"] = shape
         if arch.qkv_bias:
             shapes[p + "self_attn.q_proj.bias"] = (q,)
             shapes[p + "self_attn.k_proj.bias"] = (kv,)
@@ -267,9 +292,6 @@ def expected_hf_weights(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         if arch.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
-        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
-        shapes[p + "mlp.up_proj.weight"] = (inter, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, inter)
     shapes["model.norm.weight"] = (h,)
     if not arch.tie_word_embeddings:
         shapes["lm_head.weight"] = (arch.vocab_size, h)

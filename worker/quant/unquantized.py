@@ -22,6 +22,9 @@ def _bias(layer: nn.Module) -> torch.Tensor | None:
 class UnquantizedLinearMethod(LinearMethod):
     """weight [out, in] (nn.Linear layout, as checkpoints store it) and optionally bias [out]."""
 
+    def param_shapes(self, input_size: int, output_size: int) -> dict[str, tuple[int, ...]]:
+        return {"weight": (output_size, input_size)}
+
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
                        device: torch.device | None) -> None:
         weight = torch.empty(output_size, input_size, dtype=dtype, device=device)

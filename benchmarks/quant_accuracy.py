@@ -1,0 +1,192 @@
+"""Accuracy of the quantized formats on real weights (issue 16): the embedded SmolLM2-135M-Instruct, whose own
+weights are 4-bit (Q4_1, blocks of 32), dequantized to float32 as the reference; INT4 uses groups of 128, so
+its grid is not the file's own.
+
+For each held-out ShareGPT exchange (the last N pairs of the file; GPTQ calibrates on the first ones), the
+chat-formatted human turn and the gpt reply run through every model teacher-forced, and over the reply tokens:
+    perplexity            exp(mean NLL of the reply tokens), and its change against the reference in %
+    mean KL               KL(P_ref || P_quant) of the next-token distributions, nats per token
+    greedy agreement      the share of positions whose argmax equals the reference's (teacher-forced)
+Formats: INT8 (W8A16 per channel, online), FP8 W8A8 (EMULATED on the CPU: weights and per-token activations
+rounded to e4m3 and multiplied in fp32), INT4 RTN g128 and INT4 GPTQ g128 (symmetric, checkpoints written by
+`tokenmill quantize` and read back through the GPTQ loader, dense tensors in float32 like the reference).
+Not a timed test: a benchmark (minutes on the CPU).
+
+    python -m tokenmill.benchmarks.quant_accuracy --num-replies 200 --out benchmarks/results/cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.benchmarks.common import git_commit, write_results
+from tokenmill.benchmarks.datasets import ChatExchange, chat_exchanges
+from tokenmill.worker.attention.torch_ref import TorchRefBackend
+from tokenmill.worker.engine import load_tokenizer
+from tokenmill.worker.loader import build_model, resolve_model
+from tokenmill.worker.model_runner import attention_metadata
+from tokenmill.worker.models.llama import LlamaForCausalLM
+
+FORMATS = ("int8", "fp8", "int4_rtn", "int4_gptq")
+BLOCK = 16
+GROUP_SIZE = 128
+
+
+def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--model", default="embedded")
+    p.add_argument("--num-replies", type=int, default=200, help="held-out ShareGPT exchanges (the file's last)")
+    p.add_argument("--max-prompt-tokens", type=int, default=128, help="the prompt's last tokens")
+    p.add_argument("--max-reply-tokens", type=int, default=128, help="the reply's first tokens")
+    p.add_argument("--num-calibration", type=int, default=16, help="GPTQ calibration exchanges (the file's first)")
+    p.add_argument("--calibration-tokens", type=int, default=512)
+    p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--work", default=None, help="folder for the INT4 checkpoints (default: a temporary one)")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--out", default=None, help="results folder (quant_accuracy.json / .md); summary.json merged")
+    return p
+
+
+class _Stats:
+    def __init__(self) -> None:
+        self.nll = 0.0
+        self.kl = 0.0
+        self.agree = 0
+        self.tokens = 0
+
+    def add(self, logp: torch.Tensor, targets: torch.Tensor, ref_logp: torch.Tensor | None) -> None:
+        self.nll -= float(logp.gather(1, targets[:, None]).sum())
+        self.tokens += targets.numel()
+        if ref_logp is not None:
+            self.kl += float((ref_logp.exp() * (ref_logp - logp)).sum())
+            self.agree += int((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
+
+    def summary(self, ref_ppl: float | None) -> dict[str, float]:
+        ppl = math.exp(self.nll / self.tokens)
+        out = {"ppl": ppl, "tokens": self.tokens}
+        if ref_ppl is not None:
+            out |= {"ppl_delta_pct": 100.0 * (ppl / ref_ppl - 1.0), "mean_kl": self.kl / self.tokens,
+                    "greedy_agreement": self.agree / self.tokens}
+        return out
+
+
+def reply_logprobs(model: LlamaForCausalLM, ex: ChatExchange) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities [R, vocab] of the reply's R tokens, the tokens [R]) in one teacher-forced forward."""
+    ids = list(ex.prompt_ids + ex.reply_ids)
+    n, blocks = len(ids), -(-len(ids) // BLOCK)
+    a = model.arch
+    shape = (blocks, BLOCK, a.num_kv_heads, a.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(a.num_layers)]
+    meta = attention_metadata([n], [n], [list(range(blocks))], list(range(n)), torch.device("cpu"))
+    hidden = model(torch.tensor(ids), torch.arange(n), caches, meta)
+    rows = torch.arange(len(ex.prompt_ids) - 1, n - 1)
+    return F.log_softmax(model.compute_logits(hidden[rows]).float(), dim=-1), torch.tensor(ex.reply_ids)
+
+
+def _checkpoint(model: str, work: Path, gptq: bool, args: argparse.Namespace) -> Path:
+    """An INT4 g128 checkpoint by `tokenmill quantize` (written once per work folder)."""
+    from tokenmill.cli.quantize import quantize
+
+    out = work / ("int4_gptq" if gptq else "int4_rtn")
+    if not (out / "model.safetensors").is_file():
+        ns = argparse.Namespace(model=model, load_format="auto", method="int4", group_size=GROUP_SIZE,
+                                asymmetric=False, gptq=gptq, act_order=False, calibration="sharegpt",
+                                num_calibration=args.num_calibration, calibration_tokens=args.calibration_tokens,
+                                format="gptq", dtype="float32", out=str(out))
+        quantize(ns)
+    return out
+
+
+def build_models(args: argparse.Namespace, formats: list[str], work: Path) -> dict[str, LlamaForCausalLM]:
+    cpu, backend = torch.device("cpu"), TorchRefBackend()
+    source = resolve_model(args.model)
+    models = {"reference": build_model(source, backend, cpu, torch.float32)}
+    for fmt in formats:
+        if fmt in ("int8", "fp8"):
+            models[fmt] = build_model(source, backend, cpu, torch.float32, fmt, fp8_emulation=fmt == "fp8")
+        else:
+            path = _checkpoint(args.model, work, fmt == "int4_gptq", args)
+            models[fmt] = build_model(resolve_model(str(path)), backend, cpu, torch.float32)
+    return models
+
+
+@torch.inference_mode()
+def evaluate(models: dict[str, LlamaForCausalLM], exchanges: list[ChatExchange]) -> dict[str, dict[str, float]]:
+    stats = {name: _Stats() for name in models}
+    for i, ex in enumerate(exchanges):
+        ref_logp, targets = reply_logprobs(models["reference"], ex)
+        stats["reference"].add(ref_logp, targets, None)
+        for name, model in models.items():
+            if name != "reference":
+                stats[name].add(reply_logprobs(model, ex)[0], targets, ref_logp)
+        if (i + 1) % 20 == 0:
+            print(f"{i + 1}/{len(exchanges)} exchanges", flush=True)
+    ref_ppl = stats["reference"].summary(None)["ppl"]
+    return {name: s.summary(None if name == "reference" else ref_ppl) for name, s in stats.items()}
+
+
+def table(results: dict[str, dict[str, float]], n: int) -> str:
+    labels = {"reference": "reference (Q4_1 dequantized, fp32)", "int8": "INT8 W8A16 per channel",
+              "fp8": "FP8 W8A8 e4m3 (CPU emulation)", "int4_rtn": "INT4 RTN g128 sym",
+              "int4_gptq": "INT4 GPTQ g128 sym"}
+    rows = [f"SmolLM2-135M-Instruct (embedded; its weights are Q4_1 blocks of 32, dequantized = the reference; "
+            f"INT4 in groups of 128), {n} held-out ShareGPT replies, teacher-forced.", "",
+            "| format | perplexity | ppl delta | mean KL (nats/token) | greedy agreement |", "|---|---|---|---|---|"]
+    for name, r in results.items():
+        if name == "reference":
+            rows.append(f"| {labels[name]} | {r['ppl']:.4f} | - | - | - |")
+        else:
+            rows.append(f"| {labels[name]} | {r['ppl']:.4f} | {r['ppl_delta_pct']:+.2f}% | {r['mean_kl']:.5f} | "
+                        f"{100 * r['greedy_agreement']:.2f}% |")
+    return "\n".join(rows)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    formats = [f for f in args.formats.split(",") if f]
+    unknown = set(formats) - set(FORMATS)
+    if unknown:
+        raise SystemExit(f"unknown formats {sorted(unknown)}; known: {', '.join(FORMATS)}")
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.work) if args.work else Path(tmp)
+        models = build_models(args, formats, work)
+        tokenizer = load_tokenizer(resolve_model(args.model))
+        exchanges = chat_exchanges(tokenizer, range(-args.num_replies, 0), args.max_prompt_tokens,
+                                   args.max_reply_tokens)
+        results = evaluate(models, exchanges)
+    payload: dict[str, Any] = {
+        "benchmark": "quant_accuracy", "model": args.model, "reference": "embedded GGUF Q4_1 dequantized, float32",
+        "group_size": GROUP_SIZE, "replies": len(exchanges), "max_prompt_tokens": args.max_prompt_tokens,
+        "max_reply_tokens": args.max_reply_tokens, "gptq_calibration": {
+            "exchanges": args.num_calibration, "tokens_each": args.calibration_tokens, "damp": 0.01,
+            "act_order": False}, "fp8": "emulated on the CPU (fake-quantized weights and activations)",
+        "results": results, "seconds": time.perf_counter() - t0}
+    md = table(results, len(exchanges))
+    if args.out:
+        out = Path(args.out)
+        write_results(out, "quant_accuracy", payload, md)
+        from tokenmill.benchmarks.summary import record_file
+
+        record_file(out / "quant_accuracy.json", commit=git_commit())
+    else:
+        print(md)
+    return 0
+
+
+def main() -> None:
+    parser = build_parser(argparse.ArgumentParser(description=__doc__,
+                                                  formatter_class=argparse.RawDescriptionHelpFormatter))
+    raise SystemExit(run_cli(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

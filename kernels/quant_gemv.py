@@ -1,0 +1,288 @@
+"""Skinny matmuls for decode (M <= 16 tokens) over weight-only quantized weights (INT8 / INT4, the layout of
+kernels/quant_weight.py), with the input producers of kernels/gemv.py fused in front:
+
+    quant_skinny_matmul(x [M, K], w, bias)                        y = x @ W.T + bias
+    quant_add_rmsnorm_matmul(h, residual, norm_weight, eps, w)    (rmsnorm(h + residual) @ W.T (+ bias), h + residual)
+    quant_silu_mul_matmul(gu [M, 2I], w [N, I])                   (silu(gu[:, :I]) * gu[:, I:]) @ W.T
+
+Numerics, arguments, outputs and launch shapes as in kernels/gemv.py (its prologue helpers and SkinnyConfig
+rule are used as they are); the only change is the weight tile: each program streams BLOCK_N packed rows
+once (int8: 1 byte per weight, int4: 4 bits + a scale (+ zero) per group) and dequantizes them in registers
+to the activations' dtype (`dequant_tile`) before the same tl.dot / FMA products. Per-channel symmetric
+weights sum q * x and scale each output once in the epilogue. Act-order weights (perm) gather the activation
+columns through perm; the RMSNorm statistics and the new residual stay in natural column order.
+
+The references are the unfused sequences with the weight dequantized in fp32 and rounded once to the
+activations' dtype (quant_weight.quant_matmul_ref).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels.activation import silu_and_mul_ref
+from tokenmill.kernels.gemv import (
+    SkinnyConfig,
+    _check_act,
+    _check_norm_args,
+    _check_norm_outs,
+    _check_out,
+    _stats_block,
+    _x_tile,
+    alloc_outputs,
+    check_bias,
+    default_config,
+    row_rstd,
+)
+from tokenmill.kernels.launch import next_pow2, num_sms, pdl_launch_args, pdl_release, pdl_wait
+from tokenmill.kernels.quant_weight import PackedWeight, check_packed, quant_matmul_ref, scale_later
+from tokenmill.kernels.rmsnorm import add_rmsnorm_ref, rmsnorm_ref
+
+_PLAIN, _NORM, _SILU = 0, 1, 2  # PROLOGUE modes, as in kernels/gemv.py
+
+
+# ---------------------------------------------------------------------------------------------------------
+# in-register dequantization of kernels/quant_weight.py's layout (shared with the tiled kernel)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def dequant_tile(
+    q_rows,  # [BLOCK_N, 1] pointers to the packed rows (int8 [K] or int32 [K // 8] per row)
+    s_rows,  # [BLOCK_N, 1] pointers to the rows of scales [groups]
+    z_rows,  # [BLOCK_N, 1] pointers to the rows of zeros [groups] (HAS_ZEROS)
+    k0,  # first column of the tile (a multiple of BLOCK_K)
+    K,
+    dtype: tl.constexpr,  # the activations' dtype: the tile's
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,  # group size (per-channel: unused, SCALE_LATER)
+    HAS_ZEROS: tl.constexpr,
+    SCALE_LATER: tl.constexpr,  # per-channel symmetric: return (q - z) unscaled, the caller scales the sums
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks
+):
+    """The weight tile W[rows, k0 : k0 + BLOCK_K] (packed column order) as [BLOCK_N, BLOCK_K] in `dtype`;
+    0 past K. Each packed word is loaded once; scales and zeros once per column (L1-cached repeats)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = (offs_k < K)[None, :]
+    if BITS == 4:
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        if EVEN_K:
+            words = tl.load(q_rows + offs_w[None, :])  # [BLOCK_N, BLOCK_K // 8] int32
+        else:
+            words = tl.load(q_rows + offs_w[None, :], mask=(offs_w < K // 8)[None, :], other=0)
+        shifts = tl.arange(0, 8) * 4
+        nib = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # [BLOCK_N, BLOCK_K // 8, 8]
+        q = tl.reshape(nib, (words.shape[0], BLOCK_K)).to(tl.float32)  # element 8 i + j = nibble j of word i
+    else:
+        if EVEN_K:
+            q = tl.load(q_rows + offs_k[None, :]).to(tl.float32)
+        else:
+            q = tl.load(q_rows + offs_k[None, :], mask=k_mask, other=0).to(tl.float32)
+    if HAS_ZEROS:
+        g = (offs_k // GROUP)[None, :]
+        if EVEN_K:
+            z = tl.load(z_rows + g).to(tl.float32)
+        else:
+            z = tl.load(z_rows + g, mask=k_mask, other=0).to(tl.float32)
+    elif BITS == 4:
+        z = 8.0
+    else:
+        z = 0.0
+    if SCALE_LATER:
+        return (q - z).to(dtype)  # integers in -128..127: exact in every float dtype
+    g = (offs_k // GROUP)[None, :]
+    if EVEN_K:
+        s = tl.load(s_rows + g).to(tl.float32)
+    else:
+        s = tl.load(s_rows + g, mask=k_mask, other=0.0).to(tl.float32)
+    return ((q - z) * s).to(dtype)
+
+
+@triton.jit
+def _quant_skinny_kernel(
+    x_ptr,  # [M, K] activations (PLAIN: x, NORM: h, SILU: gu [M, 2K]); row stride stride_xm
+    res_ptr,  # [M, K] residual (NORM with HAS_RESIDUAL)
+    nw_ptr,  # [K] RMSNorm weight (NORM)
+    q_ptr,  # packed weight: int8 [N, K] or int32 [N, K // 8]
+    s_ptr,  # [N, G] scales
+    z_ptr,  # [N, G] uint8 zero points (HAS_ZEROS)
+    perm_ptr,  # [K] int32 activation column of each packed column (HAS_PERM)
+    b_ptr,  # [N] bias (HAS_BIAS)
+    y_ptr,  # [M, N] output, row stride stride_ym
+    res_out_ptr,  # [M, K] new residual (NORM with HAS_RESIDUAL), written by program 0
+    M, N, K, G,  # G: groups per row (columns of scales / zeros)
+    stride_xm, stride_rm, stride_ym, stride_om, eps,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
+    SCALE_LATER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    STATS_BLOCK: tl.constexpr, EVEN_KS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    dtype = x_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_kb = tl.arange(0, BLOCK_K)
+    rn = (offs_n % N).to(tl.int64)  # wrapped rows: unmasked loads, duplicates never stored
+    rm = (offs_m % M).to(tl.int64)
+    q_rows = q_ptr + rn[:, None] * (K // 8 if BITS == 4 else K)  # [BLOCK_N, 1]
+    s_rows = s_ptr + rn[:, None] * G
+    z_rows = z_ptr + rn[:, None] * G
+    x_rows = x_ptr + rm[:, None] * stride_xm  # [BLOCK_M, 1]
+    r_rows = res_ptr + rm[:, None] * stride_rm
+    pdl_wait(PDL)
+
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if PROLOGUE == 1:  # statistics first (natural column order; program 0 stores the new residual)
+        ro_mask = (offs_m < M)[:, None] & (pid == 0)
+        ro_rows = res_out_ptr + offs_m.to(tl.int64)[:, None] * stride_om
+        rstd = row_rstd(x_rows, r_rows, ro_rows, ro_mask, K, eps, dtype, HAS_RESIDUAL, BLOCK_M, STATS_BLOCK,
+                        EVEN_KS, NUM_STAGES)
+
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        offs_k = k0 + offs_kb
+        k_mask = (offs_k < K)[None, :]
+        cols = offs_k  # activation columns of this step's packed columns
+        if HAS_PERM:
+            if EVEN_K:
+                cols = tl.load(perm_ptr + offs_k)
+            else:
+                cols = tl.load(perm_ptr + offs_k, mask=offs_k < K, other=0)
+        x = _x_tile(x_rows, r_rows, nw_ptr, rstd, cols, k_mask, K, dtype, PROLOGUE, HAS_RESIDUAL, EVEN_K)
+        w = dequant_tile(q_rows, s_rows, z_rows, k0, K, dtype, BITS, GROUP, HAS_ZEROS, SCALE_LATER, BLOCK_K,
+                         EVEN_K)  # [BLOCK_N, BLOCK_K]
+        if USE_DOT:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        else:
+            acc2 += w.to(tl.float32) * x.to(tl.float32)
+    if not USE_DOT:
+        acc = tl.sum(acc2, 1)[:, None]
+    if SCALE_LATER:
+        acc *= tl.load(s_ptr + rn * G).to(tl.float32)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
+    pdl_release(PDL)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------------------------------------
+
+
+def check_quant_weight(name: str, x: torch.Tensor, w: PackedWeight, k: int, bias: torch.Tensor | None) -> None:
+    """`w` a well-formed PackedWeight of K = k columns on x's device; bias None or [N] of x's dtype."""
+    if not isinstance(w, PackedWeight):
+        raise ValueError(f"w must be a PackedWeight, got {type(w).__name__}")
+    check_packed(w, x.device)
+    n, wk = w.shape
+    if wk != k:
+        raise ValueError(f"w is [N={n}, K={wk}], {name} has K = {k}")
+    check_bias(bias, n, x)
+
+
+def _config_for(x: torch.Tensor, w: PackedWeight, config: SkinnyConfig | None) -> SkinnyConfig:
+    m = x.shape[0]
+    n, k = w.shape
+    if config is None:
+        # the rule of kernels/gemv.py, with 1-byte weight elements (int4 streams half that: tune on the GPU)
+        return default_config(m, n, k, 1, num_sms(x.device))
+    if not config.use_dot and m > 1:
+        raise ValueError(f"SkinnyConfig(use_dot=False) is the M == 1 variant, got M = {m}")
+    return config
+
+
+def _launch(prologue: int, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
+            eps: float, w: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor | None,
+            res_out: torch.Tensor | None, config: SkinnyConfig | None,
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    m = x.shape[0]
+    n, k = w.shape
+    out, res_out = alloc_outputs(x, n, k, residual, out, res_out)
+    cfg = _config_for(x, w, config)
+    if m == 0:
+        return out, res_out
+    block_m = next_pow2(m) if cfg.use_dot else 1
+    stats_block = _stats_block(block_m, k, cfg) if prologue == _NORM else 16
+    r_arg = residual if residual is not None else x
+    ro_arg = res_out if res_out is not None else out
+    q = w.qweight
+    _quant_skinny_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, r_arg, norm_weight if norm_weight is not None else x, q, w.scales,
+        w.zeros if w.zeros is not None else q, w.perm if w.perm is not None else q,
+        bias if bias is not None else x, out, ro_arg,
+        m, n, k, w.num_groups, x.stride(0), r_arg.stride(0), out.stride(0), ro_arg.stride(0), float(eps),
+        PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        BITS=w.bits, GROUP=w.group_size, HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None,
+        SCALE_LATER=scale_later(w),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
+        STATS_BLOCK=stats_block, EVEN_KS=k % stats_block == 0, USE_DOT=cfg.use_dot,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_args(x.device),
+    )  # fmt: skip
+    return out, res_out
+
+
+def quant_skinny_matmul(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, *,
+                        out: torch.Tensor | None = None, config: SkinnyConfig | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W.T (+ bias [N]) for M <= 16, W dequantized in registers; fp32 accumulation,
+    output in x's dtype (written to `out` if given)."""
+    _check_act("x", x)
+    check_quant_weight("x", x, w, x.shape[1], bias)
+    if out is not None:
+        _check_out("out", out, (x.shape[0], w.shape[0]), x, (x, bias))
+    return _launch(_PLAIN, x, None, None, 0.0, w, bias, out, None, config)[0]
+
+
+def quant_add_rmsnorm_matmul(
+    h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, w: PackedWeight,
+    bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(r) @ W.T (+ bias), r), r = (h + residual) rounded to h's dtype or r = h; as
+    kernels/gemv.add_rmsnorm_matmul with a quantized weight."""
+    _check_norm_args(h, residual, norm_weight)
+    check_quant_weight("h", h, w, h.shape[1], bias)
+    _check_norm_outs(h, residual, out, residual_out, w.shape[0], (h, residual, norm_weight, bias))
+    y, res_out = _launch(_NORM, h, residual, norm_weight, eps, w, bias, out, residual_out, config)
+    return y, (h if res_out is None else res_out)
+
+
+def quant_silu_mul_matmul(gu: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, *,
+                          out: torch.Tensor | None = None, config: SkinnyConfig | None = None) -> torch.Tensor:
+    """(silu(gu[:, :I]) * gu[:, I:]) @ W [N, I].T (+ bias) for gu [M, 2I], M <= 16."""
+    _check_act("gu", gu)
+    if gu.shape[1] % 2:
+        raise ValueError(f"gu must be [M, 2I], got shape {tuple(gu.shape)}")
+    check_quant_weight("gu", gu, w, gu.shape[1] // 2, bias)
+    if out is not None:
+        _check_out("out", out, (gu.shape[0], w.shape[0]), gu, (gu, bias))
+    return _launch(_SILU, gu, None, None, 0.0, w, bias, out, None, config)[0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# references
+# ---------------------------------------------------------------------------------------------------------
+
+
+def quant_add_rmsnorm_matmul_ref(h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                                 eps: float, w: PackedWeight, bias: torch.Tensor | None = None,
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    if residual is None:
+        x, new_residual = rmsnorm_ref(h, norm_weight, eps), h
+    else:
+        x, new_residual = add_rmsnorm_ref(h, residual, norm_weight, eps)
+    return quant_matmul_ref(x, w, bias), new_residual
+
+
+def quant_silu_mul_matmul_ref(gu: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return quant_matmul_ref(silu_and_mul_ref(gu), w, bias)

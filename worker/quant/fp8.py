@@ -1,0 +1,118 @@
+"""FP8 W8A8 (e4m3): weights per output channel (w ~ q * s_w), activations quantized per token at run time
+(x ~ q_x * s_x, s_x = max|x_row| / 448), one torch._scaled_mm per matmul on a GPU with FP8 tensor cores
+(CUDA compute capability >= 8.9: Ada, Hopper and later). Canonical tensors: qweight float8_e4m3fn [out, in],
+scales float32 [out, 1].
+
+Elsewhere the method refuses to build, with one exception: `emulate=True` (accuracy studies and tests on the
+CPU) computes the same quantization in plain torch, x and W rounded to e4m3 and multiplied in fp32. The engine
+never asks for it. FP8 KV cache: `check_kv_cache_dtype`.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.worker.quant.base import LinearMethod
+from tokenmill.worker.quant.packed import frozen, layer_bias, register_bias
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+_MIN_SCALE = 1e-12  # an all-zero row or token keeps a finite scale
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """Whether `device` has FP8 tensor cores (torch._scaled_mm): CUDA compute capability >= 8.9."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return f"the {device.type} device"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+
+
+def require_fp8(device: torch.device, what: str, instead: str) -> None:
+    """ValueError unless `device` has FP8 tensor cores; the message ends with `instead` (what to use)."""
+    if not fp8_supported(device):
+        raise ValueError(f"{what} needs a GPU with FP8 tensor cores (CUDA compute capability >= 8.9: Ada, Hopper "
+                         f"or later); {_device_name(device)} has none. {instead}")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device) -> None:
+    """ValueError for an FP8 KV cache: refused on a device without FP8; on FP8 GPUs the attention and KV-write
+    kernels do not read or write e4m3 yet (issue 16)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; use {' or '.join(KV_CACHE_DTYPES)}")
+    if kv_cache_dtype == "fp8":
+        require_fp8(device, "--kv-cache-dtype fp8", "Use --kv-cache-dtype auto (the model dtype)")
+        raise ValueError("--kv-cache-dtype fp8: the paged-attention and KV-write kernels do not read or write "
+                         "e4m3 caches yet; use --kv-cache-dtype auto")
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (q e4m3 [R, C], scales float32 [R, 1]) with x ~ q * scale, scale = max|x_row| / 448."""
+    x32 = x.float()
+    scales = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(_MIN_SCALE)
+    return (x32 / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
+
+
+def fp8_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """The emulated W8A8 product: x [M, K] quantized per token, both operands dequantized to fp32, F.linear,
+    one rounding to x's dtype."""
+    qx, sx = quantize_fp8_rows(x)
+    y = F.linear(qx.float() * sx, qweight.float() * scales)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+class Fp8LinearMethod(LinearMethod):
+    name: ClassVar[str] = "fp8"
+
+    def __init__(self, device: torch.device, *, emulate: bool = False) -> None:
+        if not emulate:
+            require_fp8(torch.device(device), "FP8 W8A8 (--quantization fp8)", "Use --quantization int8 or int4")
+        self.emulate = emulate
+
+    def param_shapes(self, input_size: int, output_size: int) -> dict[str, tuple[int, ...]]:
+        return {"qweight": (output_size, input_size), "scales": (output_size, 1)}
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
+                       device: torch.device | None) -> None:
+        if not self.emulate and (input_size % 16 or output_size % 16):
+            raise ValueError(f"FP8 matmuls (torch._scaled_mm) need in and out features divisible by 16, got "
+                             f"{input_size} -> {output_size}")
+        layer.register_parameter("qweight", frozen(torch.zeros(output_size, input_size, dtype=FP8, device=device)))
+        layer.register_parameter("scales", frozen(torch.ones(output_size, 1, dtype=torch.float32, device=device)))
+        register_bias(layer, bias, output_size, dtype, device)
+
+    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, scales = quantize_fp8_rows(weight)
+        return {"qweight": q, "scales": scales}
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        q, scales = cast(torch.Tensor, layer.qweight), cast(torch.Tensor, layer.scales)
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.emulate:
+            y = fp8_matmul_ref(x2, q, scales, layer_bias(layer))
+        else:
+            y = self._scaled_mm(x2, q, scales, layer_bias(layer))
+        return y.reshape(*x.shape[:-1], q.shape[0])
+
+    @staticmethod
+    def _scaled_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+        """Row-wise scaled e4m3 GEMM: scale_a [M, 1] per token, scale_b [1, N] per channel (bf16 output, as
+        cuBLASLt's row-wise scaling requires), then the bias and the cast to x's dtype."""
+        qx, sx = quantize_fp8_rows(x)
+        y = torch._scaled_mm(qx, q.t(), scale_a=sx, scale_b=scales.reshape(1, -1), out_dtype=torch.bfloat16)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y.to(x.dtype)

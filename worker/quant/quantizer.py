@@ -1,0 +1,142 @@
+"""Quantize a whole dense model: every decoder-layer projection to the canonical tensors of its format
+(worker/quant/base.py), by round to nearest or, for INT4, by GPTQ over calibration sequences.
+
+GPTQ runs layer by layer (the usual sequential scheme): the calibration sequences' hidden states enter layer i
+as the already quantized layers 0..i-1 produce them; forward pre-hooks collect the Hessians of the inputs of
+its four projections (qkv, o, gate_up, down) in one pass; each projection is quantized (the parts of a fused
+one share its Hessian and column order); the layer's weights are then replaced by their dequantized values
+and the sequences run through it again to give layer i + 1 its inputs. The model must be dense, on the CPU
+with the torch attention backend (this is an offline tool); it is modified in place.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import cast
+
+import torch
+from torch import nn
+
+from tokenmill.kernels.quant_weight import PackedWeight, dequantize_packed, pack_int4
+from tokenmill.worker.attention.backend import AttentionMetadata, KVCache
+from tokenmill.worker.model_runner import attention_metadata
+from tokenmill.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, fused_target, projections
+from tokenmill.worker.quant.config import QuantConfig, make_linear_method
+from tokenmill.worker.quant.gptq import Hessian, gptq_quantize
+from tokenmill.worker.quant.int4 import Int4LinearMethod
+
+Canonical = dict[str, dict[str, torch.Tensor]]  # HF projection name (model.layers.N.self_attn.q_proj) -> tensors
+Progress = Callable[[str], None]
+
+
+def rtn_quantize_model(model: LlamaForCausalLM, config: QuantConfig, progress: Progress | None = None) -> Canonical:
+    """Round to nearest: each HF projection's dense weight through the method's `quantize` (INT4 scales in
+    float16, what checkpoints store)."""
+    method = make_linear_method(config, torch.device("cpu"), fp8_emulation=True)
+    assert method is not None, "quantization method 'none' has nothing to quantize"
+    quantize = functools.partial(method.quantize, scale_dtype=torch.float16) if isinstance(
+        method, Int4LinearMethod) else method.quantize
+    params = dict(model.named_parameters())
+    out: Canonical = {}
+    for i in range(model.arch.num_layers):
+        for hf, _, _ in projections(model.arch):
+            name = f"model.layers.{i}.{hf}"
+            param, rows = fused_target(name + ".weight", model.arch)
+            weight = params[param].data
+            out[name] = quantize(weight if rows is None else weight[rows[0]:rows[1]])
+        if progress is not None:
+            progress(f"layer {i + 1}/{model.arch.num_layers}")
+    return out
+
+
+# ---- GPTQ ------------------------------------------------------------------------------------------------
+
+
+class _Sequence:
+    """One calibration sequence: its positions, attention metadata, and the residual stream entering the next
+    layer (h, residual)."""
+
+    def __init__(self, model: LlamaForCausalLM, ids: Sequence[int], block_size: int) -> None:
+        n = len(ids)
+        blocks = -(-n // block_size)
+        self.positions = torch.arange(n)
+        self.meta: AttentionMetadata = attention_metadata([n], [n], [list(range(blocks))], list(range(n)),
+                                                          torch.device("cpu"))
+        self.h = model.model.embed_tokens(torch.tensor(list(ids), dtype=torch.int64))
+        self.residual: torch.Tensor | None = None
+
+
+def gptq_quantize_model(model: LlamaForCausalLM, config: QuantConfig, sequences: Sequence[Sequence[int]],
+                        progress: Progress | None = None, *, block_size: int = 16) -> Canonical:
+    """Sequential GPTQ of every decoder layer (INT4, config's group size / symmetry / act-order), calibrated on
+    token-id `sequences`. Returns the canonical tensors (scales float16) per HF projection name."""
+    if config.method != "int4":
+        raise ValueError(f"GPTQ quantizes to int4, not {config.method}")
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise ValueError("GPTQ needs non-empty calibration sequences")
+    if model.linear_method is not None or model.device.type != "cpu":
+        raise ValueError("GPTQ runs on a dense model on the CPU")
+    a = model.arch
+    longest = max(len(s) for s in sequences)
+    shape = (-(-longest // block_size), block_size, a.num_kv_heads, a.head_dim)
+    cache: KVCache = (torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+    out: Canonical = {}
+    with torch.no_grad():
+        seqs = [_Sequence(model, s, block_size) for s in sequences]
+        for i, layer in enumerate(model.model.layers):
+            decoder = cast(LlamaDecoderLayer, layer)
+            hessians = _collect_hessians(decoder, seqs, cache)
+            for fused, h in hessians.items():
+                out.update(_quantize_fused(model, decoder, i, fused, h.value(), config))
+            for s in seqs:  # the quantized layer's outputs: the next layer's inputs
+                s.h, s.residual = decoder(s.positions, s.h, s.residual, cache, s.meta)
+            if progress is not None:
+                progress(f"layer {i + 1}/{len(model.model.layers)}")
+    return out
+
+
+def _linears(layer: LlamaDecoderLayer) -> dict[str, nn.Module]:
+    return {"self_attn.qkv_proj": layer.self_attn.qkv_proj, "self_attn.o_proj": layer.self_attn.o_proj,
+            "mlp.gate_up_proj": layer.mlp.gate_up_proj, "mlp.down_proj": layer.mlp.down_proj}
+
+
+def _collect_hessians(layer: LlamaDecoderLayer, seqs: list[_Sequence], cache: KVCache) -> dict[str, Hessian]:
+    linears = _linears(layer)
+    hessians = {name: Hessian(cast(torch.Tensor, m.weight).shape[1]) for name, m in linears.items()}
+    hooks = [m.register_forward_pre_hook(lambda _m, args, h=hessians[name]: h.add(args[0]))
+             for name, m in linears.items()]
+    try:
+        for s in seqs:
+            layer(s.positions, s.h, s.residual, cache, s.meta)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return hessians
+
+
+def _quantize_fused(model: LlamaForCausalLM, layer: LlamaDecoderLayer, index: int, fused: str, h: torch.Tensor,
+                    config: QuantConfig) -> Canonical:
+    """GPTQ of one (possibly fused) projection; its weight becomes the dequantized result; canonical tensors of
+    each HF part."""
+    module = _linears(layer)[fused]
+    weight = cast(torch.Tensor, module.weight)
+    r = gptq_quantize(weight, h, config.group_size, config.symmetric, config.act_order, torch.float16)
+    perm = None if r.perm is None else r.perm.to(torch.int32)
+    packed = PackedWeight(pack_int4(r.q), r.scales, None if config.symmetric else r.zeros, perm, 4,
+                          config.group_size)
+    weight.copy_(dequantize_packed(packed).to(weight.dtype))
+    out: Canonical = {}
+    for hf, _, _ in projections(model.arch):
+        name = f"model.layers.{index}.{hf}"
+        param, rows = fused_target(name + ".weight", model.arch)
+        if not param.endswith(f".{fused}.weight"):
+            continue
+        start, end = rows if rows is not None else (0, weight.shape[0])
+        tensors = {"qweight": packed.qweight[start:end].clone(), "scales": r.scales[start:end].clone()}
+        if not config.symmetric:
+            tensors["zeros"] = r.zeros[start:end].clone()
+        if perm is not None:
+            tensors["perm"] = perm
+        out[name] = tensors
+    return out

@@ -123,10 +123,12 @@ class Scheduler:
 
     def _fit_drafts(self, req: Request, limit: int) -> None:
         """Drafts are optional work: keep those that fit in `limit` tokens after the request's known tokens
-        and in the blocks it holds or can take without a preemption. So a step that computes drafts also
-        reaches the request's end and verifies them, and no neighbour is preempted for a guess."""
+        and in the blocks it holds or can take while one block per running request stays available for its
+        next token. So a step that computes drafts also reaches the request's end and verifies them, and a
+        guess does not make a neighbour's decode preempt."""
         known_left = req.num_tokens - len(req.draft_token_ids) - req.num_computed_tokens
-        room = (len(req.block_ids) + self.blocks.num_available) * self.blocks.block_size - req.num_computed_tokens
+        spare = max(0, self.blocks.num_available - len(self.running))
+        room = (len(req.block_ids) + spare) * self.blocks.block_size - req.num_computed_tokens
         keep = max(0, min(len(req.draft_token_ids), limit - known_left, room - known_left))
         del req.draft_token_ids[keep:]
 
@@ -235,13 +237,14 @@ class Scheduler:
                     self.finish(req, *stop)
         return got_token
 
-    @staticmethod
-    def _settle_drafts(req: Request, accepted: int) -> None:
+    def _settle_drafts(self, req: Request, accepted: int) -> None:
         """The step verified `req`'s drafts and accepted the first `accepted`: uncount the KV computed for
-        the rejected ones (their slots are overwritten by later writes) and drop the drafts."""
+        the rejected ones (their slots are overwritten by later writes), give back the blocks only they
+        needed (the block table keeps what the accepted tokens and the next one need) and drop the drafts."""
         assert 0 <= accepted <= len(req.draft_token_ids), f"{req.request_id}: {accepted} drafts accepted"
         req.num_computed_tokens -= len(req.draft_token_ids) - accepted
         req.draft_token_ids = []
+        self.blocks.release_tail(req, req.num_computed_tokens + 1)
 
     def _stop(self, req: Request, token: int) -> tuple[str, str | int | None] | None:
         """(finish reason, stop reason) if `token`, just appended, ends the request."""

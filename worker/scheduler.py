@@ -242,6 +242,8 @@ class Scheduler:
         the rejected ones (their slots are overwritten by later writes), give back the blocks only they
         needed (the block table keeps what the accepted tokens and the next one need) and drop the drafts."""
         assert 0 <= accepted <= len(req.draft_token_ids), f"{req.request_id}: {accepted} drafts accepted"
+        self.counters.draft_tokens += len(req.draft_token_ids)
+        self.counters.accepted_draft_tokens += accepted
         req.num_computed_tokens -= len(req.draft_token_ids) - accepted
         req.draft_token_ids = []
         self.blocks.release_tail(req, req.num_computed_tokens + 1)

@@ -73,15 +73,15 @@ def prefix(model_path: Path) -> tuple[list[int], int, torch.Tensor]:
     r = rng.sample(range(3, vocab), 13)
     t, rest = r[0], r[1:]
     candidates = [x for x in range(3, vocab) if x not in r]
-    seqs = torch.tensor([rest[:6] + [t, x] + rest[6:] + [t] for x in candidates])
+    seqs = torch.tensor([[*rest[:6], t, x, *rest[6:], t] for x in candidates])
     hf = load_hf(model_path)
     with torch.no_grad():
         logits = hf(seqs).logits[:, -1].float()  # [C, V]
     probs = logits.softmax(-1)[torch.arange(len(candidates)), torch.tensor(candidates)]
     best = int(probs.argmax())
     x = candidates[best]
-    prompt = rest[:6] + [t, x] + rest[6:]
-    assert lookup(prompt + [t], 3, 1, 4) == [x, rest[6], rest[7]]
+    prompt = [*rest[:6], t, x, *rest[6:]]
+    assert lookup([*prompt, t], 3, 1, 4) == [x, rest[6], rest[7]]
     return prompt, t, logits[best]
 
 

@@ -118,7 +118,7 @@ class SpeculativeConfig:
 
     method: SpeculativeMethod = "off"
     num_speculative_tokens: int = 3
-    prompt_lookup_max: int = 4
+    prompt_lookup_max: int = 8
     prompt_lookup_min: int = 1
 
     def __post_init__(self) -> None:

@@ -3,9 +3,9 @@
 One engine with `--speculative ngram` and prefix caching off; each request runs twice, once with
 `num_speculative_tokens=0` (plain decoding) and once with k drafts per step, in alternating order, one
 request at a time (batch 1), greedy, up to --max-tokens tokens or EOS. Both runs yield the same tokens
-(checked): the speed-up is the ratio of their wall times. Two workloads, both ShareGPT human turns through
-the chat template: `chat` (the turn as it is) and `copy` (the turn with "Repeat the following text exactly:"
-before it: prompt lookup's good case, output copying input). Also recorded: drafts accepted per verify step,
+(checked): the speed-up is the ratio of their wall times. Two workloads of ShareGPT human turns: `chat`
+(the turn through the chat template) and `copy` (a completion prompt asking for the turn again: prompt
+lookup's good case, output copying input; see `workload_text`). Also recorded: drafts accepted per verify step,
 and the time of a decode step against a verify step (the host times a step synchronously on the CPU).
 
     python -m tokenmill.benchmarks.spec_cpu --out benchmarks/results/cpu
@@ -17,7 +17,6 @@ import argparse
 import os
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,18 +30,24 @@ from tokenmill.worker.config import CacheConfig, EngineConfig, SpeculativeConfig
 from tokenmill.worker.engine import LLMEngine, StepRecord
 from tokenmill.worker.registry_fetch import sharegpt_path
 
-WORKLOADS: dict[str, Callable[[str], str]] = {
-    "chat": lambda turn: turn,
-    "copy": lambda turn: f"Repeat the following text exactly:\n\n{turn}",
-}
+WORKLOADS = ("chat", "copy")
+
+
+def workload_text(engine: LLMEngine, workload: str, turn: str) -> tuple[str, bool]:
+    """(prompt text, whether it is already templated). `chat`: the turn through the chat template. `copy`:
+    a raw completion prompt, the turn, then "The text above, repeated word for word:" and its first six
+    words (SmolLM2-135M-Instruct does not follow a "repeat this" instruction through its chat template: it
+    answers the text; as a completion it copies it)."""
+    if workload == "chat":
+        return engine.tokenizer.apply_chat_template([{"role": "user", "content": turn}]), True
+    return f"{turn}\n\nThe text above, repeated word for word:\n\n{' '.join(turn.split()[:6])}", False
 
 
 def prompts(engine: LLMEngine, workload: str, n: int, max_prompt: int) -> list[list[int]]:
-    wrap = WORKLOADS[workload]
     out = []
     for human, _ in sharegpt_pairs(sharegpt_path()):
-        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": wrap(human)}])
-        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        text, templated = workload_text(engine, workload, human)
+        ids = engine.tokenizer.encode(text, add_special_tokens=not templated)
         if 16 <= len(ids) <= max_prompt:
             out.append(ids)
         if len(out) == n:
@@ -135,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-prompt", type=int, default=384)
     ap.add_argument("--k", type=int, nargs="+", default=[3], help="draft tokens per step (one run each)")
-    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = ap.parse_args(argv)
     if args.threads:

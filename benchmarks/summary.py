@@ -48,6 +48,8 @@ KEYS: dict[str, str] = {
     "int8_decode_b1_ms": "ms",
     "int4_decode_b1_ms": "ms",
     "fp8_decode_b1_ms": "ms",
+    "ngram_cpu_b1_speedup": "x",
+    "ngram_cpu_b1_copy_speedup": "x",
 }
 
 # The suite section each suite figure comes from (a merged suite takes sections from several runs).
@@ -233,12 +235,22 @@ def gpu_quant_figures(r: Mapping[str, Any]) -> dict[str, float]:
     return {f"{q}_decode_b1_ms": d["ms_per_step_p50"] for q, d in decode.items() if q in ("int8", "int4", "fp8")}
 
 
+def spec_figures(r: Mapping[str, Any]) -> dict[str, float]:
+    """spec_cpu.py in its headline configuration: 8 requests of up to 128 tokens at batch 1, k = 3, one thread."""
+    c = r["config"]
+    if (c["requests"], c["max_tokens"], c["max_prompt"], c.get("threads")) != (8, 128, 384, 1):
+        return {}
+    keys = {"chat_k3": "ngram_cpu_b1_speedup", "copy_k3": "ngram_cpu_b1_copy_speedup"}
+    return {key: r["results"][name]["speedup"] for name, key in keys.items() if name in r["results"]}
+
+
 def figures_of(result: Mapping[str, Any]) -> dict[str, float]:
     """The figures a result file holds, by what kind of result it is."""
     kind: Callable[[Mapping[str, Any]], dict[str, float]] | None = (
         broker_figures if result.get("benchmark") == "broker_relay" else
         quant_accuracy_figures if result.get("benchmark") == "quant_accuracy" else
         gpu_quant_figures if result.get("benchmark") == "gpu_quant" else
+        spec_figures if result.get("benchmark") == "spec_cpu" else
         suite_figures if "sections_s" in result else
         e2e_figures if "latency_b8_in32_out128_s" in result else None)
     return kind(result) if kind else {}

@@ -266,6 +266,16 @@ SETTINGS: tuple[Setting, ...] = (
        "EngineConfig.scheduler.enable_chunked_prefill"),
     _s("long_prefill_token_threshold", integer(0), 0, "cut prefill chunks longer than this (0: no extra cap)",
        ENGINE_CMDS, "EngineConfig.scheduler.long_prefill_token_threshold"),
+    _s("speculative", choice("off", "ngram"), "off", "speculative decoding: draft tokens verified in one target "
+       "forward, output unchanged (ngram: prompt lookup in the request's own tokens)", ENGINE_CMDS,
+       "EngineConfig.speculative.method"),
+    _s("num_speculative_tokens", integer(1), 3, "with --speculative: draft tokens per request and step, 1..16 "
+       "(a request's num_speculative_tokens overrides it; 0 there turns it off)", ENGINE_CMDS,
+       "EngineConfig.speculative.num_speculative_tokens"),
+    _s("prompt_lookup_max", integer(1), 8, "ngram: longest suffix looked up", ENGINE_CMDS,
+       "EngineConfig.speculative.prompt_lookup_max"),
+    _s("prompt_lookup_min", integer(1), 1, "ngram: shortest suffix looked up", ENGINE_CMDS,
+       "EngineConfig.speculative.prompt_lookup_min"),
     # -- up
     _s("workers", integer(1), 1, "workers to start", _U),
     _s("ready_timeout", number(0, low_open=True), 600.0, "seconds to wait for the workers", _U),

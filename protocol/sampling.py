@@ -10,6 +10,8 @@ from typing import Any
 
 from tokenmill.protocol.errors import InvalidRequest
 
+MAX_SPECULATIVE_TOKENS = 16  # draft tokens one request may verify per step
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -29,6 +31,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per sampled token (0: only the sampled token's)
     skip_special_tokens: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+    # Speculative decoding on a worker that has a proposer: draft tokens per step (0: off for this request;
+    # None: the worker's setting). Output is the same either way; a worker without a proposer decodes plainly.
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # Lists from JSON/msgpack are accepted and frozen into tuples.
@@ -55,6 +60,7 @@ class SamplingParams:
         _check(isinstance(self.extra, dict), "extra must be a mapping")
         _check(self.logprobs is None or (_int(self.logprobs) and 0 <= self.logprobs <= 20),
                "logprobs must be an integer in [0, 20]")
+        _check_speculative(self.num_speculative_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -82,6 +88,11 @@ class SamplingParams:
 def _int(x: object) -> bool:
     """An integer that is not a boolean (booleans are never integers here, as on the wire)."""
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_speculative(k: object) -> None:
+    _check(k is None or (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_SPECULATIVE_TOKENS),
+           f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] (0: no speculation)")
 
 
 def _num(x: object) -> bool:

@@ -137,6 +137,15 @@ class BlockManager:
             self._drop_ref(b)
         req.block_ids = []
 
+    def release_tail(self, req: Request, num_tokens: int) -> None:
+        """Drop `req`'s blocks past the first blocks_for(num_tokens) (taken for draft tokens that were
+        rejected: they hold no known token, so they are neither hashed nor shared)."""
+        keep = self.blocks_for(num_tokens)
+        for b in reversed(req.block_ids[keep:]):
+            assert self._blocks[b].ref_count == 1 and self._blocks[b].hash is None, f"tail block {b} is shared"
+            self._drop_ref(b)
+        del req.block_ids[keep:]
+
     def reset_prefix_cache(self) -> None:
         for b in list(self._evictable):
             self._unhash(b)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tokenmill.kernels.config import KernelConfig
+from tokenmill.protocol.sampling import MAX_SPECULATIVE_TOKENS
 
 LoadFormat = Literal["auto", "hf", "gguf", "dummy"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
@@ -107,6 +108,36 @@ class SchedulerConfig:
             raise ValueError(f"unknown scheduling policy {self.policy!r}")
 
 
+SpeculativeMethod = Literal["off", "ngram"]
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: each step a proposer drafts up to `num_speculative_tokens` tokens per request and
+    one target forward verifies them (worker/spec/). "ngram": prompt lookup, the tokens that followed the latest
+    earlier occurrence of the request's last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`).
+    A request's `num_speculative_tokens` overrides k (0: off for it)."""
+
+    method: SpeculativeMethod = "off"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 8
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in ("off", "ngram"):
+            raise ValueError(f"unknown speculative method {self.method!r}; use off or ngram")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine is built from. `model` is a HF folder, a .gguf file, a dummy shape name
@@ -130,6 +161,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)  # process-wide: set by the model runner
     # decoder-layer projections: "auto" = the checkpoint's own format (dense, or its quantization_config);
     # int8 / int4 / fp8 quantize a dense checkpoint on load (worker/quant/)

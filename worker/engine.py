@@ -1,6 +1,8 @@
 """The engine: requests in, token deltas out. schedule -> forward -> sample -> detokenize, one step at
 a time, or with async scheduling one step ahead (the host schedules step N+1 while the device runs
-step N). Not thread-safe: one thread drives it (the worker process's engine loop, or the caller)."""
+step N). With speculative decoding, a proposer drafts tokens for the decoding requests before each
+schedule and the step verifies them (worker/spec/). Not thread-safe: one thread drives it (the worker
+process's engine loop, or the caller)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ from tokenmill.worker.model_runner import ModelRunner, PendingStep
 from tokenmill.worker.outputs import CompletionOutput, RequestOutput, Usage
 from tokenmill.worker.request import Request
 from tokenmill.worker.scheduler import ScheduledBatch, Scheduler
+from tokenmill.worker.spec.ngram import NgramProposer
+from tokenmill.worker.spec.proposer import DraftProposer, draft_budget
 from tokenmill.worker.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenmill.engine")
@@ -97,6 +101,7 @@ class LLMEngine:
                                    self.counters)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
+        self.proposer = make_proposer(config)
         self._inflight: deque[_Launched] = deque()  # launched, not yet completed; at most 1 kept between steps
         self._live: dict[str, _Live] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside a step (aborts)
@@ -105,8 +110,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.step_observer: StepObserver | None = None
         log.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens, max_model_len=%d, "
-                 "async_scheduling=%s", self.model_name, self.runner.device, self.runner.dtype,
-                 self.runner.num_blocks, config.cache.block_size, self.max_model_len, self.async_scheduling)
+                 "async_scheduling=%s, speculative=%s", self.model_name, self.runner.device, self.runner.dtype,
+                 self.runner.num_blocks, config.cache.block_size, self.max_model_len, self.async_scheduling,
+                 config.speculative.method)
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(
@@ -227,16 +233,44 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------------------
     # Synchronous: schedule, launch, wait, update. Async scheduling keeps one step in flight: step()
     # schedules and launches step N+1 (with the tokens step N is sampling still in flight), then
-    # waits for step N and emits its outputs while N+1 runs on the device.
+    # waits for step N and emits its outputs while N+1 runs on the device. While a request speculates,
+    # steps run synchronously: drafts follow known tokens only (the proposer reads them on the host).
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        speculating = self.proposer is not None and self._speculating()
+        if speculating:
+            while self._inflight:
+                outputs += self._complete(self._inflight.popleft())
+            self._propose_drafts()
         launched = self._schedule_and_launch(outputs)
         if launched is not None:
             self._inflight.append(launched)
-        keep = 1 if self.async_scheduling and launched is not None else 0
+        keep = 1 if self.async_scheduling and launched is not None and not speculating else 0
         while len(self._inflight) > keep:
             outputs += self._complete(self._inflight.popleft())
         return outputs
+
+    def _num_drafts(self, params: SamplingParams) -> int:
+        k = params.num_speculative_tokens
+        return self.config.speculative.num_speculative_tokens if k is None else k
+
+    def _speculating(self) -> bool:
+        return any(self._num_drafts(r.params) for r in self.scheduler.running)
+
+    def _propose_drafts(self) -> None:
+        """Drafts for every decoding request that speculates, as many as its budget allows (none in flight)."""
+        assert self.proposer is not None and not self._inflight
+        reqs, budgets = [], []
+        for req in self.scheduler.running:
+            req.draft_token_ids = []
+            k = draft_budget(req, self._num_drafts(req.params), self.max_model_len)
+            if k:
+                reqs.append(req)
+                budgets.append(k)
+        if reqs:
+            for req, k, drafts in zip(reqs, budgets, self.proposer.propose(reqs, budgets), strict=True):
+                assert len(drafts) <= k, f"{self.proposer.name} proposed {len(drafts)} drafts, at most {k} asked"
+                req.draft_token_ids = drafts
 
     def _schedule_and_launch(self, outputs: list[RequestOutput]) -> _Launched | None:
         batch = self.scheduler.schedule()
@@ -266,8 +300,8 @@ class LLMEngine:
             live = self._live[req.request_id]
             assert live.req is req, "a committed request is the live one (finished ones are skipped)"
             lp = logprobs[req]
-            if lp is not None:
-                live.logprobs.append(lp)
+            if lp is not None:  # one per token it got (a stop drops the tokens after it)
+                live.logprobs += lp[: req.num_known_tokens - req.num_prompt_tokens - live.emitted]
             outputs.append(self._emit(live))
         return outputs
 
@@ -275,17 +309,12 @@ class LLMEngine:
         """The delta of the request's known output tokens not emitted yet (stop strings applied)."""
         req, first_index = live.req, live.emitted
         new_ids = req.token_ids[req.num_prompt_tokens + first_index :]
+        if req.params.stop and len(new_ids) > 1:  # several tokens of a verified step: as plain decoding would
+            text, stop = self._stop_scan(live, new_ids)
+            new_ids = req.token_ids[req.num_prompt_tokens + first_index :]
+        else:
+            text, stop = self._push_text(live, new_ids, req.is_finished)
         live.emitted += len(new_ids)
-        text = live.held + live.detok.push(new_ids)
-        live.held = ""
-        stop = self._find_stop(text, req.params.stop) if req.params.stop else None
-        if stop is not None and not req.is_finished:
-            cut, stop_str = stop
-            self.scheduler.finish(req, "stop", stop_str)
-            text = text[:cut]
-        elif req.params.stop and not req.is_finished:
-            keep = _stop_prefix_len(text, req.params.stop)
-            text, live.held = text[: len(text) - keep], text[len(text) - keep :]
         if req.is_finished:
             self._live.pop(req.request_id)
             if stop is None:
@@ -293,6 +322,40 @@ class LLMEngine:
             return self._final(live, new_ids, text, first_index)
         logprobs, live.logprobs = live.logprobs or None, []
         return RequestOutput(req.request_id, new_ids, text, first_index, logprobs=logprobs)
+
+    def _push_text(self, live: _Live, ids: list[int], finished: bool) -> tuple[str, tuple[int, str] | None]:
+        """Text of `ids` after the held text, stop strings applied (unless the request finished on these ids):
+        a stop string found finishes the request and cuts the text there; a tail that may start one is held."""
+        req = live.req
+        text = live.held + live.detok.push(ids)
+        live.held = ""
+        stop = self._find_stop(text, req.params.stop) if req.params.stop else None
+        if stop is not None and not finished:
+            cut, stop_str = stop
+            self.scheduler.finish(req, "stop", stop_str)
+            text = text[:cut]
+        elif req.params.stop and not finished:
+            keep = _stop_prefix_len(text, req.params.stop)
+            text, live.held = text[: len(text) - keep], text[len(text) - keep :]
+        return text, stop
+
+    def _stop_scan(self, live: _Live, ids: list[int]) -> tuple[str, tuple[int, str] | None]:
+        """`_push_text` one token at a time: a stop string completed by token j finishes the request there and
+        drops the tokens after j (and their logprobs), exactly as one token per step would have. Only the last
+        token may be one the scheduler finished the request on."""
+        req = live.req
+        finished_on_last = req.is_finished
+        parts: list[str] = []
+        stop = None
+        for j, token in enumerate(ids):
+            last = j == len(ids) - 1
+            text, stop = self._push_text(live, [token], finished_on_last and last)
+            parts.append(text)
+            if stop is not None and not last:  # a stop string ended it at token j
+                del req.token_ids[req.num_known_tokens - (len(ids) - 1 - j) :]
+                del live.logprobs[j + 1 :]
+                break
+        return "".join(parts), stop
 
     @staticmethod
     def _find_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
@@ -360,6 +423,14 @@ class LLMEngine:
             block_size=b.block_size, prefix_cache_queries=self.counters.prefix_cache_queries,
             prefix_cache_hits=self.counters.prefix_cache_hits, num_preemptions=self.counters.preemptions,
         )
+
+
+def make_proposer(config: EngineConfig) -> DraftProposer | None:
+    spec = config.speculative
+    if spec.method == "ngram":
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    assert spec.method == "off", spec.method
+    return None
 
 
 def _template_kwargs(params: SamplingParams) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from tokenmill.worker.quant.fp8 import check_kv_cache_dtype
 from tokenmill.worker.request import Request
 from tokenmill.worker.sampler import Sampler, SamplingMetadata
 from tokenmill.worker.scheduler import ScheduledBatch
+from tokenmill.worker.spec.verifier import DraftLayout, accept_drafts, tokens_of
 from tokenmill.worker.transfer import HostCopy, ship
 
 log = logging.getLogger("tokenmill.runner")
@@ -58,10 +59,11 @@ def make_backend(name: str, device: torch.device, decode_rope_in_attention: bool
 
 @dataclass(frozen=True)
 class StepResult:
-    """Per scheduled request: the sampled token (None if it did not sample) and its logprobs."""
+    """Per scheduled request: the sampled token (None if it did not sample; for a request that verified
+    drafts, the list of its accepted drafts and the target's next token) and the logprobs of its tokens."""
 
-    sampled: list[int | None]
-    logprobs: list[dict[int, float] | None]
+    sampled: list[int | list[int] | None]
+    logprobs: list[list[dict[int, float]] | None]
 
 
 class PendingStep:
@@ -69,27 +71,42 @@ class PendingStep:
     that are its inputs (tokens in flight); `result()` waits for them on the host."""
 
     def __init__(self, num_requests: int, rows: dict[Request, int], batch_index: list[int],
-                 num_logprobs: list[int | None], sampled: Tensor | None, copy: HostCopy | None) -> None:
+                 num_logprobs: list[int | None], sampled: Tensor | None, copy: HostCopy | None,
+                 draft_starts: list[int] | None = None) -> None:
         self.num_requests = num_requests
-        self.rows = rows  # sampling request -> its row of `sampled`
-        self.sampled = sampled  # [S] i64 on the device; None when no request samples
-        self._batch_index = batch_index  # row -> index in the batch
-        self._num_logprobs = num_logprobs  # row -> requested top-n (None: no logprobs)
+        self.rows = rows  # sampling request without drafts -> its row of `sampled`
+        self.sampled = sampled  # [S] i64 on the device ([R] with drafts); None when no request samples
+        self._batch_index = batch_index  # sampling request s -> index in the batch
+        self._num_logprobs = num_logprobs  # sampling request s -> requested top-n (None: no logprobs)
         self._copy = copy
+        # With drafts: sampling request s owns rows draft_starts[s] .. (DraftLayout.starts); the copy then
+        # holds the number of drafts each accepted after the sampled ids.
+        self._draft_starts = draft_starts
 
     def result(self) -> StepResult:
-        sampled: list[int | None] = [None] * self.num_requests
-        logprobs: list[dict[int, float] | None] = [None] * self.num_requests
+        sampled: list[int | list[int] | None] = [None] * self.num_requests
+        logprobs: list[list[dict[int, float]] | None] = [None] * self.num_requests
         if self._copy is None:
             return StepResult(sampled, logprobs)
         host = self._copy.wait()
         tokens = host[0].tolist()
-        lp_ids, lp_vals = (host[1].tolist(), host[2].tolist()) if len(host) == 3 else (None, None)
-        for row, i in enumerate(self._batch_index):
-            sampled[i] = tokens[row]
-            n_lp = self._num_logprobs[row]
-            if n_lp is not None and lp_ids is not None and lp_vals is not None:
-                logprobs[i] = dict(zip(lp_ids[row][: n_lp + 1], lp_vals[row][: n_lp + 1]))
+        n_ids = 1 if self._draft_starts is None else 2  # sampled ids (and accepted counts) first, then logprobs
+        lp_ids, lp_vals = (host[n_ids].tolist(), host[n_ids + 1].tolist()) if len(host) > n_ids else ([], [])
+        if self._draft_starts is None:
+            for s, i in enumerate(self._batch_index):
+                sampled[i] = tokens[s]
+                n_lp = self._num_logprobs[s]
+                if n_lp is not None and lp_ids:
+                    logprobs[i] = [_top_logprobs(lp_ids[s], lp_vals[s], n_lp)]
+            return StepResult(sampled, logprobs)
+        accepted = host[1].tolist()
+        for s, i in enumerate(self._batch_index):
+            start = self._draft_starts[s]
+            sampled[i] = tokens_of(tokens, start, accepted[s])
+            n_lp = self._num_logprobs[s]
+            if n_lp is not None and lp_ids:
+                rows = range(start, start + accepted[s] + 1)
+                logprobs[i] = [_top_logprobs(lp_ids[r], lp_vals[r], n_lp) for r in rows]
         return StepResult(sampled, logprobs)
 
 
@@ -202,7 +219,8 @@ class ModelRunner:
     # a step, so it can prepare step N+1 while step N runs.
     def _host_inputs(self, batch: ScheduledBatch, prev: PendingStep | None) -> _HostInputs:
         """Token ids, positions and attention metadata of `batch` as CPU tensors. An input still in flight
-        (only ever the last token of a chunk: in-flight tokens trail the known ones) is left 0 and noted,
+        (only ever the last token of a chunk: in-flight tokens trail the known ones; a request with drafts has
+        none) is left 0 and noted,
         with the row of `prev`'s sampled ids that holds its value. Positions and slots are computed for all
         tokens at once (numpy), so a step's host cost does not grow with its prompt tokens."""
         ids: list[int] = []
@@ -211,6 +229,8 @@ class ModelRunner:
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
             chunk = req.token_ids[start : start + n]
+            if len(chunk) < n and req.draft_token_ids:  # drafts trail the known tokens (none in flight then)
+                chunk += req.draft_token_ids[: n - len(chunk)]
             if len(chunk) < n:
                 fix_index.append(len(ids) + n - 1)
                 fix_source.append(_source_row(prev, req))
@@ -256,12 +276,28 @@ class ModelRunner:
             outputs.append(out)
         meta = SamplingMetadata.build([r.params for r in reqs], [r.prompt_token_ids for r in reqs], outputs,
                                       [r.seed for r in reqs], eos_token_ids, vocab, torch.device("cpu"))
-        tensors = {f"s.{f.name}": getattr(meta, f.name) for f in fields(meta)
-                   if isinstance(getattr(meta, f.name), Tensor)}
+        tensors = _sampling_tensors(meta)
         if fix and meta.output_ids.shape[1]:
             rows, cols, src = zip(*fix)
             tensors |= {"pen.rows": _i64(rows), "pen.cols": _i64(cols), "pen.src": _i64(src)}
         return meta, tensors
+
+    def _host_draft_sampling(self, reqs: list[Request], eos_token_ids: tuple[int, ...],
+                             ) -> tuple[SamplingMetadata, dict[str, Tensor]]:
+        """SamplingMetadata of the rows of requests verifying drafts: request r with drafts d_1..d_k has k+1 rows,
+        row j sampled as plain decoding samples output position n+j after d_1..d_j (its outputs, penalties,
+        min_tokens bans and seeded position). No token is in flight in such a step."""
+        params, prompts, outputs, seeds = [], [], [], []
+        for r in reqs:
+            out, drafts = r.output_token_ids, r.draft_token_ids
+            for j in range(len(drafts) + 1):
+                params.append(r.params)
+                prompts.append(r.prompt_token_ids)
+                outputs.append(out + drafts[:j])
+                seeds.append(r.seed)
+        meta = SamplingMetadata.build(params, prompts, outputs, seeds, eos_token_ids, self.arch.vocab_size,
+                                      torch.device("cpu"))
+        return meta, _sampling_tensors(meta)
 
     @staticmethod
     def _device_sampling(meta: SamplingMetadata, dev: dict[str, Tensor], prev: PendingStep | None,
@@ -282,6 +318,8 @@ class ModelRunner:
         reqs = [batch.requests[i] for i in sampling]
         host = self._host_inputs(batch, prev)
         ends = list(itertools.accumulate(host.q_lens))
+        if any(r.draft_token_ids for r in reqs):
+            return self._launch_verify(batch, sampling, reqs, host, ends, eos_token_ids)
         tensors = host.tensors | {"logits_rows": _i64([ends[i] - 1 for i in sampling])}  # last token of each
         smeta, stensors = self._host_sampling(reqs, eos_token_ids, prev) if reqs else (None, {})
         dev = ship(tensors | stensors, self.device)  # the step's one host-to-device copy
@@ -296,6 +334,29 @@ class ModelRunner:
         return PendingStep(len(batch.requests), {r: row for row, r in enumerate(reqs)}, sampling,
                            [r.params.logprobs for r in reqs], out.sampled_token_ids, HostCopy(copies))
 
+    def _launch_verify(self, batch: ScheduledBatch, sampling: list[int], reqs: list[Request], host: _HostInputs,
+                       ends: list[int], eos_token_ids: tuple[int, ...]) -> PendingStep:
+        """`launch` of a step that verifies drafts (spec/verifier.py): the same forward, then every sampling
+        request's k+1 last rows are sampled and compared with its drafts on the device."""
+        assert not any(r.num_inflight for r in batch.requests), "drafts are verified with no token in flight"
+        layout = DraftLayout.build([r.draft_token_ids for r in reqs])
+        rows = [ends[i] - 1 - len(r.draft_token_ids) + j
+                for i, r in zip(sampling, reqs) for j in range(len(r.draft_token_ids) + 1)]
+        smeta, stensors = self._host_draft_sampling(reqs, eos_token_ids)
+        tensors = host.tensors | stensors | {"logits_rows": _i64(rows), "spec.rows": layout.rows,
+                                             "spec.drafts": layout.drafts}
+        dev = ship(tensors, self.device)  # the step's one host-to-device copy
+        hidden = self._forward(*self._device_inputs(dev, host, None))
+        logits = self.model.compute_logits(hidden[dev["logits_rows"]])  # [R, V]
+        out = self.sampler(logits, self._device_sampling(smeta, dev, None))
+        accepted = accept_drafts(out.sampled_token_ids, dev["spec.rows"], dev["spec.drafts"])  # [S]
+        copies = [out.sampled_token_ids, accepted]
+        if out.logprobs_token_ids is not None and out.logprobs is not None:
+            copies += [out.logprobs_token_ids, out.logprobs]
+        plain = {r: layout.starts[s] for s, r in enumerate(reqs) if not r.draft_token_ids}
+        return PendingStep(len(batch.requests), plain, sampling, [r.params.logprobs for r in reqs],
+                           out.sampled_token_ids, HostCopy(copies), layout.starts)
+
     @torch.inference_mode()
     def logits_for_all(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [T, vocab] of every scheduled token of a batch without tokens in flight (tests compare
@@ -309,6 +370,16 @@ class _HostInputs(NamedTuple):
     tensors: dict[str, Tensor]  # CPU tensors, shipped with the step's other inputs
     q_lens: list[int]
     seq_lens: list[int]
+
+
+def _top_logprobs(ids: list[int], vals: list[float], n: int) -> dict[int, float]:
+    """The sampled token's logprob and the top-n (one row of SamplerOutput's logprobs)."""
+    return dict(zip(ids[: n + 1], vals[: n + 1]))
+
+
+def _sampling_tensors(meta: SamplingMetadata) -> dict[str, Tensor]:
+    """The metadata's tensors, keyed "s.<field>" for the step's one shipped copy."""
+    return {f"s.{f.name}": getattr(meta, f.name) for f in fields(meta) if isinstance(getattr(meta, f.name), Tensor)}
 
 
 def _i64(vals: Sequence[int]) -> Tensor:

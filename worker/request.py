@@ -22,7 +22,13 @@ class Request:
     in launch order). `num_tokens` counts both: the scheduler plans with the in-flight ones. The first
     `num_computed_tokens` of them have their keys/values in the blocks `block_ids` (block j holds tokens
     j*block_size ..). A request is scheduled until `num_computed_tokens == num_tokens`; the step that
-    reaches it samples one token."""
+    reaches it samples one token.
+
+    Speculative decoding: `draft_token_ids` are proposed tokens that trail the known ones (only ever with no
+    token in flight and every known token but the last computed). `num_tokens` counts them, so the
+    scheduler's catch-up rule schedules them; the step that reaches the end verifies them and yields the
+    accepted drafts plus one token of the target's own (1 to k+1 tokens); the KV of rejected drafts is
+    then uncounted (`num_computed_tokens` falls back) and later writes overwrite it."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -32,6 +38,7 @@ class Request:
     priority: int = 0  # lower is served first under the "priority" policy
     token_ids: list[int] = field(default_factory=list)  # known tokens only
     num_inflight: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed, not yet verified
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full token blocks
@@ -52,8 +59,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        """Known and in-flight tokens."""
-        return len(self.token_ids) + self.num_inflight
+        """Known, in-flight and draft tokens."""
+        return len(self.token_ids) + self.num_inflight + len(self.draft_token_ids)
 
     @property
     def num_known_tokens(self) -> int:
@@ -66,7 +73,7 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        """Known and in-flight output tokens."""
+        """Known, in-flight and draft output tokens."""
         return self.num_tokens - self.num_prompt_tokens
 
     @property

@@ -6,12 +6,14 @@ A step's life: `schedule()`, the model runner reads the batch and launches it, `
 its tokens as computed and one more in-flight token for each request that samples, `commit()` appends
 the sampled tokens and applies the stop rules. With async scheduling the next `schedule()` runs between
 `begin_step` and `commit`, so it plans with the in-flight tokens (a decode of one reads its input on the
-device). Torch-free."""
+device). Speculative decoding rides on the same rule: a request's draft tokens count among its tokens, so
+the step that catches up computes and verifies them, and `commit()` takes the 1..k+1 tokens it yields.
+Torch-free."""
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from tokenmill.worker.block_manager import BlockManager, extend_block_hashes
@@ -65,6 +67,7 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
         req.num_inflight = 0  # a token still being sampled is discarded
+        req.draft_token_ids = []
         self.blocks.free(req)
 
     def has_unfinished(self) -> bool:
@@ -79,6 +82,7 @@ class Scheduler:
         self.running.remove(victim)
         self.blocks.free(victim)
         victim.num_computed_tokens = 0
+        victim.draft_token_ids = []
         victim.num_preemptions += 1
         victim.status = RequestStatus.PREEMPTED
         self.counters.preemptions += 1
@@ -110,9 +114,23 @@ class Scheduler:
         return req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= self.max_model_len
 
     def _chunk(self, req: Request, budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, self._max_chunk(budget))
+        limit = self._max_chunk(budget)
+        if req.draft_token_ids:
+            self._fit_drafts(req, limit)
+        n = min(req.num_tokens - req.num_computed_tokens, limit)
         assert n > 0, "a running request always has tokens to compute"
         return n
+
+    def _fit_drafts(self, req: Request, limit: int) -> None:
+        """Drafts are optional work: keep those that fit in `limit` tokens after the request's known tokens
+        and in the blocks it holds or can take while one block per running request stays available for its
+        next token. So a step that computes drafts also reaches the request's end and verifies them, and a
+        guess does not make a neighbour's decode preempt."""
+        known_left = req.num_tokens - len(req.draft_token_ids) - req.num_computed_tokens
+        spare = max(0, self.blocks.num_available - len(self.running))
+        room = (len(req.block_ids) + spare) * self.blocks.block_size - req.num_computed_tokens
+        keep = max(0, min(len(req.draft_token_ids), limit - known_left, room - known_left))
+        del req.draft_token_ids[keep:]
 
     def _max_chunk(self, budget: int) -> int:
         """Tokens one request may compute this step. The long-prefill cap cuts chunks, so it applies
@@ -186,35 +204,59 @@ class Scheduler:
                 req.num_inflight += 1
             req.num_computed_tokens += n
 
-    def commit(self, batch: ScheduledBatch, sampled: Iterable[int | None]) -> list[Request]:
-        """The step's tokens are in (None for a request that did not sample): append each, register full
-        computed blocks for prefix reuse and finish requests on EOS / stop ids / length. Returns the
-        requests that got a token. Steps commit in launch order, so a request's tokens land in order.
-        A request finished meanwhile (abort, a stop found one step late) is skipped: `finish` dropped
-        its in-flight tokens, so its token is discarded. A preempted one keeps its token."""
+    def commit(self, batch: ScheduledBatch, sampled: Iterable[int | Sequence[int] | None]) -> list[Request]:
+        """The step's tokens are in (None for a request that did not sample; for one that verified drafts,
+        the accepted drafts and the target's next token): append them, register full computed blocks for
+        prefix reuse and finish requests on EOS / stop ids / length (tokens after a stop are dropped).
+        Returns the requests that got tokens. Steps commit in launch order, so a request's tokens land in
+        order. A request finished meanwhile (abort, a stop found one step late) is skipped: `finish`
+        dropped its in-flight tokens, so its token is discarded. A preempted one keeps its token."""
         got_token: list[Request] = []
-        for req, token in zip(batch.requests, sampled):
+        for req, out in zip(batch.requests, sampled):
             if req.is_finished:
                 continue
-            if token is not None:
+            tokens = () if out is None else (out,) if isinstance(out, int) else out
+            if req.draft_token_ids:
+                self._settle_drafts(req, len(tokens) - 1)
+            else:
+                assert len(tokens) <= 1, f"{req.request_id}: several tokens from a step without drafts"
+            stop = None
+            if tokens:
                 assert req.num_inflight > 0, f"{req.request_id}: a token that no launched step was sampling"
-                req.token_ids.append(token)
                 req.num_inflight -= 1
+                for token in tokens:
+                    req.token_ids.append(token)
+                    stop = self._stop(req, token)
+                    if stop is not None:
+                        break
                 extend_block_hashes(req, self.blocks.block_size)
             self.blocks.cache_computed_blocks(req)
-            if token is not None:
+            if tokens:
                 got_token.append(req)
-                self._check_stop(req, token)
+                if stop is not None:
+                    self.finish(req, *stop)
         return got_token
 
-    def _check_stop(self, req: Request, token: int) -> None:
+    def _settle_drafts(self, req: Request, accepted: int) -> None:
+        """The step verified `req`'s drafts and accepted the first `accepted`: uncount the KV computed for
+        the rejected ones (their slots are overwritten by later writes), give back the blocks only they
+        needed (the block table keeps what the accepted tokens and the next one need) and drop the drafts."""
+        assert 0 <= accepted <= len(req.draft_token_ids), f"{req.request_id}: {accepted} drafts accepted"
+        self.counters.draft_tokens += len(req.draft_token_ids)
+        self.counters.accepted_draft_tokens += accepted
+        req.num_computed_tokens -= len(req.draft_token_ids) - accepted
+        req.draft_token_ids = []
+        self.blocks.release_tail(req, req.num_computed_tokens + 1)
+
+    def _stop(self, req: Request, token: int) -> tuple[str, str | int | None] | None:
+        """(finish reason, stop reason) if `token`, just appended, ends the request."""
         p = req.params
         n_out = req.num_known_tokens - req.num_prompt_tokens
         if n_out >= p.min_tokens:
             if token in p.stop_token_ids:
-                return self.finish(req, "stop", token)
+                return "stop", token
             if not p.ignore_eos and token in self.eos_token_ids:
-                return self.finish(req, "stop", None)
+                return "stop", None
         if n_out >= p.max_tokens or req.num_known_tokens >= self.max_model_len:
-            self.finish(req, "length")
+            return "length", None
         return None

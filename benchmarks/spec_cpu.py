@@ -1,0 +1,163 @@
+"""CPU benchmark of n-gram (prompt lookup) speculative decoding at batch 1 on the embedded model (issue 17).
+
+One engine with `--speculative ngram` and prefix caching off; each request runs twice, once with
+`num_speculative_tokens=0` (plain decoding) and once with k drafts per step, in alternating order, one
+request at a time (batch 1), greedy, up to --max-tokens tokens or EOS. Both runs yield the same tokens
+(checked): the speed-up is the ratio of their wall times. Two workloads of ShareGPT human turns: `chat`
+(the turn through the chat template) and `copy` (a completion prompt asking for the turn again: prompt
+lookup's good case, output copying input; see `workload_text`). Also recorded: drafts accepted per verify step,
+and the time of a decode step against a verify step (the host times a step synchronously on the CPU).
+
+    python -m tokenmill.benchmarks.spec_cpu --out benchmarks/results/cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenmill.benchmarks import summary
+from tokenmill.benchmarks.common import write_results
+from tokenmill.benchmarks.datasets import sharegpt_pairs
+from tokenmill.protocol.sampling import SamplingParams
+from tokenmill.worker.config import CacheConfig, EngineConfig, SpeculativeConfig
+from tokenmill.worker.engine import LLMEngine, StepRecord
+from tokenmill.worker.registry_fetch import sharegpt_path
+
+WORKLOADS = ("chat", "copy")
+
+
+def workload_text(engine: LLMEngine, workload: str, turn: str) -> tuple[str, bool]:
+    """(prompt text, whether it is already templated). `chat`: the turn through the chat template. `copy`:
+    a raw completion prompt, the turn, then "The text above, repeated word for word:" and its first six
+    words (SmolLM2-135M-Instruct does not follow a "repeat this" instruction through its chat template: it
+    answers the text; as a completion it copies it)."""
+    if workload == "chat":
+        return engine.tokenizer.apply_chat_template([{"role": "user", "content": turn}]), True
+    return f"{turn}\n\nThe text above, repeated word for word:\n\n{' '.join(turn.split()[:6])}", False
+
+
+def prompts(engine: LLMEngine, workload: str, n: int, max_prompt: int) -> list[list[int]]:
+    out = []
+    for human, _ in sharegpt_pairs(sharegpt_path()):
+        text, templated = workload_text(engine, workload, human)
+        ids = engine.tokenizer.encode(text, add_special_tokens=not templated)
+        if 16 <= len(ids) <= max_prompt:
+            out.append(ids)
+        if len(out) == n:
+            return out
+    raise RuntimeError("not enough ShareGPT prompts")
+
+
+class StepLog:
+    """Step observer: the host time of each step (synchronous on the CPU: the whole step) by its width."""
+
+    def __init__(self) -> None:
+        self.decode_s: list[float] = []  # one request computing one token
+        self.verify_s: dict[int, list[float]] = {}  # tokens scored (1 + drafts) -> times
+        self.steps = 0
+
+    def __call__(self, rec: StepRecord) -> None:
+        self.steps += 1
+        (req,), (n,) = rec.batch.requests, rec.batch.num_new_tokens
+        if req.num_computed_tokens < req.num_prompt_tokens:
+            return  # the prefill
+        if req.draft_token_ids:
+            self.verify_s.setdefault(n, []).append(rec.launch_s)
+        else:
+            self.decode_s.append(rec.launch_s)
+
+
+def timed(engine: LLMEngine, ids: list[int], params: SamplingParams) -> tuple[float, list[int]]:
+    start = time.perf_counter()
+    (out,) = engine.generate([ids], params)
+    return time.perf_counter() - start, out.token_ids
+
+
+def run_workload(engine: LLMEngine, reqs: list[list[int]], k: int, max_tokens: int) -> dict[str, Any]:
+    plain_p = SamplingParams(temperature=0.0, max_tokens=max_tokens, num_speculative_tokens=0)
+    spec_p = SamplingParams(temperature=0.0, max_tokens=max_tokens, num_speculative_tokens=k)
+    c = engine.counters
+    log = StepLog()
+    engine.step_observer = log
+    plain_s = spec_s = 0.0
+    tokens = drafted = accepted = spec_steps = 0
+    for i, ids in enumerate(reqs):
+        order = (False, True) if i % 2 == 0 else (True, False)
+        got: dict[bool, list[int]] = {}
+        for spec in order:
+            d0, a0, s0 = c.draft_tokens, c.accepted_draft_tokens, log.steps
+            elapsed, got[spec] = timed(engine, ids, spec_p if spec else plain_p)
+            if spec:
+                spec_s += elapsed
+                drafted, accepted = drafted + c.draft_tokens - d0, accepted + c.accepted_draft_tokens - a0
+                spec_steps += log.steps - s0
+            else:
+                plain_s += elapsed
+        assert got[True] == got[False], f"request {i}: speculation changed the greedy output"
+        tokens += len(got[False])
+    engine.step_observer = None
+    verify = {n: statistics.median(ts) for n, ts in sorted(log.verify_s.items())}
+    decode = statistics.median(log.decode_s)
+    return {
+        "requests": len(reqs), "output_tokens": tokens, "k": k,
+        "plain_s": plain_s, "spec_s": spec_s, "speedup": plain_s / spec_s,
+        "plain_tok_s": tokens / plain_s, "spec_tok_s": tokens / spec_s,
+        "draft_tokens": drafted, "accepted_draft_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        # after the prefill (one token per request): tokens per decode or verify step, tau
+        "tokens_per_spec_step": (tokens - len(reqs)) / (spec_steps - len(reqs)),
+        "decode_step_ms_p50": decode * 1e3,
+        "verify_step_ms_p50": {str(n): t * 1e3 for n, t in verify.items()},
+        "verify_step_cost_vs_decode": {str(n): t / decode for n, t in verify.items()},
+    }
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    rows = ["| workload | k | requests | output tokens | plain tok/s | ngram tok/s | speed-up | drafts accepted | "
+            "tokens / step | decode step p50 | verify step p50 (tokens scored: ms, x decode) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        verify = ", ".join(f"{n}: {ms:.1f} ms ({r['verify_step_cost_vs_decode'][n]:.2f}x)"
+                           for n, ms in r["verify_step_ms_p50"].items())
+        rows.append(f"| {name.split('_k')[0]} | {r['k']} | {r['requests']} | {r['output_tokens']} | "
+                    f"{r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | "
+                    f"{r['acceptance_rate']:.0%} | {r['tokens_per_spec_step']:.2f} | "
+                    f"{r['decode_step_ms_p50']:.1f} ms | {verify} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu"))
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt", type=int, default=384)
+    ap.add_argument("--k", type=int, nargs="+", default=[3], help="draft tokens per step (one run each)")
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", cache=CacheConfig(enable_prefix_caching=False),
+                                    speculative=SpeculativeConfig(method="ngram")))
+    timed(engine, [1, 2, 3, 1, 2], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+    load = os.getloadavg()
+    results = {f"{w}_k{k}": run_workload(engine, prompts(engine, w, args.requests, args.max_prompt), k,
+                                        args.max_tokens)
+               for w in args.workloads for k in args.k}
+    payload = {"benchmark": "spec_cpu", "config": vars(args) | {"out": str(args.out)},
+               "torch_threads": torch.get_num_threads(),
+               "load_average_before_after": [load, os.getloadavg()], "results": results}
+    write_results(args.out, "spec_cpu", payload, table(results))
+    print("summary.json:", summary.record_file(args.out / "spec_cpu.json"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""The draft-proposer interface, and how many drafts a request may take in a step."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from tokenmill.worker.request import Request
+
+
+class DraftProposer(ABC):
+    """Proposes draft tokens to follow each request's known tokens. A proposer is deterministic (the
+    drafts are a function of the request's tokens): the verifier relies on that (q is a point mass)."""
+
+    name: str
+
+    @abstractmethod
+    def propose(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> list[list[int]]:
+        """Per request, at most `num_drafts[i]` (>= 1) tokens to follow `requests[i].token_ids`; [] for none."""
+
+
+def draft_budget(req: Request, k: int, max_model_len: int) -> int:
+    """Drafts `req` may verify in its next step: at most `k`, and few enough that every token the step can
+    yield (the accepted drafts and one more) is still within max_tokens and the model's context. 0 unless
+    the request is decoding: no token in flight and every known token but the last computed."""
+    if req.num_inflight or req.num_computed_tokens != req.num_known_tokens - 1:
+        return 0
+    outputs_left = req.params.max_tokens - (req.num_known_tokens - req.num_prompt_tokens)
+    return max(0, min(k, outputs_left - 1, max_model_len - req.num_known_tokens - 1))

@@ -59,7 +59,7 @@ def register(sub: Any) -> None:
                         "Public keys of all but 'broker' are also copied to DIR/allowed/ (the broker's "
                         "--curve-allow), where each is admitted only on the socket of its role")
     g.add_argument("--worker", action="append", default=[], metavar="NAME",
-                   help="a key pair with the worker role, whatever its name (repeatable)")
+                   help="a key pair with the worker role, whatever its name (repeatable; default: none)")
     g.set_defaults(func=cmd_keys_generate)
 
 

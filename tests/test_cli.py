@@ -49,7 +49,8 @@ def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_every_sampling_parameter_is_a_flag_of_generate_and_chat() -> None:
-    settable = {f.name for f in fields(SamplingParams)} - {"logprobs", "extra"}  # output detail, gateway-only
+    # logprobs, extra: output detail, gateway-only; num_speculative_tokens: the engine's --num-speculative-tokens
+    settable = {f.name for f in fields(SamplingParams)} - {"logprobs", "extra", "num_speculative_tokens"}
     assert {f.name for f in FLAGS} == settable
     argv = ["--max-tokens", "7", "--min-tokens", "2", "--temperature", "0.3", "--top-p", "0.8", "--top-k", "5",
             "--min-p", "0.05", "--repetition-penalty", "1.2", "--presence-penalty", "0.5", "--frequency-penalty",

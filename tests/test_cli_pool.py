@@ -175,7 +175,7 @@ def test_broker_drain_says_what_it_waits_for_and_a_second_ctrl_c_stops_it(tmp_pa
                  env={"TOKENMILL_FAKE_STEP_S": "0.05"})
         with Client(addr(front)) as c:
             wait_workers(c, 1)
-            job = c.submit("a long one", model="fake", max_tokens=3000)  # 150 s at 20 tokens/s (under max_model_len 4096)
+            job = c.submit("a long one", model="fake", max_tokens=3000)  # 150 s at 20 tok/s; < max_model_len 4096
             wait_until(lambda: c.stats()["active_jobs"] == 1, 10, 0.05, "the job running")
             broker.send_signal(signal.SIGINT)
             wait_until(lambda: "draining" in ps.logs[0].read_text(), 10, 0.05, "the drain message")

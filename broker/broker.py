@@ -18,6 +18,7 @@ The parts, each with its own invariants (and tests without sockets):
     fanout.Fanout          the one path of a TOKENS batch to the logs and the subscribers
     counters.Counters      what STATS counts
     gcpacer.GcPacer        full GC collections at idle moments
+    observer.BrokerObserver  hooks on the loop's events, for tracing (benchmarks/broker_bench.py)
 This module wires them: it decodes messages and carries out a job's life (accept, dispatch, migrate,
 finish). Nothing a peer sends can stop the loop: every message is decoded strictly (ProtocolError ->
 dropped and counted, a FAIL "protocol" answer to clients), sends never block, and a send that fails

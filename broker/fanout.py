@@ -75,6 +75,7 @@ class Fanout:
         self.jobs = jobs
         self.clients = clients
         self.counters = counters
+        self._batches = 0  # batches relayed (their numbers mark the jobs seen in each: Job.relay_batch)
 
     def relay(self, worker: bytes, attempts: Sequence[Any], entries: Sequence[Any], body: bytes | None = None,
               offset: int = 0) -> bool:
@@ -96,6 +97,7 @@ class Fanout:
         client: bytes | None = None  # the one client the whole batch can be forwarded to, while `forwardable`
         forwardable = plain
         stale = stale_tokens = 0
+        self._batches = batch = self._batches + 1
         try:
             for attempt, (job_id, seq, token_ids, text, logprobs) in zip(attempts, entries):
                 if plain and not (type(attempt) is int and plain_entry(job_id, seq, token_ids, text, logprobs)):
@@ -113,9 +115,13 @@ class Fanout:
                 add(job)
                 if forwardable:  # is this chunk its job's next one, for its one subscriber, who has all others?
                     subs = job.subscribers
-                    if seq != job.num_tokens or len(subs) != 1:
+                    # (A job twice in a batch: its second chunk is judged with the first one in the log, so
+                    # such a batch is not forwarded. Its second chunk repeats the first one's position, which
+                    # only an empty first chunk makes valid. A mark on the job, not a set: nothing allocated.)
+                    if seq != job.num_tokens or len(subs) != 1 or job.relay_batch == batch:
                         forwardable = False
                         continue
+                    job.relay_batch = batch
                     if client is None:
                         client = next(iter(subs))
                     forwardable = subs.get(client) == len(job.ends)
@@ -124,10 +130,7 @@ class Fanout:
         if stale:
             self.counters["stale_messages_dropped"] += stale
             self.counters["stale_tokens_dropped"] += stale_tokens
-        # A job twice in a batch: its second chunk is judged with the first one in the log, so such a batch
-        # is not forwarded (its second chunk repeats the first one's position, which only an empty first
-        # chunk makes valid).
-        if forwardable and client is not None and len(set(current)) == len(current):
+        if forwardable and client is not None:
             assert body is not None
             self._forward(client, current, entries, body[offset:])  # type: ignore[arg-type]
         else:

@@ -62,6 +62,7 @@ class Job:
     subscribers: dict[bytes, int] = field(default_factory=dict)
     terminal: Done | Fail | None = None
     finished_at: float = 0.0
+    relay_batch: int = 0  # number of the last TOKENS batch Fanout.relay saw this job in (a job twice in one)
 
     @property
     def is_terminal(self) -> bool:

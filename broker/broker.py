@@ -22,6 +22,7 @@ The parts, each with its own invariants (and tests without sockets):
     blame                  whom a worker's death is charged to (the migration limit)
     budget.Budget          per-client bounds on answers a client may leave unread
     memory.trim_heap       freed heap handed back at idle moments
+    observer.BrokerObserver  hooks on the loop's events, for tracing (benchmarks/broker_bench.py)
 This module wires them: it decodes messages and carries out a job's life (accept, dispatch, migrate,
 finish). Nothing a peer sends can stop the loop: every message is decoded strictly (ProtocolError ->
 dropped and counted, a FAIL "protocol" answer to clients), sends never block, and a send that fails

@@ -6,7 +6,7 @@ A key appears once its event first happens. The keys (docs/protocol.md names the
   cancels, disconnect_cancels, deadline_expired, queue_timeouts, migrations, migration_limit_failures,
   subscribes; refused submits: rejected_draining, rejected_invalid, rejected_overloaded,
   rejected_conflict; forbidden (a CANCEL or SUBSCRIBE of another owner's job)
-- relay: tokens_in (admitted into token logs), tokens_out (sent to subscribers), batches_forwarded
+- relay: tokens_in (stored in token logs), tokens_out (sent to subscribers), batches_forwarded
   (TOKENS batches sent on as they came), client_send_blocked (a client's queue was full)
 - dropped input: malformed_client_messages, oversized_frames, malformed_worker_messages,
   stale_messages_dropped and stale_tokens_dropped (output of an attempt that no longer runs there),

@@ -7,17 +7,18 @@ shape on the way (protocol.plain_entry), refusing the batch, with nothing change
 that fails (the caller then decodes it strictly). Then, for each chunk in order:
 1. it counts only if the sending worker runs its job's current attempt (Job.runs); otherwise it is
    stale: dropped (stale_messages_dropped, stale_tokens_dropped);
-2. it must start where its job's log ends, with the batch's earlier chunks in it (Job.admit); otherwise
+2. it must start where its job's log ends, with the batch's earlier chunks in it; otherwise
    it is dropped (seq_mismatch): the log never gets a gap or a duplicate;
-3. an admitted chunk is stored in the log and sent to each subscriber whose cursor reaches it. A send that
-   went out moves the client's cursors past what it carried; one that did not (a full queue) leaves them,
-   and the jobs are `lagging`: `flush` resends from the cursors on the next tick. Nothing is lost;
+3. a stored chunk goes to each subscriber whose cursor reaches it. A send that went out moves the
+   client's cursors past what it carried; one that did not (a full queue) leaves them, and the jobs are
+   `lagging`: `flush` resends from the cursors on the next tick. Nothing is lost;
 4. a subscriber gets a job's terminal reply once it has every chunk; then its subscription ends.
 
 Two fast cases of rule 3 change only how much work comes before a send:
-- forward: every chunk of a plain batch admitted, each chunk its job's one subscriber's, the same client
-  for all, who has every earlier chunk (one client streaming its jobs). The entries as the worker
-  encoded them then are that client's STREAM body: they are sent first, and stored after;
+- forward: a plain batch whose every chunk rule 2 will store (each its job's next one, no job twice),
+  each chunk its job's one subscriber's, the same client for all, who has every earlier chunk (one
+  client streaming its jobs). The entries as the worker encoded them then are that client's STREAM
+  body: they are sent first, and stored after;
 - direct: a job whose one subscriber has every earlier chunk gets the entry just stored added to that
   client's STREAM body, without reading the log back.
 Other jobs go through `flush`, after those sends; it reads the cursors as they are then (a send that
@@ -44,14 +45,6 @@ log = structlog.get_logger("tokenmill.broker")
 
 STREAM_HEAD = [p.HEADER, bytes((p.Cmd.STREAM,))]
 _array_header = msgpack.Packer(use_bin_type=True).pack_array_header
-
-
-def _undo(admitted: list[Job | None], entries: Sequence[Any]) -> None:
-    """Undo the admission of the chunks entries[:len(admitted)]: latest first, each admitted chunk's job
-    gets its log end back (the chunk's seq: where the log ended when it was admitted)."""
-    for i in range(len(admitted) - 1, -1, -1):
-        if (job := admitted[i]) is not None:
-            job.num_tokens = entries[i][1]
 
 
 class _Body:
@@ -82,6 +75,7 @@ class Fanout:
         self.jobs = jobs
         self.clients = clients
         self.counters = counters
+        self._batches = 0  # batches relayed (their numbers mark the jobs seen in each: Job.relay_batch)
 
     def relay(self, worker: bytes, attempts: Sequence[Any], entries: Sequence[Any], body: bytes | None = None,
               offset: int = 0) -> bool:
@@ -92,24 +86,24 @@ class Fanout:
         not, nothing changes and this returns False (the caller decodes the batch strictly, which says
         what is wrong, and relays it if it is valid). True once relayed.
 
-        One loop applies rules 1 and 2 to every chunk (and, for a plain batch, checks its shape first);
-        it notes whether the batch can be forwarded and to whom. Only then does anything go out."""
+        A first loop checks each chunk's shape, applies rule 1 and notes whether the batch can be
+        forwarded and to whom; it changes nothing. Then the chunks are sent and stored."""
         plain = body is not None
         if plain and (type(attempts) is not list or type(entries) is not list or len(attempts) != len(entries)):
             return False
         get, running, max_attempt = self.jobs.get, JobState.RUNNING, p.MAX_ATTEMPT
-        admitted: list[Job | None] = []  # per chunk: its job if admitted, else None (dropped)
-        add = admitted.append
+        current: list[Job | None] = []  # per chunk: its job if the chunk is current (rule 1), else None
+        add = current.append
         client: bytes | None = None  # the one client the whole batch can be forwarded to, while `forwardable`
         forwardable = plain
-        tokens = stale = stale_tokens = 0
-        mismatches: list[tuple[str, int, int]] = []  # counted (and logged) once the batch is known valid
+        stale = stale_tokens = 0
+        self._batches = batch = self._batches + 1
         try:
             for attempt, (job_id, seq, token_ids, text, logprobs) in zip(attempts, entries):
                 if plain and not (type(attempt) is int and plain_entry(job_id, seq, token_ids, text, logprobs)):
                     raise ValueError("not a plain chunk")
                 job = get(job_id)
-                # Job.runs and Job.admit, inlined: this loop is the relay's hot path.
+                # Job.runs, inlined: this loop is the relay's hot path.
                 if job is None or job.state is not running or job.worker != worker or job.attempt != attempt:
                     if plain and not 0 <= attempt <= max_attempt:  # (a current attempt is in range)
                         raise ValueError("attempt out of range")
@@ -118,80 +112,79 @@ class Fanout:
                     add(None)
                     forwardable = False
                     continue
-                if seq != job.num_tokens:
-                    mismatches.append((job_id, seq, job.num_tokens))
-                    add(None)
-                    forwardable = False
-                    continue
-                n = len(token_ids)
-                job.num_tokens = seq + n
-                tokens += n
                 add(job)
-                if forwardable:
+                if forwardable:  # is this chunk its job's next one, for its one subscriber, who has all others?
                     subs = job.subscribers
-                    if len(subs) != 1:
+                    # (A job twice in a batch: its second chunk is judged with the first one in the log, so
+                    # such a batch is not forwarded. Its second chunk repeats the first one's position, which
+                    # only an empty first chunk makes valid. A mark on the job, not a set: nothing allocated.)
+                    if seq != job.num_tokens or len(subs) != 1 or job.relay_batch == batch:
                         forwardable = False
                         continue
+                    job.relay_batch = batch
                     if client is None:
                         client = next(iter(subs))
-                    # the one subscriber is `client`, and it has every stored chunk (a job twice in the
-                    # batch: both chunks go out in this body, in order)
                     forwardable = subs.get(client) == len(job.ends)
         except (TypeError, ValueError):  # (plain only) an entry that is no plain array of 5: unpacking
-            _undo(admitted, entries)  # fails, or (a string or map of 5) the type tests
-            return False
-        if forwardable and client is not None:  # (then every chunk was admitted: no None in `admitted`)
-            assert body is not None
-            self._forward(client, admitted, entries, body[offset:], tokens)  # type: ignore[arg-type]
-        else:
-            self._store_and_send(admitted, entries)
-        self.counters["tokens_in"] += tokens
-        if stale or mismatches:
-            self._count_dropped(stale, stale_tokens, mismatches)
-        return True
-
-    def _count_dropped(self, stale: int, stale_tokens: int, mismatches: list[tuple[str, int, int]]) -> None:
+            return False  # fails, or (a string or map of 5) the type tests
         if stale:
             self.counters["stale_messages_dropped"] += stale
             self.counters["stale_tokens_dropped"] += stale_tokens
-        for job_id, got, expected in mismatches:
-            self.counters["seq_mismatch"] += 1
-            log.warning("seq_mismatch", job=job_id, got=got, expected=expected)
+        if forwardable and client is not None:
+            assert body is not None
+            self._forward(client, current, entries, body[offset:])  # type: ignore[arg-type]
+        else:
+            self._store_and_send(current, entries)
+        return True
 
-    def _forward(self, cid: bytes, admitted: list[Job], entries: Sequence[list[Any]], stream_body: bytes,
-                 tokens: int) -> None:
-        """The forward case: send the body as it came, then store the chunks."""
+    def _forward(self, cid: bytes, current: list[Job], entries: Sequence[Any], stream_body: bytes) -> None:
+        """The forward case: send the body as it came, then store the chunks (rule 2 holds for each: that
+        was a condition of this case)."""
         error: zmq.ZMQError | None = None
         try:
             status = self.clients.send_raw(cid, [*STREAM_HEAD, stream_body])
         except zmq.ZMQError as e:  # neither a full queue nor a gone peer: re-raised once the chunks are stored
             status, error = Sent.BLOCKED, e
-        for job, entry in zip(admitted, entries):
+        tokens = 0
+        for job, entry in zip(current, entries):
             job.store(entry)
+            tokens += len(entry[2])
+        self.counters["tokens_in"] += tokens
         self.counters["batches_forwarded"] += 1
-        self._delivered(cid, status, admitted, repeat(1), tokens)
+        self._delivered(cid, status, current, repeat(1), tokens)
         if error is not None:
             raise error
 
-    def _store_and_send(self, admitted: list[Job | None], entries: Sequence[list[Any]]) -> None:
-        """Store each admitted chunk; send the direct ones (one body per client), then flush the rest."""
+    def _store_and_send(self, current: list[Job | None], entries: Sequence[Any]) -> None:
+        """Rule 2, chunk by chunk: store each current chunk that starts where its job's log ends (else drop
+        it). Then rule 3: the direct chunks (a job whose one subscriber has every earlier chunk) go out in
+        one body per client, and the other jobs with subscribers are flushed."""
         bodies: dict[bytes, _Body] = {}
         rest: list[Job] = []
-        for job, entry in zip(admitted, entries):
+        tokens = 0
+        for job, entry in zip(current, entries):
             if job is None:
+                continue
+            seq = entry[1]
+            if seq != job.num_tokens:
+                self.counters["seq_mismatch"] += 1
+                log.warning("seq_mismatch", job=job.job_id, got=seq, expected=job.num_tokens)
                 continue
             index = len(job.ends)
             encoded = job.store(entry)
+            n = len(entry[2])
+            tokens += n
             subs = job.subscribers
             if len(subs) == 1:
                 [(cid, cursor)] = subs.items()
                 if cursor == index:  # the direct case
                     if (body := bodies.get(cid)) is None:
                         body = bodies[cid] = _Body()
-                    body.add(job, encoded, 1, len(entry[2]))
+                    body.add(job, encoded, 1, n)
                     continue
             if subs:
                 rest.append(job)
+        self.counters["tokens_in"] += tokens
         for cid, body in bodies.items():
             self._send(cid, body)
         if rest:

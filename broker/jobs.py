@@ -4,10 +4,8 @@ Invariants of a Job:
 - The token log is the job's STREAM entries [job_id, seq, token_ids, text, logprobs], each msgpack-encoded
   once on arrival and stored back to back in `log` (entry i ends at byte `ends[i]`; its first token is
   output position `seqs[i]`), in order and gap-free: seqs[i+1] == seqs[i] + len(token_ids of entry i).
-- `num_tokens` is the output position the next chunk must start at. A chunk is first admitted
-  (`admit`: it starts there; num_tokens moves past it), then stored (`store`). Fanout.relay admits a
-  batch's chunks and stores every admitted one before it returns, so everywhere else the log ends at
-  num_tokens. Relaying copies the stored bytes into a STREAM body; nothing is re-encoded, and the log
+  `num_tokens` is the end of the last one: where the next chunk must start (`store` appends only
+  such a chunk). Relaying copies the stored bytes into a STREAM body; nothing is re-encoded, and the log
   holds no Python object per chunk (so the cyclic GC never walks it).
 - `subscribers` maps a client routing id to its cursor: the index of the next chunk that client has not
   been sent; a subscriber leaves once it has been sent every chunk and the terminal reply.
@@ -21,7 +19,7 @@ from __future__ import annotations
 import enum
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +64,7 @@ class Job:
     subscribers: dict[bytes, int] = field(default_factory=dict)
     terminal: Done | Fail | None = None
     finished_at: float = 0.0
+    relay_batch: int = 0  # number of the last TOKENS batch Fanout.relay saw this job in (a job twice in one)
 
     @property
     def is_terminal(self) -> bool:
@@ -79,27 +78,20 @@ class Job:
         """Whether `worker` runs this job's current attempt `attempt` (its output counts; else stale)."""
         return self.state is JobState.RUNNING and self.worker == worker and self.attempt == attempt
 
-    def admit(self, seq: int, n_tokens: int) -> bool:
-        """Admit a chunk of `n_tokens` tokens at output position `seq` if it starts where the log ends
-        (never a gap or a duplicate); the caller then stores it. False (nothing changed) otherwise."""
-        if seq != self.num_tokens:
-            return False
-        self.num_tokens = seq + n_tokens
-        return True
-
-    def store(self, entry: list[Any]) -> bytes:
-        """Store an admitted chunk, given as its (validated) STREAM entry [job_id, seq, token_ids, text,
-        logprobs], at the end of the log; returns its encoding."""
+    def store(self, entry: Sequence[Any]) -> bytes:
+        """Append a chunk given as its (validated) STREAM entry [job_id, seq, token_ids, text, logprobs]
+        whose seq is num_tokens (the caller checked: never a gap or a duplicate); returns its encoding."""
         encoded: bytes = _pack(entry)
         log = self.log
         log += encoded  # in place
         self.ends.append(len(log))
         self.seqs.append(entry[1])
+        self.num_tokens = entry[1] + len(entry[2])
         return encoded
 
     def append(self, seq: int, token_ids: list[int], text: str, logprobs: Any) -> bytes:
-        """Admit and store one chunk (raises ValueError if it does not start where the log ends)."""
-        if not self.admit(seq, len(token_ids)):
+        """Store one chunk (ValueError if it does not start where the log ends)."""
+        if seq != self.num_tokens:
             raise ValueError(f"chunk at {seq}: the log of {self.job_id!r} ends at {self.num_tokens}")
         return self.store([self.job_id, seq, token_ids, text, logprobs])
 

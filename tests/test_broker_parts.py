@@ -207,19 +207,18 @@ def test_client_table_lagging_jobs_are_taken_once() -> None:
 # ---- the job log and the job table ---------------------------------------------------------------
 
 
-def test_job_log_admits_only_the_next_chunk() -> None:
+def test_job_log_takes_only_the_next_chunk() -> None:
     job = make_job("j")
-    assert job.admit(0, 2) and job.num_tokens == 2 and job.num_chunks == 0  # admitted, not yet stored
-    job.store(["j", 0, [5, 6], "ab", None])
-    assert not job.admit(0, 1) and not job.admit(3, 1) and job.num_tokens == 2  # a duplicate, a gap
-    assert job.admit(2, 0) and job.admit(2, 1)  # an empty chunk, then one at the same position
-    job.store(["j", 2, [], "", None])
-    job.store(["j", 2, [7], "c", None])
+    job.append(0, [5, 6], "ab", None)
+    for seq in (0, 3):  # a duplicate, a gap
+        with pytest.raises(ValueError, match="ends at 2"):
+            job.append(seq, [1], "", None)
+    job.append(2, [], "", None)  # an empty chunk, then one at the same position
+    job.append(2, [7], "c", None)
     assert job.chunks() == [["j", 0, [5, 6], "ab", None], ["j", 2, [], "", None], ["j", 2, [7], "c", None]]
-    assert job.tokens == [5, 6, 7] and job.tokens_from(1) == 1
-    with pytest.raises(ValueError, match="ends at 3"):
-        job.append(5, [1], "", None)
-    assert job.num_tokens == 3
+    assert job.tokens == [5, 6, 7] and job.num_tokens == 3 and job.tokens_from(1) == 1
+    assert job.store(("j", 3, [8], "d", None)) == msgpack.packb(["j", 3, [8], "d", None])  # a tuple entry
+    assert job.num_tokens == 4 and job.num_chunks == 4
 
 
 def test_job_runs_only_its_current_attempt_on_its_worker() -> None:
@@ -514,16 +513,19 @@ def test_fanout_drops_stale_and_out_of_place_chunks() -> None:
 
 def test_fanout_judges_a_job_twice_in_a_batch_with_its_first_chunk_in_the_log() -> None:
     """The second chunk of a job in one batch must start where the first ends: a repeat of the first's
-    position is a duplicate (dropped, even though the batch could otherwise be forwarded whole)."""
-    f = _Fan("a")
-    f.sub(b"c", "a")
-    assert f.plain([("a", 0, [1]), ("a", 1, [2])])  # both next: forwarded as one body
-    assert f.counters["batches_forwarded"] == 1 and f.streamed(b"c") == [("a", 0, [1]), ("a", 1, [2])]
+    position is a duplicate, dropped (such a batch is never forwarded as it came, though each of its
+    chunks may be its job's next one before the batch is stored)."""
+    f = _Fan("a", "b")
+    f.sub(b"c", "a", "b")
+    assert f.plain([("a", 0, [1]), ("b", 0, [9]), ("a", 1, [2])])  # all valid: relayed, each once, in order
+    assert f.streamed(b"c") == [("a", 0, [1]), ("b", 0, [9]), ("a", 1, [2])] and f.jobs["a"].tokens == [1, 2]
     assert f.plain([("a", 2, [3]), ("a", 2, [4])])  # a duplicate
-    assert f.counters["seq_mismatch"] == 1 and f.counters["batches_forwarded"] == 1
-    assert f.streamed(b"c")[2:] == [("a", 2, [3])] and f.jobs["a"].tokens == [1, 2, 3]
+    assert f.counters["seq_mismatch"] == 1 and f.counters["batches_forwarded"] == 0
+    assert f.streamed(b"c")[3:] == [("a", 2, [3])] and f.jobs["a"].tokens == [1, 2, 3]
     assert f.plain([("a", 3, []), ("a", 3, [5])])  # an empty chunk, then one at the same position
-    assert f.jobs["a"].tokens == [1, 2, 3, 5] and f.streamed(b"c")[3:] == [("a", 3, []), ("a", 3, [5])]
+    assert f.jobs["a"].tokens == [1, 2, 3, 5] and f.streamed(b"c")[4:] == [("a", 3, []), ("a", 3, [5])]
+    assert f.plain([("a", 4, [6]), ("b", 1, [7])])  # no job twice: forwarded again
+    assert f.counters["batches_forwarded"] == 1 and f.counters["tokens_in"] == f.counters["tokens_out"] == 7
 
 
 def test_fanout_refuses_a_body_that_is_not_plain_without_changing_anything() -> None:

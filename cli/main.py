@@ -13,7 +13,7 @@ from tokenmill.cli.settings import SettingError, SettingsParser
 # Each module has `register(subparsers) -> None`; commands set `func(args) -> int` as their default.
 COMMAND_MODULES = ("tokenmill.cli.engine_cmds", "tokenmill.cli.serve", "tokenmill.cli.gateway_cmds",
                    "tokenmill.cli.models_cmds", "tokenmill.cli.bench",
-                   "tokenmill.cli.quantize")
+                   "tokenmill.cli.quantize", "tokenmill.cli.train_eagle")
 
 
 def version() -> str:

@@ -1,0 +1,112 @@
+"""`tokenmill train-eagle`: train an EAGLE-1 draft head for a model (worker/spec/eagle_train.py).
+
+    tokenmill train-eagle --model embedded --data sharegpt --out heads/smollm2 --steps 2000
+    tokenmill train-eagle --model /models/llama --data chats.jsonl --out heads/llama --device cuda
+
+--data is `sharegpt` (the ShareGPT wheel of the package registry: each first human turn and its reply
+through the model's chat template) or a JSON-lines file, one object per line with "token_ids" (a list
+of ints) or "text". The last --heldout sequences are held out (none of them is trained on). The head, its
+config and the training summary go to --out (model.safetensors, eagle_config.json)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("train-eagle", help="train an EAGLE-1 draft head for a model",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="embedded", help="HF folder, .gguf file, or 'embedded'")
+    p.add_argument("--load-format", default="auto", choices=["auto", "hf", "gguf", "dummy"])
+    p.add_argument("--data", default="sharegpt", help="'sharegpt' or a JSON-lines file (token_ids or text)")
+    p.add_argument("--out", required=True, type=Path, help="folder for the head")
+    p.add_argument("--num-sequences", type=int, default=2000, help="sequences to read (held-out ones included)")
+    p.add_argument("--heldout", type=int, default=64, help="sequences held out for the agreement measure")
+    p.add_argument("--max-len", type=int, default=512, help="tokens per sequence at most (longer ones are cut)")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-sequences", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--cls-weight", type=float, default=0.1, help="weight of the token cross-entropy")
+    p.add_argument("--noise", type=float, default=0.1, help="half-width of the uniform noise on input features")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="torch device (auto: cuda if available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="the target's dtype (the head trains in float32)")
+    p.set_defaults(func=cmd_train_eagle)
+
+
+def cmd_train_eagle(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
+    from tokenmill.worker.engine import LLMEngine
+    from tokenmill.worker.spec.eagle_train import EagleTrainConfig, train
+
+    try:
+        config = EagleTrainConfig(steps=args.steps, batch_sequences=args.batch_sequences, lr=args.lr,
+                                  cls_weight=args.cls_weight, noise=args.noise, seed=args.seed)
+        if args.max_len < 2 or args.heldout < 1 or args.num_sequences <= args.heldout:
+            raise ValueError("need --max-len >= 2, --heldout >= 1 and --num-sequences > --heldout")
+    except ValueError as e:
+        print(f"tokenmill: error: {e}", file=sys.stderr)
+        return 2
+    engine = LLMEngine(EngineConfig(
+        model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
+        max_model_len=args.max_len, cuda_graphs=False, async_scheduling=False,
+        cache=CacheConfig(num_blocks=-(-args.max_len // 16) + 1),
+        scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=args.max_len)))
+    try:
+        seqs = _sequences(engine, args.data, args.num_sequences, args.max_len)
+    except (OSError, ValueError) as e:
+        print(f"tokenmill: error: --data {args.data}: {e}", file=sys.stderr)
+        return 2
+    if len(seqs) <= args.heldout:
+        print(f"tokenmill: error: --data {args.data}: {len(seqs)} sequences, not more than --heldout", file=sys.stderr)
+        return 2
+    train_seqs, heldout = seqs[: -args.heldout], seqs[-args.heldout :]
+    head, summary = train(engine.runner, train_seqs, heldout, config,
+                          progress=lambda h: print(json.dumps(h), file=sys.stderr, flush=True))
+    arch = engine.runner.arch
+    target = {"model": engine.model_name, "arch": arch.arch, "vocab_size": arch.vocab_size,
+              "hidden_size": arch.hidden_size, "num_layers": arch.num_layers}
+    training = {"command": " ".join(["tokenmill", *sys.argv[1:]]), "data": args.data, "max_len": args.max_len,
+                **{k: getattr(config, k) for k in ("steps", "batch_sequences", "lr", "cls_weight", "noise", "seed")},
+                "summary": summary}
+    head.save(args.out, target, training)
+    print(json.dumps(summary))
+    return 0
+
+
+def _sequences(engine: Any, data: str, n: int, max_len: int) -> list[list[int]]:
+    """Token sequences of at least 2 tokens, cut to max_len, at most n."""
+    tok = engine.tokenizer
+    out: list[list[int]] = []
+    if data == "sharegpt":
+        from tokenmill.benchmarks.datasets import sharegpt_pairs
+
+        for human, reply in sharegpt_pairs():
+            chat = [{"role": "user", "content": human}, {"role": "assistant", "content": reply}]
+            text = tok.apply_chat_template(chat, add_generation_prompt=False)
+            out.append(tok.encode(text, add_special_tokens=False)[:max_len])
+            if len(out) == n:
+                break
+    else:
+        vocab = engine.runner.arch.vocab_size
+        with open(data) as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                rec = json.loads(line)
+                ids = rec.get("token_ids") if isinstance(rec, dict) else None
+                if ids is None and isinstance(rec, dict) and isinstance(rec.get("text"), str):
+                    ids = tok.encode(rec["text"])
+                if not (isinstance(ids, list) and all(isinstance(t, int) and 0 <= t < vocab for t in ids)):
+                    raise ValueError(f"line {i}: want {{\"token_ids\": [ids < {vocab}]}} or {{\"text\": str}}")
+                out.append(ids[:max_len])
+                if len(out) == n:
+                    break
+    return [s for s in out if len(s) >= 2]

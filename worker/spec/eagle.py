@@ -1,0 +1,140 @@
+"""EAGLE-1 draft head: one decoder layer over the target's own features.
+
+At position t the head reads the target's feature f_t (its final-normed hidden state, what the target's LM
+head turns into the logits of token t+1) and the embedding of the token that followed, x_{t+1}:
+    f^_{t+1} = layer(fc([embed(x_{t+1}); f_t]))        fc: [2H] -> [H], one Llama decoder layer
+and the target's LM head turns f^_{t+1} into the draft of token t+2. The embedding and the LM head are the
+target's (not stored in the head); the head's checkpoint is its fc and its layer (safetensors) plus a JSON
+config naming the target shape it was trained for, which `load_eagle_head` checks.
+
+The layer has the target's shape (ModelArch with one layer, no sliding window) and runs through any
+attention backend; `DenseCausalBackend` is the cache-free one training uses. The head is trained by
+worker/spec/eagle_train.py (`tokenmill train-eagle`); the engine does not draft with it yet."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from tokenmill.kernels.attention_ref import rotary_embedding_ref
+from tokenmill.worker.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata, KVCache
+from tokenmill.worker.config import ModelArch, RopeScaling
+from tokenmill.worker.models.layers import Linear, RotaryEmbedding
+from tokenmill.worker.models.llama import LlamaDecoderLayer
+
+EAGLE_FORMAT = "tokenmill-eagle-1"
+CONFIG_FILE = "eagle_config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+class EagleHeadError(ValueError):
+    """A draft-head checkpoint that cannot be used with this target (the message says why)."""
+
+
+class DenseCausalBackend(AttentionBackend):
+    """Attention without a KV cache: each request of the flattened batch attends causally to its own query
+    tokens (its whole sequence, positions 0..n-1). Differentiable; for training, never for serving."""
+
+    name = "dense"
+
+    def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        assert meta.query_lens_cpu == meta.seq_lens_cpu, "dense attention: every request is its whole sequence"
+        assert layer.sliding_window is None
+        q, k = rotary_embedding_ref(q, k, layer.cos_sin_cache, positions)
+        group = q.shape[1] // k.shape[1]
+        outs, start = [], 0
+        for n in meta.query_lens_cpu:  # [n, H, D] -> [H, n, D] per request
+            qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
+            ks, vs = ks.repeat_interleave(group, dim=0), vs.repeat_interleave(group, dim=0)
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=layer.scale).transpose(0, 1))
+            start += n
+        return torch.cat(outs)
+
+
+def draft_arch(target: ModelArch) -> ModelArch:
+    """The head's layer shape: the target's, one layer, full attention."""
+    return dataclasses.replace(target, num_layers=1, sliding_window=None)
+
+
+class EagleHead(nn.Module):
+    """forward(token_embeds [T, H], features [T, H], positions [T], kv_cache, meta) -> predicted features
+    [T, H]: row t is f^_{t+1} from (embed(x_{t+1}), f_t)."""
+
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, *, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.arch = arch
+        with torch.device(device):
+            rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
+            self.fc = Linear(2 * arch.hidden_size, arch.hidden_size, True, dtype=dtype)
+            self.layer = LlamaDecoderLayer(arch, backend, rotary, None, dtype)  # its attention keeps the table
+
+    def forward(self, token_embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.fc(torch.cat([token_embeds, features], dim=-1))
+        h, residual = self.layer(positions, x, None, kv_cache, meta)
+        return h + residual
+
+    def save(self, out: Path, target: dict[str, Any], training: dict[str, Any]) -> None:
+        """model.safetensors (fc and layer) and eagle_config.json (format, arch, target, training) in `out`."""
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(out / WEIGHTS_FILE))
+        config = {"format": EAGLE_FORMAT, "arch": _arch_to_json(self.arch), "target": target, "training": training}
+        (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_eagle_head(path: Path, target: ModelArch, backend: AttentionBackend, *, dtype: torch.dtype,
+                    device: torch.device) -> EagleHead:
+    """The head saved in folder `path`, checked against the target it will draft for. Raises EagleHeadError."""
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise EagleHeadError(f"{path}: no readable {CONFIG_FILE} ({e})") from None
+    if not isinstance(config, dict) or config.get("format") != EAGLE_FORMAT:
+        raise EagleHeadError(f"{path}: not a {EAGLE_FORMAT} checkpoint")
+    try:
+        arch = _arch_from_json(config["arch"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise EagleHeadError(f"{path}: bad arch in {CONFIG_FILE} ({e})") from None
+    want = draft_arch(target)
+    misfit = [f"{f.name} {getattr(arch, f.name)} (the target has {getattr(want, f.name)})"
+              for f in dataclasses.fields(ModelArch)
+              if f.name not in ("bos_token_id", "eos_token_ids") and getattr(arch, f.name) != getattr(want, f.name)]
+    if misfit:
+        raise EagleHeadError(f"{path}: the head does not fit the target: " + "; ".join(misfit))
+    head = EagleHead(arch, backend, dtype=dtype, device=device)
+    try:
+        weights = load_file(str(path / WEIGHTS_FILE))
+    except (OSError, SafetensorError) as e:
+        raise EagleHeadError(f"{path}: cannot read {WEIGHTS_FILE} ({e})") from None
+    expected = head.state_dict()
+    if set(weights) != set(expected):
+        raise EagleHeadError(f"{path}: weights {sorted(set(weights) ^ set(expected))} missing or unexpected")
+    bad = [n for n, t in weights.items() if t.shape != expected[n].shape]
+    if bad:
+        raise EagleHeadError(f"{path}: weight {bad[0]} has shape {tuple(weights[bad[0]].shape)}, "
+                             f"the head expects {tuple(expected[bad[0]].shape)}")
+    head.load_state_dict(weights)
+    return head
+
+
+def _arch_to_json(arch: ModelArch) -> dict[str, Any]:
+    d = dataclasses.asdict(arch)
+    d["eos_token_ids"] = list(arch.eos_token_ids)
+    return d
+
+
+def _arch_from_json(d: dict[str, Any]) -> ModelArch:
+    d = dict(d)
+    d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    d["eos_token_ids"] = tuple(d["eos_token_ids"])
+    return ModelArch(**d)

@@ -1,0 +1,169 @@
+"""Training an EAGLE-1 head (worker/spec/eagle.py) on a target model, its hidden states computed online.
+
+Each step runs the target over a batch of token sequences (its paged KV cache as scratch) for its features
+f_t (final-normed hidden states), then trains the head on rows t = 0..L-2 of each sequence: input
+(embed(x_{t+1}), f_t + uniform noise), output f^_{t+1}. Loss as EAGLE's: smooth-L1 regression of f^_{t+1}
+on f_{t+1}, plus `cls_weight` x the cross-entropy of the target's next-token distribution
+softmax(lm_head(f_{t+1})) under lm_head(f^_{t+1}). Held-out sequences measure how often the head's token
+(argmax of lm_head(f^_{t+1})) is the target's greedy token: the share of first drafts a greedy verifier
+would accept, given the target's features (the engine does not draft with the head yet)."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tokenmill.worker.attention.backend import AttentionMetadata
+from tokenmill.worker.model_runner import ModelRunner, attention_metadata
+from tokenmill.worker.spec.eagle import DenseCausalBackend, EagleHead, draft_arch
+
+log = logging.getLogger("tokenmill.eagle")
+
+
+@dataclass(frozen=True)
+class EagleTrainConfig:
+    steps: int = 1000
+    batch_sequences: int = 4
+    lr: float = 3e-4
+    cls_weight: float = 0.1  # weight of the token cross-entropy beside the feature regression
+    noise: float = 0.1  # half-width of the uniform noise on the input features
+    grad_clip: float = 0.5
+    seed: int = 0
+    log_every: int = 50
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch_sequences < 1:
+            raise ValueError("steps and batch_sequences must be >= 1")
+        if not (self.lr > 0 and self.cls_weight >= 0 and self.noise >= 0 and self.grad_clip > 0):
+            raise ValueError("lr and grad_clip must be > 0, cls_weight and noise >= 0")
+
+
+class Rows(NamedTuple):
+    """The head's training rows of a batch of sequences, flattened (R = sum(L_i - 1))."""
+
+    token_embeds: Tensor  # [R, H] embed(x_{t+1})
+    features: Tensor  # [R, H] f_t
+    targets: Tensor  # [R, H] f_{t+1}
+    positions: Tensor  # [R] t
+    meta: AttentionMetadata  # one request per sequence, dense (each its whole sequence)
+
+
+@torch.no_grad()
+def target_features(runner: ModelRunner, seq: Sequence[int]) -> Tensor:
+    """The target's final-normed hidden states [L, H] over `seq` (its KV cache is overwritten)."""
+    n = len(seq)
+    blocks = -(-n // runner.block_size)
+    if n > runner.max_model_len or blocks > runner.num_blocks:
+        raise ValueError(f"a {n}-token sequence does not fit the target's context or KV cache")
+    meta = attention_metadata([n], [n], [list(range(blocks))], list(range(n)), runner.device)
+    ids = torch.tensor(list(seq), dtype=torch.int64, device=runner.device)
+    return runner.model(ids, torch.arange(n, device=runner.device), runner.kv_caches, meta).float()
+
+
+def head_rows(runner: ModelRunner, seqs: Sequence[Sequence[int]], noise: float, gen: torch.Generator | None) -> Rows:
+    embeds, feats, targets, positions, lens = [], [], [], [], []
+    for seq in seqs:
+        f = target_features(runner, seq)  # [L, H]
+        with torch.no_grad():
+            embeds.append(runner.model.model.embed_tokens(torch.tensor(list(seq[1:]), device=runner.device)).float())
+        x = f[:-1]
+        if noise:
+            x = x + (torch.rand(x.shape, generator=gen, device="cpu").to(x.device) * 2 - 1) * noise
+        feats.append(x)
+        targets.append(f[1:])
+        positions.append(torch.arange(len(seq) - 1, device=runner.device))
+        lens.append(len(seq) - 1)
+    meta = attention_metadata(lens, lens, [[0]] * len(lens), [-1] * sum(lens), runner.device)
+    return Rows(torch.cat(embeds), torch.cat(feats), torch.cat(targets), torch.cat(positions), meta)
+
+
+def head_loss(runner: ModelRunner, head: EagleHead, rows: Rows, cls_weight: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, regression loss, token cross-entropy) of the head on `rows`."""
+    empty = torch.empty(0, device=rows.features.device)
+    pred = head(rows.token_embeds, rows.features, rows.positions, (empty, empty), rows.meta)
+    reg = F.smooth_l1_loss(pred, rows.targets)
+    with torch.no_grad():
+        p = runner.model.compute_logits(rows.targets).softmax(-1)  # [R, V] the target's next-token distribution
+    cls = -(p * runner.model.compute_logits(pred).log_softmax(-1)).sum(-1).mean()
+    return reg + cls_weight * cls, reg, cls
+
+
+@torch.no_grad()
+def evaluate(runner: ModelRunner, head: EagleHead, seqs: Sequence[Sequence[int]], cls_weight: float,
+             ) -> dict[str, float]:
+    """On held-out sequences (no noise): the loss, and the share of rows whose head token equals the target's
+    greedy token (`agreement`)."""
+    hits = total = 0
+    loss = 0.0
+    for seq in seqs:
+        rows = head_rows(runner, [seq], 0.0, None)
+        empty = torch.empty(0, device=rows.features.device)
+        pred = head(rows.token_embeds, rows.features, rows.positions, (empty, empty), rows.meta)
+        got = runner.model.compute_logits(pred).argmax(-1)
+        want = runner.model.compute_logits(rows.targets).argmax(-1)
+        hits += int((got == want).sum())
+        total += len(seq) - 1
+        loss += head_loss(runner, head, rows, cls_weight)[0].item() * (len(seq) - 1)
+    return {"loss": loss / total, "agreement": hits / total}
+
+
+def new_head(runner: ModelRunner, seed: int) -> EagleHead:
+    """A float32 head for the runner's target: layer weights N(0, 0.02) and norms 1 (as HF initialises
+    Llama), fc the identity on the feature half and small on the embedding half, so that the untrained head
+    starts from "the next feature is this one"."""
+    torch.manual_seed(seed)
+    head = EagleHead(draft_arch(runner.arch), DenseCausalBackend(), dtype=torch.float32, device=runner.device)
+    h = runner.arch.hidden_size
+    with torch.no_grad():
+        for name, p in head.layer.named_parameters():
+            p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn_like(p) * 0.02)
+        w = torch.cat([torch.randn(h, h) * 0.02, torch.eye(h)], dim=1)  # [H, 2H]: [embedding | feature]
+        head.fc.weight.copy_(w)
+        head.fc.bias.zero_()
+    for p in head.parameters():
+        p.requires_grad_(True)
+    return head
+
+
+def train(runner: ModelRunner, train_seqs: Sequence[Sequence[int]], heldout: Sequence[Sequence[int]],
+          config: EagleTrainConfig, progress: Callable[[dict[str, Any]], None] | None = None,
+          ) -> tuple[EagleHead, dict[str, Any]]:
+    """Train a new head; returns it and a summary (losses; held-out loss and agreement before and after)."""
+    if not train_seqs or not heldout:
+        raise ValueError("training needs sequences to train on and held-out ones")
+    if min(map(len, [*train_seqs, *heldout])) < 2:
+        raise ValueError("every sequence needs at least two tokens")
+    head = new_head(runner, config.seed)
+    before = evaluate(runner, head, heldout, config.cls_weight)
+    opt = torch.optim.AdamW(head.parameters(), lr=config.lr)
+    rng, gen = random.Random(config.seed), torch.Generator().manual_seed(config.seed)
+    history: list[dict[str, float]] = []
+    start = time.perf_counter()
+    for step in range(1, config.steps + 1):
+        batch = rng.sample(list(train_seqs), min(config.batch_sequences, len(train_seqs)))
+        loss, reg, cls = head_loss(runner, head, head_rows(runner, batch, config.noise, gen), config.cls_weight)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), config.grad_clip)
+        opt.step()
+        history.append({"step": step, "loss": loss.item(), "regression": reg.item(), "token_ce": cls.item()})
+        if progress is not None and (step % config.log_every == 0 or step == config.steps):
+            progress(history[-1])
+    after = evaluate(runner, head, heldout, config.cls_weight)
+    window = max(1, min(50, len(history) // 4))
+    summary = {"steps": config.steps, "train_sequences": len(train_seqs), "heldout_sequences": len(heldout),
+               "loss_first": sum(h["loss"] for h in history[:window]) / window,
+               "loss_last": sum(h["loss"] for h in history[-window:]) / window,
+               "heldout_loss_before": before["loss"], "heldout_loss_after": after["loss"],
+               "heldout_agreement_before": before["agreement"], "heldout_agreement_after": after["agreement"],
+               "seconds": time.perf_counter() - start}
+    log.info("eagle head trained: %s", summary)
+    return head, summary

@@ -38,12 +38,15 @@ class EagleTrainConfig:
     grad_clip: float = 0.5
     seed: int = 0
     log_every: int = 50
+    time_limit_s: float | None = None  # stop early (and keep the head) once training has run this long
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_sequences < 1:
             raise ValueError("steps and batch_sequences must be >= 1")
         if not (self.lr > 0 and self.cls_weight >= 0 and self.noise >= 0 and self.grad_clip > 0):
             raise ValueError("lr and grad_clip must be > 0, cls_weight and noise >= 0")
+        if self.time_limit_s is not None and not self.time_limit_s > 0:
+            raise ValueError("time_limit_s must be > 0 (or None: no limit)")
 
 
 class Rows(NamedTuple):
@@ -157,9 +160,12 @@ def train(runner: ModelRunner, train_seqs: Sequence[Sequence[int]], heldout: Seq
         history.append({"step": step, "loss": loss.item(), "regression": reg.item(), "token_ce": cls.item()})
         if progress is not None and (step % config.log_every == 0 or step == config.steps):
             progress(history[-1])
+        if config.time_limit_s is not None and time.perf_counter() - start > config.time_limit_s:
+            log.info("time limit reached after %d of %d steps", step, config.steps)
+            break
     after = evaluate(runner, head, heldout, config.cls_weight)
     window = max(1, min(50, len(history) // 4))
-    summary = {"steps": config.steps, "train_sequences": len(train_seqs), "heldout_sequences": len(heldout),
+    summary = {"steps": len(history), "train_sequences": len(train_seqs), "heldout_sequences": len(heldout),
                "loss_first": sum(h["loss"] for h in history[:window]) / window,
                "loss_last": sum(h["loss"] for h in history[-window:]) / window,
                "heldout_loss_before": before["loss"], "heldout_loss_after": after["loss"],

@@ -33,8 +33,9 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 mkdir -p "$OUT/eagle"
 tokenmill train-eagle --model embedded --data /tmp/sharegpt_first16k.json --replies self --num-sequences 8000 \
   --heldout 200 --max-len 768 --batch-sequences 16 --steps 100000 --time-limit-s "${EAGLE_TIME_S:-240}" \
-  --device cuda --out "$OUT/eagle" 2> "$OUT/eagle/train.log" | tail -1
+  --device cuda --save-sequences /tmp/eagle_seqs.jsonl --out "$OUT/eagle" 2> "$OUT/eagle/train.log" | tail -1 || echo "== train-eagle failed (train.log)"
 grep -v '"step"' "$OUT/eagle/train.log" | tail -5 | cut -c1-300; grep '"step"' "$OUT/eagle/train.log" | tail -3
+gzip -c /tmp/eagle_seqs.jsonl > "$OUT/eagle/sequences.jsonl.gz" || true
 echo "== trained at $(( SECONDS - start )) s"
 if [ -n "${EAGLE_EXTRA:-}" ]; then bash -c "$EAGLE_EXTRA" 2>&1 | tail -40; fi
 echo "== all done in $(( SECONDS - start )) s"

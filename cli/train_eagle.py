@@ -33,6 +33,8 @@ def register(sub: Any) -> None:
     p.add_argument("--max-len", type=int, default=512, help="tokens per sequence at most (longer ones are cut)")
     p.add_argument("--replies", default="data", choices=["data", "self"],
                    help="sharegpt: the dataset's replies, or the target's own greedy ones")
+    p.add_argument("--save-sequences", type=Path, default=None,
+                   help="write the token sequences read or generated (JSON lines, token_ids) here, to reuse")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--time-limit-s", type=float, default=None, help="stop training after this long (the head is kept)")
     p.add_argument("--batch-sequences", type=int, default=4)
@@ -79,6 +81,9 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
     if len(seqs) <= args.heldout:
         print(f"tokenmill: error: --data {args.data}: {len(seqs)} sequences, not more than --heldout", file=sys.stderr)
         return 2
+    if args.save_sequences is not None:
+        with open(args.save_sequences, "w") as f:
+            f.writelines(json.dumps({"token_ids": s}) + "\n" for s in seqs)
     train_seqs, heldout = seqs[: -args.heldout], seqs[-args.heldout :]
     head, summary = train(engine.runner, train_seqs, heldout, config,
                           progress=lambda h: print(json.dumps(h), file=sys.stderr, flush=True))

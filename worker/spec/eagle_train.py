@@ -88,14 +88,20 @@ def head_rows(runner: ModelRunner, seqs: Sequence[Sequence[int]], noise: float, 
     return Rows(torch.cat(embeds), torch.cat(feats), torch.cat(targets), torch.cat(positions), meta)
 
 
+def _logits(runner: ModelRunner, hidden: Tensor) -> Tensor:
+    """float32 logits [R, V] of float32 hidden states through the target's LM head (in the target's dtype;
+    the cast is differentiable, so the head's gradient flows through it)."""
+    return runner.model.compute_logits(hidden.to(runner.dtype)).float()
+
+
 def head_loss(runner: ModelRunner, head: EagleHead, rows: Rows, cls_weight: float) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, regression loss, token cross-entropy) of the head on `rows`."""
     empty = torch.empty(0, device=rows.features.device)
     pred = head(rows.token_embeds, rows.features, rows.positions, (empty, empty), rows.meta)
     reg = F.smooth_l1_loss(pred, rows.targets)
     with torch.no_grad():
-        p = runner.model.compute_logits(rows.targets).softmax(-1)  # [R, V] the target's next-token distribution
-    cls = -(p * runner.model.compute_logits(pred).log_softmax(-1)).sum(-1).mean()
+        p = _logits(runner, rows.targets).softmax(-1)  # [R, V] the target's next-token distribution
+    cls = -(p * _logits(runner, pred).log_softmax(-1)).sum(-1).mean()
     return reg + cls_weight * cls, reg, cls
 
 
@@ -110,8 +116,8 @@ def evaluate(runner: ModelRunner, head: EagleHead, seqs: Sequence[Sequence[int]]
         rows = head_rows(runner, [seq], 0.0, None)
         empty = torch.empty(0, device=rows.features.device)
         pred = head(rows.token_embeds, rows.features, rows.positions, (empty, empty), rows.meta)
-        got = runner.model.compute_logits(pred).argmax(-1)
-        want = runner.model.compute_logits(rows.targets).argmax(-1)
+        got = _logits(runner, pred).argmax(-1)
+        want = _logits(runner, rows.targets).argmax(-1)
         hits += int((got == want).sum())
         total += len(seq) - 1
         loss += head_loss(runner, head, rows, cls_weight)[0].item() * (len(seq) - 1)

@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tokenmill.cli.helptext import show_defaults
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser("train-eagle", help="train an EAGLE-1 draft head for a model",
@@ -45,6 +47,7 @@ def register(sub: Any) -> None:
     p.add_argument("--device", default="auto", help="torch device (auto: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="the target's dtype (the head trains in float32)")
+    show_defaults(p)
     p.set_defaults(func=cmd_train_eagle)
 
 

@@ -21,6 +21,8 @@ from typing import Any
 
 from tokenmill.cli.helptext import show_defaults
 
+FEATURE_BATCH = 32  # sequences per target forward while caching features (the KV cache holds that many)
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser("train-eagle", help="train an EAGLE-1 draft head for a model",
@@ -37,6 +39,10 @@ def register(sub: Any) -> None:
                    help="sharegpt: the dataset's replies, or the target's own greedy ones")
     p.add_argument("--save-sequences", type=Path, default=None,
                    help="write the token sequences read or generated (JSON lines, token_ids) here, to reuse")
+    p.add_argument("--online-features", action="store_true",
+                   help="run the target at every step instead of caching its features once (less memory)")
+    p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the saved head")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--time-limit-s", type=float, default=None, help="stop training after this long (the head is kept)")
     p.add_argument("--batch-sequences", type=int, default=4)
@@ -53,6 +59,8 @@ def register(sub: Any) -> None:
 
 def cmd_train_eagle(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import torch
+
     from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
     from tokenmill.worker.engine import LLMEngine
     from tokenmill.worker.spec.eagle_train import EagleTrainConfig, train
@@ -60,7 +68,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
     try:
         config = EagleTrainConfig(steps=args.steps, batch_sequences=args.batch_sequences, lr=args.lr,
                                   cls_weight=args.cls_weight, noise=args.noise, seed=args.seed,
-                                  time_limit_s=args.time_limit_s)
+                                  time_limit_s=args.time_limit_s, cache_features=not args.online_features)
         if args.max_len < 2 or args.heldout < 1 or args.num_sequences <= args.heldout:
             raise ValueError("need --max-len >= 2, --heldout >= 1 and --num-sequences > --heldout")
         if args.replies == "self" and _sharegpt_file(args.data) is False:
@@ -71,8 +79,8 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig(
         model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
         max_model_len=args.max_len, cuda_graphs=False, async_scheduling=False,
-        cache=CacheConfig(num_blocks=-(-args.max_len // 16) + 1),
-        scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=args.max_len)))
+        cache=CacheConfig(num_blocks=FEATURE_BATCH * -(-args.max_len // 16) + 1),
+        scheduler=SchedulerConfig(max_num_seqs=FEATURE_BATCH, max_num_batched_tokens=FEATURE_BATCH * args.max_len)))
     try:
         if args.replies == "self":
             seqs = _self_replies(args, args.num_sequences, args.max_len)
@@ -97,7 +105,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
                 "max_len": args.max_len,
                 **{k: getattr(config, k) for k in ("steps", "batch_sequences", "lr", "cls_weight", "noise", "seed")},
                 "summary": summary}
-    head.save(args.out, target, training)
+    head.to(getattr(torch, args.save_dtype)).save(args.out, target, training)
     print(json.dumps(summary))
     return 0
 

@@ -103,6 +103,8 @@ class RequestTiming:
     done: float = float("nan")
     cached_tokens: int = 0
     error: str | None = None
+    queue_time: float = float("nan")  # seconds the job waited at the broker for a worker (from its DONE)
+    worker: tuple[float, float, float] | None = None  # the DONE's worker timeline (WorkerTimeline), seconds
 
     def on_tokens(self, t: float, n: int) -> None:
         if n > 0:
@@ -133,6 +135,25 @@ class RequestTiming:
         """Gaps between consecutive chunks (vLLM's ITL: one value per chunk after the first)."""
         ts = self.chunk_times
         return [b - a for a, b in itertools.pairwise(ts)]
+
+
+    def timeline(self) -> dict[str, float]:
+        """The request's TTFT (ms) taken apart: broker queue (accept -> dispatch), worker admission (SUBMIT
+        received -> in the engine: tokenizing, the engine loop finishing its step), wait for a step (-> first
+        scheduled), first step (-> first token out of the engine), and the rest (client -> broker -> worker and
+        back, on no one clock: TTFT minus the others). NaN where the DONE did not say."""
+        nan = float("nan")
+        admitted, scheduled, first = self.worker if self.worker is not None else (nan, nan, nan)
+        ttft = self.ttft
+        return {"ttft_ms": 1e3 * ttft, "broker_queue_ms": 1e3 * self.queue_time, "worker_admission_ms": 1e3 * admitted,
+                "wait_for_step_ms": 1e3 * (scheduled - admitted), "first_step_ms": 1e3 * (first - scheduled),
+                "transit_ms": 1e3 * (ttft - self.queue_time - first)}
+
+
+def slowest_timelines(timings: list[RequestTiming], n: int = 5) -> list[dict[str, float]]:
+    """The timelines of the n successful requests with the longest TTFT, slowest first."""
+    ok = sorted((t for t in timings if t.ok), key=lambda t: t.ttft, reverse=True)
+    return [t.timeline() for t in ok[:n]]
 
 
 PCTS = (50, 90, 99)

@@ -36,7 +36,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tokenmill.benchmarks.common import RequestTiming, goodput, latency_summary, throughput_summary, write_results
+from tokenmill.benchmarks.common import (
+    RequestTiming,
+    goodput,
+    latency_summary,
+    slowest_timelines,
+    throughput_summary,
+    write_results,
+)
 from tokenmill.benchmarks.throughput import (
     ModelSpec,
     add_model_args,
@@ -164,6 +171,8 @@ async def _one(client: Any, r: BenchRequest, t: RequestTiming, sem: asyncio.Sema
                 if ev.finished:
                     t.done = now
                     t.cached_tokens = ev.usage.cached_tokens if ev.usage else 0
+                    t.queue_time = ev.queue_time if ev.queue_time is not None else math.nan
+                    t.worker = tuple(ev.worker_timeline) if ev.worker_timeline is not None else None
         except Exception as e:  # a typed SDK error fails this request alone
             t.error = f"{type(e).__name__}: {e}"[:200]
 
@@ -268,7 +277,7 @@ def rate_result(timings: list[RequestTiming], duration: float, rate: float, cfg:
     slo = (cfg.ttft_slo_ms / 1e3, cfg.tpot_slo_ms / 1e3)
     return {"rate": "inf" if math.isinf(rate) else rate, **throughput_summary(timings, duration),
             "goodput_requests_per_s": goodput(timings, duration, *slo),
-            "latency": latency_summary(timings),
+            "latency": latency_summary(timings), "slowest_ttft": slowest_timelines(timings),
             "errors": sorted({t.error for t in timings if t.error})[:5]}
 
 
@@ -342,6 +351,17 @@ def serving_table(res: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def timeline_table(res: dict[str, Any]) -> str:
+    """Where the slowest first tokens of each rate waited (RequestTiming.timeline; ms)."""
+    keys = ("ttft_ms", "broker_queue_ms", "worker_admission_ms", "wait_for_step_ms", "first_step_ms", "transit_ms")
+    rows = ["| rate (req/s) | TTFT | broker queue | worker admission | wait for a step | first step | rest (transit) |",
+            "|---|---|---|---|---|---|---|"]
+    for r in res["rates"]:
+        for tl in r.get("slowest_ttft", []):
+            rows.append(f"| {r['rate']} | " + " | ".join(f"{tl[k]:.1f}" for k in keys) + " |")
+    return "\n".join(rows)
+
+
 def parse_rates(text: str) -> tuple[float, ...]:
     return tuple(math.inf if x.strip() in ("inf", "max") else float(x) for x in text.split(",") if x.strip())
 
@@ -383,7 +403,8 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.base_url:
         res["base_url"] = args.base_url
     write_results(args.out, "serving", {"model": spec.describe(), "length_tokenizer": tok_name, **res},
-                  serving_table(res))
+                  serving_table(res) + "\n\nThe slowest first tokens of each rate, taken apart (ms):\n\n"
+                  + timeline_table(res))
     return 0
 
 

@@ -42,7 +42,7 @@ from tokenmill.benchmarks.ladder import (
     prefix_rows,
     step_anatomy,
 )
-from tokenmill.benchmarks.serving import ServingConfig, serve_rates, serving_table
+from tokenmill.benchmarks.serving import ServingConfig, serve_rates, serving_table, timeline_table
 from tokenmill.benchmarks.throughput import (
     ModelSpec,
     build_engine,
@@ -381,7 +381,9 @@ def suite_markdown(r: dict[str, Any]) -> str:
     if r.get("serving", {}).get("rates"):
         s = r["serving"]["config"]
         parts += [f"## Serving (broker + worker + client SDK; SLO: TTFT <= {s['ttft_slo_ms']:.0f} ms, "
-                  f"TPOT <= {s['tpot_slo_ms']:.0f} ms)", serving_table(r["serving"])]
+                  f"TPOT <= {s['tpot_slo_ms']:.0f} ms)", serving_table(r["serving"]),
+                  "", "The slowest first tokens of each rate, taken apart (ms; RequestTiming.timeline):", "",
+                  timeline_table(r["serving"])]
     if prefix_variants(r):
         parts += ["## Prefix caching: what TTFT is made of", prefix_table(r)]
     an = r.get("prefix", {}).get("anatomy")

@@ -522,7 +522,7 @@ class Broker:
                 if (job := self._current(w, f.job_id, f.attempt)) is not None:
                     queue_time = job.dispatched_at - job.created if job.dispatched_at is not None else None
                     self._finish(job, p.Done(f.job_id, f.finish_reason, f.stop_reason, f.usage, job.num_tokens,
-                                             queue_time))
+                                             queue_time, f.timeline))
         elif isinstance(msg, p.JobError):
             if (job := self._current(w, msg.job_id, msg.attempt)) is not None:
                 self._finish(job, p.Fail(job.job_id, msg.code, msg.message))

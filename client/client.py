@@ -97,7 +97,10 @@ class StreamEvent:
 
     With logprobs requested, `logprobs[i]` maps token ids to log-probabilities at output position seq + i
     (sampled token first) and `token_bytes[i]` maps the same ids to the tokens' bytes (when the worker
-    sent them). The final event's `queue_time` is the seconds the job waited at the broker for a worker."""
+    sent them). The final event's `queue_time` is the seconds the job waited at the broker for a worker, and
+    its `worker_timeline` where the first token came from on the worker that finished it: seconds from the
+    worker's receiving the job to the engine's admitting it, first scheduling it, and emitting its first token
+    (tokenmill.protocol.wire.WorkerTimeline; None when the worker did not say)."""
 
     job_id: str
     seq: int
@@ -109,6 +112,7 @@ class StreamEvent:
     usage: Usage | None = None
     token_bytes: list[dict[int, bytes]] | None = None
     queue_time: float | None = None
+    worker_timeline: p.WorkerTimeline | None = None
 
     @property
     def finished(self) -> bool:
@@ -172,7 +176,7 @@ class Assembly:
         r = self.result
         r.finish_reason, r.stop_reason, r.usage = d.finish_reason, d.stop_reason, usage
         return StreamEvent(self.job_id, self.next_seq, [], "", None, d.finish_reason, d.stop_reason, usage,
-                           queue_time=d.queue_time)
+                           queue_time=d.queue_time, worker_timeline=d.worker_timeline)
 
 
 class RouterCore:

@@ -561,6 +561,29 @@ def _usage(v: Any, name: str = "usage") -> tuple[int, int, int]:
             _int(k, f"{name}.cached_tokens"))
 
 
+class WorkerTimeline(NamedTuple):
+    """Where a job's first token came from on the worker, in seconds since the worker received the job
+    (its own clock): `admitted` when the engine took it (after tokenizing), `first_scheduled` when a step
+    first computed its tokens, `first_token` when its first output token left the engine. Each is >= the one
+    before (a job that never got a token has first_token = its finish)."""
+
+    admitted: float
+    first_scheduled: float
+    first_token: float
+
+    def to_wire(self) -> list[float]:
+        return [self.admitted, self.first_scheduled, self.first_token]
+
+    @staticmethod
+    def from_wire(v: Any, name: str = "timeline") -> WorkerTimeline:
+        a, s, t = (_float(x, f"{name}[{i}]", 0.0, 1e7) for i, x in enumerate(_tuple(v, name, 3)))
+        return WorkerTimeline(a, s, t)
+
+
+def _opt_timeline(v: Any) -> WorkerTimeline | None:
+    return None if v is None else WorkerTimeline.from_wire(v)
+
+
 def _stop_reason(v: Any) -> str | int | None:
     if v is None or type(v) is int:
         return v
@@ -576,7 +599,8 @@ def _finish_reason(v: Any) -> str:
 @dataclass(frozen=True, slots=True)
 class Done(Message):
     """A job finished normally; terminal. `num_tokens` = total output tokens (last seq + 1).
-    `queue_time`: seconds from the broker's accepting the job to its first dispatch (None: not known)."""
+    `queue_time`: seconds from the broker's accepting the job to its first dispatch (None: not known).
+    `worker_timeline`: the first-token timeline of the attempt that finished it (None: not known)."""
 
     CMD: ClassVar[Cmd] = Cmd.DONE
     job_id: str
@@ -585,21 +609,25 @@ class Done(Message):
     usage: tuple[int, int, int]
     num_tokens: int
     queue_time: float | None = None
+    worker_timeline: WorkerTimeline | None = None
 
     def to_wire(self) -> Any:
         d: dict[str, Any] = {"job_id": self.job_id, "finish_reason": self.finish_reason,
                              "stop_reason": self.stop_reason, "usage": list(self.usage), "num_tokens": self.num_tokens}
         if self.queue_time is not None:
             d["queue_time"] = self.queue_time
+        if self.worker_timeline is not None:
+            d["worker_timeline"] = self.worker_timeline.to_wire()
         return d
 
     @classmethod
     def from_wire(cls, obj: Any) -> Done:
         d = _map(obj, "done")
-        _keys(d, "done", ("job_id", "finish_reason", "stop_reason", "usage", "num_tokens"), ("queue_time",))
+        _keys(d, "done", ("job_id", "finish_reason", "stop_reason", "usage", "num_tokens"),
+              ("queue_time", "worker_timeline"))
         return cls(_ident(d["job_id"], "job_id"), _finish_reason(d["finish_reason"]),
                    _stop_reason(d["stop_reason"]), _usage(d["usage"]), _int(d["num_tokens"], "num_tokens"),
-                   _opt_float(d.get("queue_time"), "queue_time", 0.0, 1e7))
+                   _opt_float(d.get("queue_time"), "queue_time", 0.0, 1e7), _opt_timeline(d.get("worker_timeline")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -797,22 +825,25 @@ class Tokens(Message):
 
 @dataclass(frozen=True, slots=True)
 class FinishedJob:
-    """A job's attempt ended on the worker with `finish_reason`; sent after its last TOKENS chunk."""
+    """A job's attempt ended on the worker with `finish_reason`; sent after its last TOKENS chunk.
+    `timeline`: where its first token came from on the worker (None: not measured)."""
 
     job_id: str
     attempt: int
     finish_reason: str
     stop_reason: str | int | None
     usage: tuple[int, int, int]
+    timeline: WorkerTimeline | None = None
 
     def to_wire(self) -> list[Any]:
-        return [self.job_id, self.attempt, self.finish_reason, self.stop_reason, list(self.usage)]
+        tl = None if self.timeline is None else self.timeline.to_wire()
+        return [self.job_id, self.attempt, self.finish_reason, self.stop_reason, list(self.usage), tl]
 
     @staticmethod
     def from_wire(obj: Any) -> FinishedJob:
-        job_id, attempt, reason, stop, usage = _tuple(obj, "finished job", 5)
+        job_id, attempt, reason, stop, usage, tl = _tuple(obj, "finished job", 6)
         return FinishedJob(_ident(job_id, "job_id"), _int(attempt, "attempt", 0, MAX_ATTEMPT),
-                           _finish_reason(reason), _stop_reason(stop), _usage(usage))
+                           _finish_reason(reason), _stop_reason(stop), _usage(usage), _opt_timeline(tl))
 
 
 @dataclass(frozen=True, slots=True)

@@ -315,6 +315,9 @@ def test_suite_smallest_config_writes_json_md_png(tmp_path: Path) -> None:
     assert result["hf_compare"]["hf"]["requests"] == 6 and result["hf_compare"]["ratio_output_tok_s"] > 0
     assert [r["rate"] for r in result["serving"]["rates"]] == [4.0, "inf"]
     assert all(r["completed"] == r["requests_sent"] for r in result["serving"]["rates"])
+    for r in result["serving"]["rates"]:  # every TTFT taken apart with the worker's and the broker's timings
+        assert r["slowest_ttft"] and all(math.isfinite(t["first_step_ms"]) and t["first_step_ms"] >= 0
+                                         and math.isfinite(t["broker_queue_ms"]) for t in r["slowest_ttft"])
     on = result["prefix"]["rows"][1]
     assert on["prefix_caching"] and on["cached_prompt_tokens"] > 0
     assert on["first_token"]["steps"]["max"] == 1  # CPU: no async scheduling; cached turns in one step

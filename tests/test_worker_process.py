@@ -109,6 +109,8 @@ def test_ready_and_a_real_job(scripted: tuple[ScriptedBroker, Procs]) -> None:
     ids, _, fin = _run_job(b, ident, "j1")
     assert len(ids) == 6 and isinstance(fin, p.FinishedJob) and fin.finish_reason == "length"
     assert fin.usage[1] == 6
+    tl = fin.timeline  # seconds since the worker received the SUBMIT, each step after the one before
+    assert tl is not None and 0.0 <= tl.admitted <= tl.first_scheduled <= tl.first_token < 60.0
 
 
 def test_malformed_job_gets_error_for_that_job_alone(scripted: tuple[ScriptedBroker, Procs]) -> None:

@@ -5,7 +5,7 @@ socket (never through the IO thread)."""
 from __future__ import annotations
 
 from tokenmill.protocol import wire as p
-from tokenmill.worker.outputs import RequestOutput, Usage
+from tokenmill.worker.outputs import RequestOutput, RequestTimeline, Usage
 from tokenmill.worker.process import EngineLoop, WorkerOptions
 
 
@@ -69,6 +69,17 @@ def test_one_tokens_message_then_finished_and_errors_on_the_data_socket() -> Non
         p.JobError("a", 0, "failed", "boom"),
     ]
     assert loop.active == {"b#2": ("b", 2), "c#0": ("c", 0)}
+
+
+def test_a_finished_job_carries_its_timeline_since_the_worker_received_it() -> None:
+    loop, data = _loop()
+    loop.received = {"d#1": 100.0, "c#0": 50.0}
+    done = RequestOutput("d#1", [8], "e", 4, finished=True, finish_reason="length", usage=Usage(2, 5, 1),
+                         timeline=RequestTimeline(100.25, 100.5, 101.0))
+    loop._emit([done])
+    assert data.sent[-1] == p.Finished([p.FinishedJob("d", 1, "length", None, (2, 5, 1),
+                                                      p.WorkerTimeline(0.25, 0.5, 1.0))])
+    assert loop.received == {"c#0": 50.0}  # the finished one's entry is dropped, the others stay
 
 
 def test_goodbye_goes_behind_the_output_on_the_data_socket() -> None:

@@ -23,7 +23,7 @@ from tokenmill.worker.detokenizer import IncrementalDetokenizer
 from tokenmill.worker.loader import ModelSource, resolve_model
 from tokenmill.worker.metrics import EngineCounters, EngineStats
 from tokenmill.worker.model_runner import ModelRunner, PendingStep
-from tokenmill.worker.outputs import CompletionOutput, RequestOutput, Usage
+from tokenmill.worker.outputs import CompletionOutput, RequestOutput, RequestTimeline, Usage
 from tokenmill.worker.request import Request
 from tokenmill.worker.scheduler import ScheduledBatch, Scheduler
 from tokenmill.worker.spec.ngram import NgramProposer
@@ -62,6 +62,10 @@ class _Live:
     emitted: int = 0  # output tokens emitted so far (counting those an earlier attempt delivered)
     held: str = ""  # decoded text not yet emitted: it may be the start of a stop string
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # its timeline, time.monotonic(): queued (add_request), first in a launched step, first output token
+    added: float = 0.0
+    first_scheduled: float | None = None
+    first_token: float | None = None
 
 
 def load_tokenizer(source: ModelSource) -> Tokenizer:
@@ -145,7 +149,7 @@ class LLMEngine:
         # Replaying the delivered tokens leaves the detokenizer (a half UTF-8 character) and the
         # stop-string hold-back exactly where the earlier attempt left them, so no text is lost.
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        live = _Live(req, detok, emitted=len(resume))
+        live = _Live(req, detok, emitted=len(resume), added=time.monotonic())
         if resume:
             delivered = detok.push(resume)
             keep = _stop_prefix_len(delivered, params.stop) if params.stop else 0
@@ -279,6 +283,7 @@ class LLMEngine:
             outputs.append(self._final(live, [], "", req.num_output_tokens, error=str(req.stop_reason)))
         if not batch.requests:
             return None
+        self._note_first_scheduled(batch)
         prev = self._inflight[-1].pending if self._inflight else None
         observer = self.step_observer
         if observer is None:
@@ -289,6 +294,19 @@ class LLMEngine:
             observer(StepRecord(batch, time.perf_counter() - t0))
         self.scheduler.begin_step(batch)
         return _Launched(batch, pending)
+
+    def _note_first_scheduled(self, batch: ScheduledBatch) -> None:
+        """Stamp the requests this batch computes for the first time. The scheduler admits waiting requests after
+        the running ones, and a request it had preempted (at the head of the queue) before those new to it, so the
+        new ones are the batch's tail: walking back stops at the first request already stamped (O(new requests)).
+        A new request of higher priority admitted ahead of a re-admitted one is missed; _final then takes its
+        first token as its first step."""
+        now = None
+        for req in reversed(batch.requests):
+            live = self._live[req.request_id]
+            if live.first_scheduled is not None:
+                break
+            live.first_scheduled = now = now or time.monotonic()
 
     def _complete(self, launched: _Launched) -> list[RequestOutput]:
         """Wait for a launched step, append its tokens to their requests and emit them."""
@@ -315,6 +333,8 @@ class LLMEngine:
         else:
             text, stop = self._push_text(live, new_ids, req.is_finished)
         live.emitted += len(new_ids)
+        if new_ids and live.first_token is None:
+            live.first_token = time.monotonic()
         if req.is_finished:
             self._live.pop(req.request_id)
             if stop is None:
@@ -367,10 +387,14 @@ class LLMEngine:
         req = live.req
         usage = Usage(req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens)
         reason = "error" if error else req.finish_reason
+        first = live.first_token if live.first_token is not None else time.monotonic()
+        # not stamped (a priority admission behind a re-admitted request, see _note_first_scheduled): its first token
+        scheduled = min(first, live.first_scheduled) if live.first_scheduled is not None else first
+        timeline = RequestTimeline(live.added, scheduled, first)
         return RequestOutput(req.request_id, new_ids, text, first_index, finished=True,
                              finish_reason=reason,  # type: ignore[arg-type]
                              stop_reason=None if error else req.stop_reason, error=error,
-                             logprobs=live.logprobs or None, usage=usage)
+                             logprobs=live.logprobs or None, usage=usage, timeline=timeline)
 
     # -- convenience ----------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,

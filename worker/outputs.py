@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -35,6 +35,17 @@ class RequestOutput:
     # Per new token: {token_id: logprob} with the sampled token first, then the top-n.
     logprobs: list[dict[int, float]] | None = None
     usage: Usage | None = None
+    timeline: RequestTimeline | None = None  # on the final output
+
+
+class RequestTimeline(NamedTuple):
+    """A request's first token in the engine, time.monotonic() seconds: when it was added, when a launched
+    step first computed its tokens, and when its first output token was emitted (each the request's end
+    when it never got there)."""
+
+    added: float
+    first_scheduled: float
+    first_token: float
 
 
 @dataclass

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import structlog
 import zmq
@@ -105,6 +105,13 @@ def open_dealer(ctx: zmq.Context, opts: WorkerOptions, routing_id: str) -> zmq.S
 
 class _Reset:
     """Inbound-queue marker: abort every request, then send a fresh READY."""
+
+
+class _Submitted(NamedTuple):
+    """A SUBMIT as the IO thread hands it to the engine loop, with when it arrived (time.monotonic())."""
+
+    msg: p.WorkerSubmit
+    at: float
 
 
 class IOThread(threading.Thread):
@@ -215,7 +222,9 @@ class IOThread(threading.Thread):
             log.info("broker_disconnect", reason=msg.reason)
             if not self._awaiting_ready:
                 self._request_reset()
-        elif isinstance(msg, p.WorkerSubmit | p.WorkerCancel):
+        elif isinstance(msg, p.WorkerSubmit):
+            self.inbound.put(_Submitted(msg, time.monotonic()))
+        elif isinstance(msg, p.WorkerCancel):
             self.inbound.put(msg)
 
     def _answer_malformed(self, frames: list[bytes], err: ProtocolError) -> None:
@@ -250,6 +259,9 @@ class EngineLoop:
         # for ids not here (cancelled, or from before a reset: `generation` counts resets) are dropped.
         self.tokenizing: dict[str, tuple[p.WorkerSubmit, SamplingParams]] = {}
         self.generation = 0
+        # engine request id -> when the IO thread received its SUBMIT (time.monotonic()), for its timeline;
+        # dropped when the job finishes, fails, is cancelled or reset
+        self.received: dict[str, float] = {}
         tokenize = getattr(engine, "tokenize_prompt", None)
         self.tokenizer = TokenizerThread(tokenize, self.io.inbound.put) if tokenize is not None else None
 
@@ -280,10 +292,12 @@ class EngineLoop:
     def _handle(self, item: Any) -> None:
         if isinstance(item, _Reset):
             self._reset()
-        elif isinstance(item, p.WorkerSubmit):
-            self._submit(item)
+        elif isinstance(item, _Submitted):
+            self.received[f"{item.msg.job_id}#{item.msg.attempt}"] = item.at
+            self._submit(item.msg)
         elif isinstance(item, p.WorkerCancel):
             rid = f"{item.job_id}#{item.attempt}"
+            self.received.pop(rid, None)
             self.tokenizing.pop(rid, None)
             if self.active.pop(rid, None) is not None:
                 self.engine.abort_request(rid)
@@ -296,6 +310,7 @@ class EngineLoop:
         n = len(self.active) + len(self.tokenizing)
         self.active.clear()
         self.tokenizing.clear()
+        self.received.clear()
         self.generation += 1
         if n:
             log.info("worker_reset", aborted=n)
@@ -323,11 +338,11 @@ class EngineLoop:
         try:
             params = SamplingParams.from_dict(msg.params)
         except InvalidRequest as e:
-            self._push(p.JobError(msg.job_id, msg.attempt, "invalid", str(e)[:1000]))
+            self._job_error(msg.job_id, msg.attempt, "invalid", str(e)[:1000])
             return
         too_long = msg.input.fit_error(self.engine.max_model_len, self.ready.max_prompt_chars)
         if too_long is not None:
-            self._push(p.JobError(msg.job_id, msg.attempt, "invalid", too_long))
+            self._job_error(msg.job_id, msg.attempt, "invalid", too_long)
         elif self.tokenizer is not None and msg.input.text_chars() > INLINE_TOKENIZE_CHARS:
             self.tokenizing[rid] = (msg, params)
             self.tokenizer.submit(rid, self.generation, msg.input, params)
@@ -341,7 +356,7 @@ class EngineLoop:
         msg, params = job
         if t.error is not None:
             code = "invalid" if isinstance(t.error, InvalidRequest | ValueError | TypeError) else "failed"
-            self._push(p.JobError(msg.job_id, msg.attempt, code, str(t.error)[:1000]))
+            self._job_error(msg.job_id, msg.attempt, code, str(t.error)[:1000])
         else:
             self._add(t.rid, msg, params, None, t.ids, None)
 
@@ -351,7 +366,7 @@ class EngineLoop:
             self.engine.add_request(rid, prompt, prompt_token_ids=prompt_token_ids, messages=messages,
                                     params=params, priority=msg.priority, resume_token_ids=msg.resume_token_ids)
         except (InvalidRequest, ValueError, TypeError) as e:
-            self._push(p.JobError(msg.job_id, msg.attempt, "invalid", str(e)[:1000]))
+            self._job_error(msg.job_id, msg.attempt, "invalid", str(e)[:1000])
             return
         self.active[rid] = (msg.job_id, msg.attempt)
 
@@ -378,17 +393,31 @@ class EngineLoop:
             if out.finished:
                 del active[out.request_id]
                 if out.finish_reason == "error":
+                    self.received.pop(out.request_id, None)
                     errors.append(p.JobError(job_id, attempt, "failed", str(out.error)[:1000]))
                 else:
                     u = out.usage
                     usage = (u.prompt_tokens, u.completion_tokens, u.cached_tokens) if u else (0, 0, 0)
-                    finished.append(p.FinishedJob(job_id, attempt, out.finish_reason, out.stop_reason, usage))
+                    finished.append(p.FinishedJob(job_id, attempt, out.finish_reason, out.stop_reason, usage,
+                                                  self._timeline(out)))
         if entries:
             self._send(p.encode_tokens(attempts, entries))
         if finished:
             self._push(p.Finished(finished))
         for e in errors:
             self._push(e)
+
+    def _job_error(self, job_id: str, attempt: int, code: str, text: str) -> None:
+        self.received.pop(f"{job_id}#{attempt}", None)
+        self._push(p.JobError(job_id, attempt, code, text))
+
+    def _timeline(self, out: Any) -> p.WorkerTimeline | None:
+        """The finished request's engine timeline in seconds since this worker received its SUBMIT."""
+        received = self.received.pop(out.request_id, None)
+        tl = out.timeline
+        if received is None or tl is None:
+            return None
+        return p.WorkerTimeline(*(max(0.0, t - received) for t in (tl.added, tl.first_scheduled, tl.first_token)))
 
     def _publish_load(self) -> None:
         s = self.engine.stats()

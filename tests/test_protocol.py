@@ -48,6 +48,12 @@ SAMPLES: list[p.Message] = [
 ]
 
 
+def test_a_finished_job_without_a_timeline_slot_still_decodes() -> None:
+    body = msgpack.packb([["a", 0, "stop", None, [1, 1, 0]]])
+    msg = p.decode([p.HEADER, bytes((p.Cmd.W_FINISHED,)), body])
+    assert msg == p.Finished([p.FinishedJob("a", 0, "stop", None, (1, 1, 0))])
+
+
 def test_tokens_body_is_attempts_and_stream_entries() -> None:
     chunks = [p.TokenChunk("job-1", 1, 4, [9, 10], "xy"), p.TokenChunk("job-2", 0, 0, [3], "z", [[[3, -0.5]]])]
     frames = p.encode(p.Tokens(chunks))
@@ -148,7 +154,7 @@ BAD: list[tuple[str, list[bytes]]] = [
     ("old tokens shape", _frames(p.Cmd.W_TOKENS, [["a", 0, 0, [1], "", None]])),
     ("tokens extra column", _frames(p.Cmd.W_TOKENS, [[0], [["a", 0, [1], "", None]], []])),
     ("bad finish", _frames(p.Cmd.W_FINISHED, [["a", 0, "exploded", None, [1, 1, 0], None]])),
-    ("finished without timeline slot", _frames(p.Cmd.W_FINISHED, [["a", 0, "stop", None, [1, 1, 0]]])),
+    ("finished job of four", _frames(p.Cmd.W_FINISHED, [["a", 0, "stop", None]])),
     ("negative timeline", _frames(p.Cmd.W_FINISHED, [["a", 0, "stop", None, [1, 1, 0], [0.1, -1.0, 0.2]]])),
     ("short timeline", _frames(p.Cmd.W_FINISHED, [["a", 0, "stop", None, [1, 1, 0], [0.1, 0.2]]])),
     ("nan timeline", _frames(p.Cmd.W_FINISHED, [["a", 0, "stop", None, [1, 1, 0], [0.1, float("nan"), 0.2]]])),

@@ -103,14 +103,14 @@ class RowParallelLinear(Linear):
 def check_row_split(method: LinearMethod, input_size: int, local: int, size: int) -> None:
     """ValueError unless `method`'s tensors of an input_size-column layer split into `size` slices of `local`
     columns: every input-sized dim exactly, INT4 groups whole, no act-order permutation across the slices."""
-    if method.shared_params:
+    full_shapes, local_shapes = method.param_shapes(input_size, 1), method.param_shapes(local, 1)
+    if method.shared_params & full_shapes.keys():
         raise ValueError(f"{method.name} act-order weights cannot be split by input columns for tensor "
                          "parallelism (their column permutation spans the whole input)")
     if isinstance(method, Int4LinearMethod) and local % method.group_size:
         raise ValueError(f"int4 groups of {method.group_size} columns cannot split a projection of {input_size} "
                          f"input columns over {size} ranks ({local} columns each is not whole groups); use a "
                          f"smaller --tensor-parallel-size, a group size dividing {local}, or --quantization int8")
-    full_shapes, local_shapes = method.param_shapes(input_size, 1), method.param_shapes(local, 1)
     for name, full in full_shapes.items():
         for f, n in zip(full, local_shapes[name], strict=True):
             if f != n and f != n * size:

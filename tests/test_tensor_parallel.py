@@ -149,7 +149,7 @@ def test_sizes_that_do_not_divide_the_kv_heads_are_refused(tmp_path: Path) -> No
 
 def test_int4_groups_that_a_rank_would_cut_are_refused() -> None:
     # tiny-llama's o_proj has 64 input columns: 32 per rank, not a whole group of 128
-    with pytest.raises(ModelLoadError, match="int4 groups of 128 columns cannot split .* over 2 ranks"):
+    with pytest.raises(ModelLoadError, match=r"int4 groups of 128 columns cannot split .* over 2 ranks"):
         LLMEngine(EngineConfig(model="tiny-llama", load_format="dummy", device="cpu", quantization="int4",
                                tensor_parallel_size=2))
 

@@ -317,3 +317,51 @@ def test_gpu_tp2_matches_tp1_greedy(model: str) -> None:
         finally:
             e.close()
     assert out[2] == out[1]
+
+
+# -- behind the broker -------------------------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_tp2_worker_behind_the_broker_is_one_worker_and_its_rank_dies_with_it(tmp_path: Path) -> None:
+    import signal
+
+    from helpers_net import free_port, procs_ctx, reference_greedy, wait_until, wait_workers
+
+    from tokenmill.client import Client
+
+    texts = [f"tensor parallel prompt {i}" for i in range(6)]
+    expected = reference_greedy(texts, 8)
+    front, back = free_port(), free_port()
+    with procs_ctx(tmp_path) as ps:
+        ps.broker(front, back)
+        worker = ps.worker(back, "--tensor-parallel-size", "2", name="tp-worker")
+        with Client(f"tcp://127.0.0.1:{front}") as c:
+            stats = wait_workers(c, 1, timeout=180)
+            assert [w["name"] for w in stats["workers"]] == ["tp-worker"]
+            handles = [c.submit(t, max_tokens=8, temperature=0.0, ignore_eos=True) for t in texts]
+            got = [(h.result(timeout=120).token_ids, h.result().text) for h in handles]
+        assert got == expected
+        rank1 = wait_until(lambda: [p for p in _children(worker.pid) if _alive(p)], 30, what="rank 1")
+        worker.send_signal(signal.SIGKILL)  # rank 0 alone: rank 1 must follow it by itself
+        wait_until(lambda: not any(_alive(p) for p in rank1), 30, what="rank 1 to exit with rank 0")

@@ -1,12 +1,13 @@
 """Ranks 1..N-1 of a tensor-parallel worker: `python -m tokenmill.worker.parallel.follower`, started by rank 0
 (worker/parallel/runner.py), which writes one JSON line on its stdin: the engine config, this rank, the
-group size, the TCPStore port on 127.0.0.1, max_model_len and rank 0's pid.
+group size, the TCPStore port on 127.0.0.1, max_model_len, rank 0's pid and its log level.
 
 A rank builds the same ModelRunner as rank 0 (its shards of the model and of the KV cache, the same CUDA
 graphs) and then runs what rank 0 sends, step after step, until OP_STOP: the forward, the logits of the
 rows rank 0 samples (its part of the all-gather), and the broadcast that gives it the sampled ids. It keeps
-no request state. It dies with rank 0 (PR_SET_PDEATHSIG on Linux; elsewhere the host group's sockets
-close and its receive fails).
+no request state. It dies with rank 0 (PR_SET_PDEATHSIG on Linux, which fires when the thread that started
+it ends: rank 0 builds its engine on a thread that lives as long as the engine; elsewhere the host group's
+sockets close and its receive fails).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def main() -> int:
     spec = json.loads(sys.stdin.readline())
     rank, size = int(spec["rank"]), int(spec["size"])
     _die_with_parent(int(spec["parent"]))
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+    logging.basicConfig(level=int(spec.get("log_level", logging.INFO)), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
     config: EngineConfig = config_from_dict(EngineConfig, spec["config"])
     store = open_store(size, int(spec["port"]))

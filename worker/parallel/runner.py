@@ -132,9 +132,9 @@ class TPModelRunner(ModelRunner):
 
 def start_ranks(config: EngineConfig, size: int, port: int, max_model_len: int) -> list[subprocess.Popen[bytes]]:
     """Ranks 1..size-1 as `python -m tokenmill.worker.parallel.follower`, each told (a JSON line on stdin)
-    the engine config, its rank, the store's port and max_model_len."""
+    the engine config, its rank, the store's port, max_model_len, this process's pid and log level."""
     spec = {"config": dataclasses.asdict(config), "size": size, "port": port, "max_model_len": max_model_len,
-            "parent": os.getpid()}
+            "parent": os.getpid(), "log_level": logging.getLogger().getEffectiveLevel()}
     ranks = []
     for rank in range(1, size):
         proc = subprocess.Popen([sys.executable, "-m", "tokenmill.worker.parallel.follower"], stdin=subprocess.PIPE)

@@ -15,6 +15,9 @@ and each layer keeps its slice (`load_part`). Output rows are the first dim of e
 shared ones (act-order's `perm`, over the input, kept whole by column layers); a row layer slices every dim
 whose size depends on the input size (found by comparing the format's shapes for the full and the local
 input), which for INT4 needs each rank's columns to be whole groups: what cannot split is refused at build.
+Weight scales are those of the whole tensor (quantized before it is sliced), so INT8 and INT4 shards compute
+what the whole layer does; FP8 W8A8 quantizes each token's activations per rank, over the columns that rank
+reads (a scale per slice instead of per row: a finer quantization, not the same numbers).
 """
 
 from __future__ import annotations

@@ -35,10 +35,10 @@ from typing import Any
 from tokenmill.benchmarks import summary
 from tokenmill.benchmarks.common import write_results
 from tokenmill.benchmarks.gpu_e2e import decode_step_times
-from tokenmill.benchmarks.throughput import ModelSpec, drive
+from tokenmill.benchmarks.throughput import ModelSpec, drive, free_device_memory
 from tokenmill.benchmarks.workloads import random_workload
 from tokenmill.protocol.sampling import SamplingParams
-from tokenmill.worker.config import EngineConfig
+from tokenmill.worker.config import CacheConfig, EngineConfig
 from tokenmill.worker.engine import LLMEngine
 
 TINY_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral")
@@ -100,12 +100,16 @@ def measure_greedy(device: str, tp: int, models: list[str]) -> dict[str, list[li
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     out = {}
     for model in models:
+        # a fixed small cache: the engine before this one may still hold its memory while this one starts
         engine = LLMEngine(EngineConfig(model=model, load_format="dummy", dtype="float32", device=device,
-                                        max_model_len=512, tensor_parallel_size=tp))
+                                        max_model_len=512, tensor_parallel_size=tp,
+                                        cache=CacheConfig(num_blocks=256)))
         try:
             out[model] = [o.token_ids for o in engine.generate(prompts, params)]
         finally:
             engine.close()
+            del engine
+            free_device_memory()
     return out
 
 

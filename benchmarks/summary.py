@@ -50,6 +50,10 @@ KEYS: dict[str, str] = {
     "fp8_decode_b1_ms": "ms",
     "ngram_cpu_b1_speedup": "x",
     "ngram_cpu_b1_copy_speedup": "x",
+    "tp1_decode_b1_ms": "ms",
+    "tp2_decode_b1_ms": "ms",
+    "tp2_decode_b1_ratio": "x",
+    "tp2_fixed_1000x1000_out_tok_s": "output tok/s",
 }
 
 # The suite section each suite figure comes from (a merged suite takes sections from several runs).
@@ -244,6 +248,20 @@ def spec_figures(r: Mapping[str, Any]) -> dict[str, float]:
     return {key: r["results"][name]["speedup"] for name, key in keys.items() if name in r["results"]}
 
 
+def tp_figures(r: Mapping[str, Any]) -> dict[str, float]:
+    """gpu_tp.py on dummy Llama-3-8B on CUDA, TP = 2 against TP = 1 in the same call; the fixed figure only
+    where all 1,000 requests of 1,000 in / 1,000 out completed."""
+    if (r.get("model"), r.get("device_kind"), r.get("tp")) != ("llama3-8b", "cuda", 2):
+        return {}
+    one, two = r["runs"]["1"], r["runs"]["2"]
+    out = {"tp1_decode_b1_ms": one["decode_b1"]["ms_per_step_p50"],
+           "tp2_decode_b1_ms": two["decode_b1"]["ms_per_step_p50"], "tp2_decode_b1_ratio": r["decode_b1_ratio"]}
+    fx, wl = two["fixed"], two["fixed"]["workload"]
+    if (wl["input_len"], wl["output_len"], fx["completed"], fx["failed"]) == (1000, 1000, 1000, 0):
+        out["tp2_fixed_1000x1000_out_tok_s"] = fx["output_tok_s"]
+    return out
+
+
 def figures_of(result: Mapping[str, Any]) -> dict[str, float]:
     """The figures a result file holds, by what kind of result it is."""
     kind: Callable[[Mapping[str, Any]], dict[str, float]] | None = (
@@ -251,6 +269,7 @@ def figures_of(result: Mapping[str, Any]) -> dict[str, float]:
         quant_accuracy_figures if result.get("benchmark") == "quant_accuracy" else
         gpu_quant_figures if result.get("benchmark") == "gpu_quant" else
         spec_figures if result.get("benchmark") == "spec_cpu" else
+        tp_figures if result.get("benchmark") == "gpu_tp" else
         suite_figures if "sections_s" in result else
         e2e_figures if "latency_b8_in32_out128_s" in result else None)
     return kind(result) if kind else {}

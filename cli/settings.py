@@ -229,6 +229,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("kv_cache_dtype", choice("auto", "fp8"), "auto", "KV-cache element type (auto: the model dtype; fp8: "
        "e4m3, refused where the device or the attention kernels lack it)", ENGINE_CMDS,
        "EngineConfig.kv_cache_dtype"),
+    _s("tensor_parallel_size", integer(1), 1, "ranks the model is split over, one process and device each (on CUDA "
+       "GPUs k..k+N-1 of --device cuda:k); N must divide the model's KV heads; the broker sees one worker",
+       ENGINE_CMDS, "EngineConfig.tensor_parallel_size"),
     _s("max_model_len", integer(1), None, "context length", ENGINE_CMDS,
        "EngineConfig.max_model_len", default_text="the model's"),
     _s("seed", integer(), 0, "seed of the per-request seeds of requests that name none", (WORKER, UP),

@@ -167,6 +167,9 @@ class EngineConfig:
     # int8 / int4 / fp8 quantize a dense checkpoint on load (worker/quant/)
     quantization: Quantization = "auto"
     kv_cache_dtype: KVCacheDType = "auto"  # "auto": the model dtype; "fp8": e4m3 (needs an FP8 GPU)
+    # ranks (one process and device each) the model's heads, MLP columns and vocabulary are split over
+    # (worker/parallel/); the broker still sees one worker
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "hf", "gguf", "dummy"):
@@ -181,3 +184,6 @@ class EngineConfig:
             raise ValueError(f"unknown quantization {self.quantization!r}; use auto, int8, int4 or fp8")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use auto or fp8")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")

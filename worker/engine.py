@@ -22,8 +22,9 @@ from tokenmill.worker.config import EngineConfig
 from tokenmill.worker.detokenizer import IncrementalDetokenizer
 from tokenmill.worker.loader import ModelSource, resolve_model
 from tokenmill.worker.metrics import EngineCounters, EngineStats
-from tokenmill.worker.model_runner import ModelRunner, PendingStep
+from tokenmill.worker.model_runner import PendingStep
 from tokenmill.worker.outputs import CompletionOutput, RequestOutput, RequestTimeline, Usage
+from tokenmill.worker.parallel.runner import make_model_runner
 from tokenmill.worker.request import Request
 from tokenmill.worker.scheduler import ScheduledBatch, Scheduler
 from tokenmill.worker.spec.ngram import NgramProposer
@@ -96,7 +97,7 @@ class LLMEngine:
         arch = source.arch
         self.max_model_len = min(config.max_model_len or arch.max_position_embeddings,
                                  arch.max_position_embeddings)
-        self.runner = ModelRunner(config, source, self.max_model_len)
+        self.runner = make_model_runner(config, source, self.max_model_len)  # tensor-parallel ranks too
         self.eos_token_ids = tuple(arch.eos_token_ids or self.tokenizer.eos_token_ids)
         self.counters = EngineCounters()
         self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size,
@@ -438,6 +439,11 @@ class LLMEngine:
                             return
         finally:
             self.abort_request(rid)
+
+    def close(self) -> None:
+        """Stop what the engine started beside this process (tensor-parallel ranks); the engine is unusable
+        afterwards. Also done at interpreter exit."""
+        self.runner.close()
 
     def stats(self) -> EngineStats:
         b = self.blocks

@@ -23,6 +23,9 @@ from tokenmill.worker.attention.backend import AttentionBackend, AttentionMetada
 from tokenmill.worker.config import CacheConfig, EngineConfig, ModelArch
 from tokenmill.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, graph_batch_sizes, mixed_graph_sizes
 from tokenmill.worker.loader import ModelLoadError, ModelSource, build_model
+from tokenmill.worker.models.layers import SINGLE_DEVICE
+from tokenmill.worker.parallel.group import TPGroup
+from tokenmill.worker.parallel.layers import TensorParallelLayers
 from tokenmill.worker.quant.fp8 import check_kv_cache_dtype
 from tokenmill.worker.request import Request
 from tokenmill.worker.sampler import Sampler, SamplingMetadata
@@ -111,10 +114,18 @@ class PendingStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
+    """`tp`: this process's rank of a tensor-parallel group (worker/parallel/): the model, the KV cache (its
+    KV heads) and the collectives are that rank's. None: one device, no collective anywhere."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int,
+                 tp: TPGroup | None = None) -> None:
         self.config = config
         self.arch: ModelArch = source.arch
-        self.device = resolve_device(config.device)
+        self.tp = tp
+        self.device = resolve_device(config.device) if tp is None else tp.device
+        shards = 1 if tp is None else tp.size
+        self.num_heads = self.arch.num_heads // shards  # this rank's query and KV heads
+        self.num_kv_heads = self.arch.num_kv_heads // shards
         self.dtype = resolve_dtype(config.dtype, self.device)
         configure_kernels(config.kernels)  # before the first kernel launch (and its per-device decisions)
         try:
@@ -124,13 +135,14 @@ class ModelRunner:
         self.backend = make_backend(config.attention_backend, self.device, config.decode_rope_in_attention)
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
-        self.model = build_model(source, self.backend, self.device, self.dtype, config.quantization)
+        layers = SINGLE_DEVICE if tp is None else TensorParallelLayers(tp)
+        self.model = build_model(source, self.backend, self.device, self.dtype, config.quantization, layers=layers)
         self.sampler = Sampler()
         self.sampler.warm_up(self.arch.vocab_size, self.device)
         self._wants_piecewise = (self.device.type == "cuda" and config.cuda_graphs and config.piecewise_graphs
                                  and hasattr(self.backend, "split"))
         self.num_blocks = self._size_kv_cache(config.cache)
-        shape = (self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.arch.head_dim)
         # Zeroed so that padding rows of a graph replay read finite values.
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -151,7 +163,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         sched = config.scheduler
         self.piecewise = PiecewiseGraphs(self.model, self.backend, self.kv_caches,
-                                         mixed_graph_sizes(sched.max_num_batched_tokens), self.arch.num_heads,
+                                         mixed_graph_sizes(sched.max_num_batched_tokens), self.num_heads,
                                          self.arch.head_dim, self.arch.hidden_size, self.device)
         self.piecewise.capture()
         variants = self.piecewise.warm_up_attention(sched.max_num_seqs, self.max_model_len)
@@ -162,7 +174,7 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         a = self.arch
-        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return 2 * a.num_layers * self.block_size * self.num_kv_heads * a.head_dim * self.dtype.itemsize
 
     def _size_kv_cache(self, cache: CacheConfig) -> int:
         if cache.num_blocks is not None:
@@ -174,6 +186,8 @@ class ModelRunner:
         # More blocks than max_num_seqs full-length requests can use is memory for nothing.
         useful = self.config.scheduler.max_num_seqs * -(-self.max_model_len // self.block_size)
         num_blocks = min(budget // self.bytes_per_block, useful)
+        if self.tp is not None:  # every rank's cache holds the same blocks (its KV heads of them)
+            num_blocks = self.tp.host_min(int(num_blocks))
         if num_blocks < 1:
             raise RuntimeError(
                 f"no memory left for the KV cache (budget {budget} bytes, one block needs "
@@ -205,7 +219,7 @@ class ModelRunner:
         q_lens = [n // num_seqs] * num_seqs
         q_lens[-1] += n - sum(q_lens)
         nb = -(-max(q_lens) // self.block_size)
-        shape = (nb, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        shape = (nb, self.block_size, self.num_kv_heads, self.arch.head_dim)
         caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2 for _ in range(self.arch.num_layers)]
         meta = attention_metadata(q_lens, q_lens, [list(range(nb))] * num_seqs, [-1] * n, self.device)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
@@ -322,7 +336,7 @@ class ModelRunner:
             return self._launch_verify(batch, sampling, reqs, host, ends, eos_token_ids)
         tensors = host.tensors | {"logits_rows": _i64([ends[i] - 1 for i in sampling])}  # last token of each
         smeta, stensors = self._host_sampling(reqs, eos_token_ids, prev) if reqs else (None, {})
-        dev = ship(tensors | stensors, self.device)  # the step's one host-to-device copy
+        dev = self._ship(tensors | stensors)  # the step's one host-to-device copy
         hidden = self._forward(*self._device_inputs(dev, host, prev))
         if smeta is None:
             return PendingStep(len(batch.requests), {}, [], [], None, None)
@@ -345,7 +359,7 @@ class ModelRunner:
         smeta, stensors = self._host_draft_sampling(reqs, eos_token_ids)
         tensors = host.tensors | stensors | {"logits_rows": _i64(rows), "spec.rows": layout.rows,
                                              "spec.drafts": layout.drafts}
-        dev = ship(tensors, self.device)  # the step's one host-to-device copy
+        dev = self._ship(tensors)  # the step's one host-to-device copy
         hidden = self._forward(*self._device_inputs(dev, host, None))
         logits = self.model.compute_logits(hidden[dev["logits_rows"]])  # [R, V]
         out = self.sampler(logits, self._device_sampling(smeta, dev, None))
@@ -362,8 +376,15 @@ class ModelRunner:
         """Logits [T, vocab] of every scheduled token of a batch without tokens in flight (tests compare
         chunked and whole prefill). KV is written to the cache; nothing is sampled."""
         host = self._host_inputs(batch, None)
-        hidden = self._forward(*self._device_inputs(ship(host.tensors, self.device), host, None))
+        hidden = self._forward(*self._device_inputs(self._ship(host.tensors), host, None))
         return self.model.compute_logits(hidden)
+
+    def _ship(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """A step's host inputs to the device (a tensor-parallel rank 0 also hands them to the other ranks)."""
+        return ship(tensors, self.device)
+
+    def close(self) -> None:
+        """Release what outlives the object (a tensor-parallel runner's other ranks); nothing here."""
 
 
 class _HostInputs(NamedTuple):

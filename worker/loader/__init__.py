@@ -15,7 +15,7 @@ from tokenmill.worker.attention.backend import AttentionBackend
 from tokenmill.worker.config import LoadFormat, ModelArch
 from tokenmill.worker.loader import dummy, gguf_loader, hf
 from tokenmill.worker.loader.quantized import CheckpointQuant, convert_checkpoint, effective_quant, quantize_online
-from tokenmill.worker.models.layers import ModelLoadError
+from tokenmill.worker.models.layers import LayerFactory, ModelLoadError
 from tokenmill.worker.models.llama import LlamaForCausalLM
 from tokenmill.worker.quant.base import LinearMethod
 from tokenmill.worker.quant.config import QuantConfig, make_linear_method
@@ -94,26 +94,39 @@ def _resolve_gguf(path: Path, name: str) -> ModelSource:
 
 def build_model(
     source: ModelSource, backend: AttentionBackend, device: torch.device, dtype: torch.dtype,
-    quantization: str = "auto", *, fp8_emulation: bool = False,
+    quantization: str = "auto", *, fp8_emulation: bool = False, layers: LayerFactory | None = None,
 ) -> LlamaForCausalLM:
     """Construct the model on `device` in `dtype`, fill its weights from `source`, set eval mode.
 
     quantization: "auto" (the checkpoint's own format: dense, or its quantization_config) or a method of
     worker/quant/config.py to quantize a dense checkpoint on load ("int4": groups of 128, symmetric).
-    fp8_emulation: FP8 through the CPU reference (accuracy studies, tests); never the engine's."""
-    quant = effective_quant(source.quant, quantization, source.name)
-    method = _linear_method(quant, torch.device(device), fp8_emulation)
+    fp8_emulation: FP8 through the CPU reference (accuracy studies, tests); never the engine's.
+    layers: what makes the projections and vocabulary layers (default: one device; a tensor-parallel rank's
+    keep their slices of each checkpoint tensor)."""
     with torch.no_grad():
-        try:
-            model = LlamaForCausalLM(source.arch, backend, dtype=dtype, device=device, linear_method=method)
-        except ValueError as e:  # a format that cannot hold these shapes
-            raise ModelLoadError(f"{source.name} as {quant.describe()}: {e}") from None
+        model = empty_model(source, backend, device, dtype, quantization, fp8_emulation=fp8_emulation,
+                            layers=layers)
+        method = model.linear_method
         if source.quant is not None:
             weights = convert_checkpoint(source.iter_weights(torch.device(device), None), source.quant)
         else:
             weights = quantize_online(source.iter_weights(torch.device(device), dtype), method)
         model.load_weights(weights)
     return model.eval()
+
+
+def empty_model(
+    source: ModelSource, backend: AttentionBackend, device: torch.device, dtype: torch.dtype,
+    quantization: str = "auto", *, fp8_emulation: bool = False, layers: LayerFactory | None = None,
+) -> LlamaForCausalLM:
+    """build_model's model before its weights are loaded (on the "meta" device: a check of the shapes alone)."""
+    quant = effective_quant(source.quant, quantization, source.name)
+    method = _linear_method(quant, torch.device(device), fp8_emulation)
+    try:
+        return LlamaForCausalLM(source.arch, backend, dtype=dtype, device=device, linear_method=method,
+                                layers=layers)
+    except ValueError as e:  # a format that cannot hold these shapes (or split them)
+        raise ModelLoadError(f"{source.name} as {quant.describe()}: {e}") from None
 
 
 def _linear_method(quant: QuantConfig, device: torch.device, fp8_emulation: bool) -> LinearMethod | None:

@@ -9,6 +9,7 @@ Parameters never require grad: this is an inference-only engine.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -122,6 +123,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
 
+    def load_part(self, name: str, tensor: torch.Tensor, rows: tuple[int, int] | None) -> None:
+        """Load a checkpoint tensor (canonical layout, full size) into parameter `name`; `rows`: the output
+        rows of the unsharded fused weight it fills (None: all of them)."""
+        self.method.load_weight(self, name, tensor, rows)
+
     # Few-token decode (x [M <= 16, in]): the method's fused kernel, or when its format has none, the same
     # ops unfused through apply(). Either way the weights are only ever touched by the method.
     def forward_skinny(self, x: torch.Tensor) -> torch.Tensor:
@@ -175,3 +181,39 @@ class VocabEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Tied LM head: hidden [N, hidden] -> logits [N, vocab] float32."""
+        return F.linear(hidden, self.weight).float()
+
+    def load_part(self, name: str, tensor: torch.Tensor, rows: tuple[int, int] | None) -> None:
+        assert name == "weight" and rows is None, name
+        self.weight.data.copy_(tensor)
+
+
+class LayerFactory:
+    """Makes a model's projections and vocabulary layers from the full model's sizes. This one (one device)
+    makes the plain layers; worker/parallel/layers.py's TensorParallelLayers makes one tensor-parallel rank's
+    shards, so the model code is the same for both. `shards`: the number of ranks the heads are split over."""
+
+    shards: int = 1
+
+    def column(self, input_size: int, output_sizes: Sequence[int], bias: bool, method: LinearMethod | None,
+               dtype: torch.dtype) -> Linear:
+        """A layer whose output rows are the concatenated parts `output_sizes` ([q | k | v], [gate | up])."""
+        return Linear(input_size, sum(output_sizes), bias, method, dtype=dtype)
+
+    def row(self, input_size: int, output_size: int, bias: bool, method: LinearMethod | None,
+            dtype: torch.dtype) -> Linear:
+        """A layer that reads what a column layer wrote (o_proj after attention, down_proj after the MLP)."""
+        return Linear(input_size, output_size, bias, method, dtype=dtype)
+
+    def embedding(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> VocabEmbedding:
+        return VocabEmbedding(vocab_size, hidden_size, dtype=dtype)
+
+    def lm_head(self, hidden_size: int, vocab_size: int, dtype: torch.dtype) -> nn.Module:
+        """An untied LM head: hidden [N, hidden] -> logits [N, vocab] in the model dtype."""
+        return Linear(hidden_size, vocab_size, False, dtype=dtype)
+
+
+SINGLE_DEVICE = LayerFactory()  # stateless: one instance serves every model on one device

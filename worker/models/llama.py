@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.worker.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata, KVCache
 from tokenmill.worker.config import ModelArch
 from tokenmill.worker.models.layers import (
-    Linear,
+    SINGLE_DEVICE,
+    LayerFactory,
     ModelLoadError,
     RMSNorm,
     RotaryEmbedding,
@@ -37,19 +37,20 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 
 class LlamaAttention(nn.Module):
     def __init__(self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding,
-                 linear_method: LinearMethod | None, dtype: torch.dtype) -> None:
+                 linear_method: LinearMethod | None, dtype: torch.dtype, layers: LayerFactory = SINGLE_DEVICE) -> None:
         super().__init__()
-        self.num_heads = arch.num_heads
-        self.num_kv_heads = arch.num_kv_heads
+        # This rank's heads (all of them on one device): q and kv heads split alike, so GQA groups stay whole.
+        self.num_heads = arch.num_heads // layers.shards
+        self.num_kv_heads = arch.num_kv_heads // layers.shards
         self.head_dim = arch.head_dim
-        self.q_size = arch.q_size
-        self.kv_size = arch.kv_size
+        self.q_size = self.num_heads * arch.head_dim
+        self.kv_size = self.num_kv_heads * arch.head_dim
         self.backend = backend
         # rotary: shared by all layers, holds no parameters; its table is on the model's device already
         self.spec = AttentionLayer(arch.head_dim**-0.5, arch.sliding_window, rotary.cos_sin_cache)
-        self.qkv_proj = Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.qkv_bias,
-                               linear_method, dtype=dtype)
-        self.o_proj = Linear(arch.q_size, arch.hidden_size, False, linear_method, dtype=dtype)
+        self.qkv_proj = layers.column(arch.hidden_size, [arch.q_size, arch.kv_size, arch.kv_size], arch.qkv_bias,
+                                      linear_method, dtype)
+        self.o_proj = layers.row(arch.q_size, arch.hidden_size, False, linear_method, dtype)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if arch.qk_norm:
@@ -79,11 +80,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArch, linear_method: LinearMethod | None, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArch, linear_method: LinearMethod | None, dtype: torch.dtype,
+                 layers: LayerFactory = SINGLE_DEVICE) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, False, linear_method,
-                                   dtype=dtype)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, False, linear_method, dtype=dtype)
+        inter = arch.intermediate_size
+        self.gate_up_proj = layers.column(arch.hidden_size, [inter, inter], False, linear_method, dtype)
+        self.down_proj = layers.row(inter, arch.hidden_size, False, linear_method, dtype)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,12 +94,12 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding,
-                 linear_method: LinearMethod | None, dtype: torch.dtype) -> None:
+                 linear_method: LinearMethod | None, dtype: torch.dtype, layers: LayerFactory = SINGLE_DEVICE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype)
-        self.self_attn = LlamaAttention(arch, backend, rotary, linear_method, dtype)
+        self.self_attn = LlamaAttention(arch, backend, rotary, linear_method, dtype, layers)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype)
-        self.mlp = LlamaMLP(arch, linear_method, dtype)
+        self.mlp = LlamaMLP(arch, linear_method, dtype, layers)
         # Few-token steps (decode) on CUDA with the Triton backend go through the linear methods' fused
         # decode kernels: each reads its weight once and computes its input on the fly (the norm, the
         # SwiGLU product), so four projections replace seven kernels per layer. A method whose format has
@@ -140,13 +142,14 @@ class LlamaModel(nn.Module):
         backend: AttentionBackend,
         linear_method: LinearMethod | None,
         dtype: torch.dtype,
+        layers: LayerFactory,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        self.embed_tokens: VocabEmbedding = layers.embedding(arch.vocab_size, arch.hidden_size, dtype)
         self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
                                           arch.rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, backend, self.rotary_emb, linear_method, dtype)
+            LlamaDecoderLayer(arch, backend, self.rotary_emb, linear_method, dtype, layers)
             for _ in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype)
@@ -164,18 +167,20 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         linear_method: LinearMethod | None = None,
+        layers: LayerFactory | None = None,
     ) -> None:
         super().__init__()
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
         self.linear_method = linear_method  # the decoder layers' projections (None: dense)
+        layers = layers if layers is not None else SINGLE_DEVICE  # one device, or one tensor-parallel rank
         with torch.device(self.device):
-            self.model = LlamaModel(arch, backend, linear_method, dtype)
+            self.model = LlamaModel(arch, backend, linear_method, dtype, layers)
             # Tied models read logits straight off embed_tokens.weight; lm_head is then None.
-            self.lm_head: Linear | None = None
+            self.lm_head: nn.Module | None = None
             if not arch.tie_word_embeddings:
-                self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False, dtype=dtype)
+                self.lm_head = layers.lm_head(arch.hidden_size, arch.vocab_size, dtype)
 
     def forward(
         self,
@@ -198,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] float32 (through embed_tokens.weight when tied)."""
         if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
+            return self.model.embed_tokens.logits(hidden)
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -220,10 +225,10 @@ class LlamaForCausalLM(nn.Module):
                                      f"the model expects {expected[name]}")
             param_name, rows = fused_target(name, self.arch)
             module_name, _, suffix = param_name.rpartition(".")
-            module = modules.get(module_name)
-            if isinstance(module, Linear):
-                try:
-                    module.method.load_weight(module, suffix, tensor, rows)
+            load_part = getattr(modules.get(module_name), "load_part", None)  # projections, vocabulary layers
+            if load_part is not None:
+                try:  # a tensor-parallel rank's layer keeps its slice of the tensor
+                    load_part(suffix, tensor, rows)
                 except ValueError as e:
                     raise ModelLoadError(f"weight {name!r}: {e}") from None
             else:

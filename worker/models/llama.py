@@ -46,7 +46,9 @@ class LlamaAttention(nn.Module):
         self.kv_size = arch.kv_size
         self.backend = backend
         # rotary: shared by all layers, holds no parameters; its table is on the model's device already
-        self.spec = AttentionLayer(arch.head_dim**-0.5, arch.sliding_window, rotary.cos_sin_cache)
+        # kv_scales: ones until an fp8 KV cache calibrates them (worker/attention/kv_scales.py)
+        kv_scales = torch.ones((2, arch.num_kv_heads), device=rotary.cos_sin_cache.device)
+        self.spec = AttentionLayer(arch.head_dim**-0.5, arch.sliding_window, rotary.cos_sin_cache, kv_scales)
         self.qkv_proj = Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.qkv_bias,
                                linear_method, dtype=dtype)
         self.o_proj = Linear(arch.q_size, arch.hidden_size, False, linear_method, dtype=dtype)

@@ -22,6 +22,8 @@ import dataclasses
 from typing import Any
 
 import pytest
+from test_kernels import Batch, make_batch, rel_err
+from test_quant_bad_input import DUMMY
 
 from tokenmill.kernels.attention_ref import (
     FP8_KV,
@@ -33,18 +35,15 @@ from tokenmill.kernels.attention_ref import (
 from tokenmill.kernels.kv_cache import write_kv_cache
 from tokenmill.kernels.paged_attention import DecodeRope, PagedAttentionConfig, paged_attention
 from tokenmill.kernels.rotary import cos_sin_cache_from_inv_freq, rotary_and_cache
+from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.attention.backend import AttentionLayer
 from tokenmill.worker.attention.kv_scales import HEADROOM, calibrate, pow2_scales
 from tokenmill.worker.attention.torch_ref import TorchRefBackend
 from tokenmill.worker.attention.triton_backend import TritonBackend
-from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.config import EngineConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.loader import ModelLoadError
 from tokenmill.worker.model_runner import attention_metadata
-
-from test_kernels import Batch, make_batch, rel_err
-from test_quant_bad_input import DUMMY
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -96,7 +95,8 @@ def _make_fp8_batch(query_lens: list[int], seq_lens: list[int], hq: int, hkv: in
     batch = make_batch(query_lens, seq_lens, hq, hkv, d, bs, dtype)
     # values of each head's own magnitude (~40 of its scale): the kernel must apply the scale of the right head
     kmag, vmag = (40.0 * scales[i][:, None] for i in (0, 1))  # [Hkv, 1]
-    batch = dataclasses.replace(batch, k_cache=(batch.k_cache * kmag).to(dtype), v_cache=(batch.v_cache * vmag).to(dtype))
+    k_cache, v_cache = (batch.k_cache * kmag).to(dtype), (batch.v_cache * vmag).to(dtype)
+    batch = dataclasses.replace(batch, k_cache=k_cache, v_cache=v_cache)
     return fp8_batch(batch, scales), scales
 
 
@@ -344,6 +344,14 @@ def _useful_blocks(runner: Any) -> int:
 def _greedy(engine: LLMEngine, prompt: list[int], n: int) -> list[int]:
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     return list(engine.generate([prompt], params)[0].token_ids)
+
+
+def test_gpu_quant_fp8_kv_check_runs() -> None:
+    """benchmarks/gpu_quant.py's FP8 KV check at Llama-3-8B head shapes on tiny contexts (fp16: the interpreter)."""
+    from tokenmill.benchmarks.gpu_quant import fp8_kv_case
+
+    r = fp8_kv_case([1, 3], [20, 9], DEV, torch.float16 if not HAS_CUDA else torch.bfloat16)
+    assert r["rel_err_vs_reference"] < 1e-2 and 0.0 < r["rel_err_vs_bf16_cache"] < 0.1
 
 
 # ---- GPU (bf16) ---------------------------------------------------------------------------------------------------

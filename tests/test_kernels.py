@@ -836,7 +836,8 @@ def _sm90_compile_all() -> None:
     fp8 = bf | {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "scales_ptr": "*fp32"}
     for kv_fp8 in (False, True):
         ptrs = fp8 if kv_fp8 else bf
-        build(kvc._write_kv_cache_kernel, ptrs, {"BLOCK_SIZE": 16, "HEADS_PAD": 8, "DIM_PAD": 128, "KV_FP8": kv_fp8}, 4, 1)
+        kv_consts = {"BLOCK_SIZE": 16, "HEADS_PAD": 8, "DIM_PAD": 128, "KV_FP8": kv_fp8}
+        build(kvc._write_kv_cache_kernel, ptrs, kv_consts, 4, 1)
         rot_consts = {"QHEADS_PAD": 32, "KHEADS_PAD": 8, "HALF_PAD": 64, "BLOCK_SIZE": 16, "WRITE_CACHE": True,
                       "KV_FP8": kv_fp8}
         build(rot._rotary_kernel, ptrs, rot_consts, 4, 1)

@@ -227,7 +227,8 @@ SETTINGS: tuple[Setting, ...] = (
        "dense checkpoint on load: int8 (W8A16 per channel), int4 (W4A16, groups of 128), fp8 (W8A8 e4m3, needs a "
        "GPU of compute capability >= 8.9)", ENGINE_CMDS, "EngineConfig.quantization"),
     _s("kv_cache_dtype", choice("auto", "fp8"), "auto", "KV-cache element type (auto: the model dtype; fp8: "
-       "e4m3, refused where the device or the attention kernels lack it)", ENGINE_CMDS,
+       "e4m3 with per-head scales calibrated on the first step, twice the blocks; needs a GPU of compute "
+       "capability >= 8.9)", ENGINE_CMDS,
        "EngineConfig.kv_cache_dtype"),
     _s("max_model_len", integer(1), None, "context length", ENGINE_CMDS,
        "EngineConfig.max_model_len", default_text="the model's"),

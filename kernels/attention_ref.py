@@ -30,13 +30,14 @@ def quantize_kv_fp8(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return y.clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV)
 
 
-def dequantize_kv(x: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-    """Cache entries x [..., Hkv, D] as float32: fp8 entries times their head's scale (scales [Hkv]); other
-    dtypes as they are (scales unused)."""
-    if x.dtype != FP8_KV:
-        return x.float()
+def read_kv(flat: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """Cache rows flat[slots] ([slots..., Hkv, D] of a [num_slots, Hkv, D] cache) as float32: fp8 entries times
+    their head's scale (scales [Hkv]; gathered as bytes, since float8 indexing is not implemented everywhere),
+    other dtypes as they are (scales unused)."""
+    if flat.dtype != FP8_KV:
+        return flat[slots].float()
     assert scales is not None, "an fp8 cache needs its kv_scales"
-    return x.float() * scales.float()[:, None]
+    return flat.view(torch.uint8)[slots].view(FP8_KV).float() * scales.float()[:, None]
 
 
 def rotary_embedding_ref(
@@ -64,10 +65,10 @@ def write_kv_cache_ref(
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
-    if k_cache.dtype == FP8_KV:
+    if k_cache.dtype == FP8_KV:  # indexed as bytes: float8 indexing is not implemented everywhere
         assert kv_scales is not None, "an fp8 cache needs its kv_scales"
-        k_cache[blocks, offsets] = quantize_kv_fp8(k[keep], kv_scales[0])
-        v_cache[blocks, offsets] = quantize_kv_fp8(v[keep], kv_scales[1])
+        k_cache.view(torch.uint8)[blocks, offsets] = quantize_kv_fp8(k[keep], kv_scales[0]).view(torch.uint8)
+        v_cache.view(torch.uint8)[blocks, offsets] = quantize_kv_fp8(v[keep], kv_scales[1]).view(torch.uint8)
         return
     k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
     v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
@@ -101,7 +102,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         slots = _context_slots(block_tables[i], seq_len, block_size)
         mask = _attention_mask(query_len, seq_len, sliding_window, q.device)
         span = slice(starts[i], starts[i + 1])
-        k, v = dequantize_kv(flat_k[slots], k_scales), dequantize_kv(flat_v[slots], v_scales)
+        k, v = read_kv(flat_k, slots, k_scales), read_kv(flat_v, slots, v_scales)
         out[span] = _dense_attention(q[span], k, v, mask, scale).to(q.dtype)
     return out
 
@@ -157,8 +158,8 @@ def _decode_attention(
     pos = torch.arange(max_seq_len, device=q.device)
     slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size  # [B, S]
     k_scales, v_scales = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
-    k = dequantize_kv(flat_k[slots], k_scales).transpose(1, 2)  # [B, Hkv, S, D]
-    v = dequantize_kv(flat_v[slots], v_scales).transpose(1, 2)
+    k = read_kv(flat_k, slots, k_scales).transpose(1, 2)  # [B, Hkv, S, D]
+    v = read_kv(flat_v, slots, v_scales).transpose(1, 2)
     last = seq_lens.long().unsqueeze(1) - 1  # position of each query
     mask = pos.unsqueeze(0) <= last  # [B, S]
     if sliding_window is not None:

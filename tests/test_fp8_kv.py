@@ -29,6 +29,7 @@ from tokenmill.kernels.attention_ref import (
     FP8_KV,
     paged_attention_ref,
     quantize_kv_fp8,
+    read_kv,
     rotary_embedding_ref,
     write_kv_cache_ref,
 )
@@ -133,7 +134,7 @@ def test_write_kv_cache_fp8_slots_and_heads(dtype: torch.dtype) -> None:
     write_kv_cache_ref(k, v, kr, vr, slots, scales)
     assert torch.equal(_bits(kc), _bits(kr)) and torch.equal(_bits(vc), _bits(vr))
     assert int((kc.float() != 7.0).any(-1).any(-1).sum()) == t - 2  # the written slots, and only those
-    flat = kc.flatten(0, 1)[slots[slots >= 0]].float() * scales[0][:, None]
+    flat = read_kv(kc.flatten(0, 1), slots[slots >= 0], scales[0])
     torch.testing.assert_close(flat, k[slots >= 0].float(), rtol=1 / 16, atol=float(scales[0].max()) * 2**-9)
 
 

@@ -386,3 +386,30 @@ def test_gpu_fp8_writes_bit_exact_bf16() -> None:
     write_kv_cache(k, v, kc, vc, slots.flip(0), scales)
     write_kv_cache_ref(k, v, kr, vr, slots.flip(0), scales)
     assert torch.equal(_bits(kc), _bits(kr)) and torch.equal(_bits(vc), _bits(vr))
+
+
+@gpu
+@needs_cuda
+def test_gpu_engine_fp8_kv_cache() -> None:
+    """A CUDA engine with an fp8 cache (decode and piecewise CUDA graphs, the calibrating first step eager): half
+    the bytes per block, calibrated scales, and the greedy tokens of the torch backend reading the same kind of
+    cache (most sequences identical; bf16 ties may flip a few)."""
+    import random
+
+    from tokenmill.worker.config import SchedulerConfig
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 5, 16, 17, 40, 100) * 4]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for backend, kv in (("triton", "auto"), ("triton", "fp8"), ("torch", "fp8")):
+        engine = LLMEngine(EngineConfig(model="tiny-llama", load_format="dummy", dtype="bfloat16", device="cuda",
+                                        attention_backend=backend, kv_cache_dtype=kv,  # type: ignore[arg-type]
+                                        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=32)))
+        tokens[backend, kv] = [o.token_ids for o in engine.generate(prompts, params)]
+        if kv == "fp8":
+            assert engine.runner.kv_caches[0][0].dtype == FP8_KV
+            assert bool((engine.runner.model.model.layers[0].self_attn.spec.kv_scales != 1.0).any())
+        del engine
+    same = sum(a == b for a, b in zip(tokens["triton", "fp8"], tokens["torch", "fp8"]))
+    assert same >= len(prompts) // 2, same

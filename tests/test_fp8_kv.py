@@ -41,7 +41,7 @@ from tokenmill.worker.attention.backend import AttentionLayer
 from tokenmill.worker.attention.kv_scales import HEADROOM, calibrate, pow2_scales
 from tokenmill.worker.attention.torch_ref import TorchRefBackend
 from tokenmill.worker.attention.triton_backend import TritonBackend
-from tokenmill.worker.config import EngineConfig
+from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.loader import ModelLoadError
 from tokenmill.worker.model_runner import attention_metadata
@@ -320,26 +320,26 @@ def test_cpu_engine_refuses_fp8_kv_cache() -> None:
 
 
 def test_engine_with_fp8_cache_doubles_blocks_and_calibrates(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the device check lifted (the CPU engine refuses fp8), the runner's wiring on the torch backend: twice
-    the blocks in the same bytes, scales set by the first step, and the greedy tokens of the dense cache."""
+    """With the device check lifted (the CPU engine refuses fp8), the runner's wiring on the torch backend: 1 byte
+    per entry instead of 4 (float32 on the CPU; bf16's 2 on a GPU), so 4x the blocks in the same bytes, scales
+    set by the first step, and mostly the greedy tokens of the dense cache."""
     import tokenmill.worker.model_runner as mr
 
     monkeypatch.setattr(mr, "check_kv_cache_dtype", lambda dtype, device: None)
-    engines = {dt: LLMEngine(EngineConfig(**DUMMY, kv_cache_dtype=dt)) for dt in ("auto", "fp8")}  # type: ignore[arg-type]
+    cache = CacheConfig(cpu_kv_bytes=64 * 8192)  # 64 float32 blocks of tiny-llama: far below the useful-blocks cap
+    engines = {dt: LLMEngine(EngineConfig(**DUMMY, kv_cache_dtype=dt, cache=cache))  # type: ignore[arg-type]
+               for dt in ("auto", "fp8")}
     dense, fp8 = engines["auto"].runner, engines["fp8"].runner
     assert fp8.kv_caches[0][0].dtype == FP8_KV
-    assert fp8.bytes_per_block * 4 == dense.bytes_per_block  # float32 on the CPU
-    assert fp8.num_blocks >= 2 * dense.num_blocks or fp8.num_blocks == _useful_blocks(fp8)
+    assert dense.bytes_per_block == 8192 and fp8.bytes_per_block == 2048  # float32 on the CPU, e4m3
+    assert (dense.num_blocks, fp8.num_blocks) == (64, 256)
+    assert engines["fp8"].blocks.num_blocks == 256  # the block manager holds them all
     layer = fp8.model.model.layers[0].self_attn.spec
     assert bool((layer.kv_scales == 1.0).all())
     outs = {dt: _greedy(e, [5, 17, 99, 3, 42, 8, 61, 77], 8) for dt, e in engines.items()}
     assert bool((layer.kv_scales != 1.0).any())  # calibrated by the first step
     same = sum(a == b for a, b in zip(outs["auto"], outs["fp8"]))
     assert same >= 6, outs
-
-
-def _useful_blocks(runner: Any) -> int:
-    return int(runner.config.scheduler.max_num_seqs * -(-runner.max_model_len // runner.block_size))
 
 
 def _greedy(engine: LLMEngine, prompt: list[int], n: int) -> list[int]:
@@ -395,8 +395,6 @@ def test_gpu_engine_fp8_kv_cache() -> None:
     the bytes per block, calibrated scales, and the greedy tokens of the torch backend reading the same kind of
     cache (most sequences identical; bf16 ties may flip a few)."""
     import random
-
-    from tokenmill.worker.config import SchedulerConfig
 
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 5, 16, 17, 40, 100) * 4]

@@ -155,7 +155,7 @@ def test_rotary_and_cache_fp8(dtype: torch.dtype) -> None:
     rotary_and_cache(q, k, v, cos_sin, positions, kc, vc, slots, scales)
     write_kv_cache_ref(k, v, kr, vr, slots, scales)  # k: rotated in place by the kernel
     assert torch.equal(_bits(kc), _bits(kr)) and torch.equal(_bits(vc), _bits(vr))
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-3}
+    tol: dict[str, Any] = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-3}
     torch.testing.assert_close(k, k_ref, **tol)
     torch.testing.assert_close(q, q_ref, **tol)
 

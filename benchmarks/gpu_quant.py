@@ -240,9 +240,9 @@ def fixed_run(model: str, quantization: str, kv_cache_dtype: str, requests: int)
     drive(engine, Workload("warm-up", tuple(BenchRequest(r.prompt_ids, 2) for r in wl.requests[:k])), desc="warm-up")
     window = 2 * spec.max_num_seqs
     run = drive(engine, wl, window=window, desc=f"fixed {quantization} kv {kv_cache_dtype}")
-    out = {"workload": wl.summary(), **run.summary(engine.runner.bytes_per_block), **peak_memory("cuda"),
-           "window": window, "kv_blocks": engine.runner.num_blocks, "quantization": quantization,
-           "kv_cache_dtype": kv_cache_dtype}
+    out = {"workload": wl.summary(), **run.summary(engine.runner.bytes_per_block),
+           **peak_memory(engine.runner.device.type), "window": window, "kv_blocks": engine.runner.num_blocks,
+           "quantization": quantization, "kv_cache_dtype": kv_cache_dtype}
     _free(engine)
     return out
 

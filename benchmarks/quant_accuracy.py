@@ -9,10 +9,15 @@ chat-formatted human turn and the gpt reply run through every model teacher-forc
     greedy agreement      the share of positions whose argmax equals the reference's (teacher-forced)
 Formats: INT8 (W8A16 per channel, online), FP8 W8A8 (EMULATED on the CPU: weights and per-token activations
 rounded to e4m3 and multiplied in fp32), INT4 RTN g128 and INT4 GPTQ g128 (symmetric, checkpoints written by
-`tokenmill quantize` and read back through the GPTQ loader, dense tensors in float32 like the reference).
+`tokenmill quantize` and read back through the GPTQ loader, dense tensors in float32 like the reference), and FP8 KV
+cache (the reference's weights, keys and values stored as e4m3 with per-head scales: the torch reference backend,
+whose rounding `quantize_kv_fp8` the Triton KV-write kernels match bit for bit, since the CPU engine refuses
+--kv-cache-dtype fp8; the scales are calibrated once, as the engine's first step does, on the file's first exchange
+and then fixed for every held-out reply).
 Not a timed test: a benchmark (minutes on the CPU).
 
     python -m tokenmill.benchmarks.quant_accuracy --num-replies 200 --out benchmarks/results/cpu
+    python -m tokenmill.benchmarks.quant_accuracy --formats fp8_kv --name quant_accuracy_fp8_kv --out ...
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch.nn.functional as F
 
 from tokenmill.benchmarks.common import git_commit, write_results
 from tokenmill.benchmarks.datasets import ChatExchange, chat_exchanges
+from tokenmill.kernels.attention_ref import FP8_KV
 from tokenmill.worker.attention.torch_ref import TorchRefBackend
 from tokenmill.worker.engine import load_tokenizer
 from tokenmill.worker.loader import build_model, resolve_model
@@ -39,7 +45,8 @@ from tokenmill.worker.quant.base import LinearMethod
 from tokenmill.worker.quant.fp8 import quantize_fp8_rows
 from tokenmill.worker.quant.packed import PackedLinearMethod
 
-FORMATS = ("int8", "fp8", "int4_rtn", "int4_gptq")
+FORMATS = ("int8", "fp8", "int4_rtn", "int4_gptq", "fp8_kv")
+KV_DTYPES = {"fp8_kv": FP8_KV}  # formats whose difference is the KV cache's dtype (float32 otherwise)
 BLOCK = 16
 GROUP_SIZE = 128
 
@@ -55,7 +62,8 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--work", default=None, help="folder for the INT4 checkpoints (default: a temporary one)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--no-cache", action="store_true", help="dequantize at every call (the methods' own CPU path)")
-    p.add_argument("--out", default=None, help="results folder (quant_accuracy.json / .md); summary.json merged")
+    p.add_argument("--out", default=None, help="results folder (<name>.json / .md); summary.json merged")
+    p.add_argument("--name", default="quant_accuracy", help="results file stem (a run of some formats apart)")
     return p
 
 
@@ -82,13 +90,15 @@ class _Stats:
         return out
 
 
-def reply_logprobs(model: LlamaForCausalLM, ex: ChatExchange) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probabilities [R, vocab] of the reply's R tokens, the tokens [R]) in one teacher-forced forward."""
+def reply_logprobs(model: LlamaForCausalLM, ex: ChatExchange, kv_dtype: torch.dtype = torch.float32,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities [R, vocab] of the reply's R tokens, the tokens [R]) in one teacher-forced forward (its
+    keys and values written to, and read back from, a KV cache of kv_dtype)."""
     ids = list(ex.prompt_ids + ex.reply_ids)
     n, blocks = len(ids), -(-len(ids) // BLOCK)
     a = model.arch
     shape = (blocks, BLOCK, a.num_kv_heads, a.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(a.num_layers)]
+    caches = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)) for _ in range(a.num_layers)]
     meta = attention_metadata([n], [n], [list(range(blocks))], list(range(n)), torch.device("cpu"))
     hidden = model(torch.tensor(ids), torch.arange(n), caches, meta)
     rows = torch.arange(len(ex.prompt_ids) - 1, n - 1)
@@ -147,11 +157,27 @@ def cache_dequantized(model: LlamaForCausalLM) -> None:
         m.method = cached
 
 
+def calibrate_fp8_kv(model: LlamaForCausalLM, backend: TorchRefBackend, ex: ChatExchange) -> None:
+    """Set every layer's FP8 KV scales from one exchange's prefill, as the engine's first step does."""
+    backend.calibrate_kv_scales = True
+    try:
+        reply_logprobs(model, ex, FP8_KV)
+    finally:
+        backend.calibrate_kv_scales = False
+
+
 def build_models(args: argparse.Namespace, formats: list[str], work: Path) -> dict[str, LlamaForCausalLM]:
     cpu, backend = torch.device("cpu"), TorchRefBackend()
     source = resolve_model(args.model)
     models = {"reference": build_model(source, backend, cpu, torch.float32)}
     for fmt in formats:
+        if fmt in KV_DTYPES:  # the reference's weights; its own backend (calibration flag), scales
+            fp8_backend = TorchRefBackend()
+            models[fmt] = build_model(source, fp8_backend, cpu, torch.float32)
+            tokenizer = load_tokenizer(source)
+            calibrate_fp8_kv(models[fmt], fp8_backend, chat_exchanges(tokenizer, range(0, 1), args.max_prompt_tokens,
+                                                                      args.max_reply_tokens)[0])
+            continue
         if fmt in ("int8", "fp8"):
             models[fmt] = build_model(source, backend, cpu, torch.float32, fmt, fp8_emulation=fmt == "fp8")
         else:
@@ -170,7 +196,7 @@ def evaluate(models: dict[str, LlamaForCausalLM], exchanges: list[ChatExchange])
         stats["reference"].add(ref_logp, targets, None)
         for name, model in models.items():
             if name != "reference":
-                stats[name].add(reply_logprobs(model, ex)[0], targets, ref_logp)
+                stats[name].add(reply_logprobs(model, ex, KV_DTYPES.get(name, torch.float32))[0], targets, ref_logp)
         if (i + 1) % 20 == 0:
             print(f"{i + 1}/{len(exchanges)} exchanges", flush=True)
     ref_ppl = stats["reference"].summary(None)["ppl"]
@@ -180,7 +206,8 @@ def evaluate(models: dict[str, LlamaForCausalLM], exchanges: list[ChatExchange])
 def table(results: dict[str, dict[str, float]], n: int) -> str:
     labels = {"reference": "reference (Q4_1 dequantized, fp32)", "int8": "INT8 W8A16 per channel",
               "fp8": "FP8 W8A8 e4m3 (CPU emulation)", "int4_rtn": "INT4 RTN g128 sym",
-              "int4_gptq": "INT4 GPTQ g128 sym"}
+              "int4_gptq": "INT4 GPTQ g128 sym",
+              "fp8_kv": "FP8 KV cache e4m3, per-head scales (torch reference of the kernels' rounding)"}
     rows = [f"SmolLM2-135M-Instruct (embedded; its weights are Q4_1 blocks of 32, dequantized = the reference; "
             f"INT4 in groups of 128), {n} held-out ShareGPT replies, teacher-forced.", "",
             "| format | perplexity | ppl delta | mean KL (nats/token) | greedy agreement |", "|---|---|---|---|---|"]
@@ -214,14 +241,16 @@ def run_cli(args: argparse.Namespace) -> int:
         "max_reply_tokens": args.max_reply_tokens, "gptq_calibration": {
             "exchanges": args.num_calibration, "tokens_each": args.calibration_tokens, "damp": 0.01,
             "act_order": False}, "fp8": "emulated on the CPU (fake-quantized weights and activations)",
+        "fp8_kv": "the reference's weights; K/V stored as e4m3 with per-kv-head power-of-two scales, calibrated on the "
+                  "file's first exchange, read back by the torch reference backend (the kernels' rounding, bit-exact)",
         "dequantized_weights_cached": not args.no_cache, "results": results, "seconds": time.perf_counter() - t0}
     md = table(results, len(exchanges))
     if args.out:
         out = Path(args.out)
-        write_results(out, "quant_accuracy", payload, md)
+        write_results(out, args.name, payload, md)
         from tokenmill.benchmarks.summary import record_file
 
-        record_file(out / "quant_accuracy.json", commit=git_commit())
+        record_file(out / f"{args.name}.json", commit=git_commit())
     else:
         print(md)
     return 0

@@ -45,9 +45,12 @@ KEYS: dict[str, str] = {
     "ppl_delta_pct_fp8": "%",
     "ppl_delta_pct_int4_rtn": "%",
     "ppl_delta_pct_int4_gptq": "%",
+    "ppl_delta_pct_fp8_kv": "%",
     "int8_decode_b1_ms": "ms",
     "int4_decode_b1_ms": "ms",
     "fp8_decode_b1_ms": "ms",
+    "fp8_kv_blocks_ratio": "x",
+    "fp8_fixed_1000x1000_out_tok_s": "output tok/s",
     "ngram_cpu_b1_speedup": "x",
     "ngram_cpu_b1_copy_speedup": "x",
     "tp1_decode_b1_ms": "ms",
@@ -232,11 +235,19 @@ def quant_accuracy_figures(r: Mapping[str, Any]) -> dict[str, float]:
 
 
 def gpu_quant_figures(r: Mapping[str, Any]) -> dict[str, float]:
-    """gpu_quant.py's batch-1 decode on dummy Llama-3-8B quantized on load (bf16 measured in the same call)."""
-    decode = r.get("decode") or {}
-    if r.get("model") != "llama3-8b" or "auto" not in decode:
+    """gpu_quant.py on dummy Llama-3-8B: batch-1 decode quantized on load (bf16 measured in the same call), the FP8
+    KV cache's blocks at bf16's memory, and the fixed 1000/1000 run with FP8 weights + FP8 KV (bf16 beside it)."""
+    if r.get("model") != "llama3-8b":
         return {}
-    return {f"{q}_decode_b1_ms": d["ms_per_step_p50"] for q, d in decode.items() if q in ("int8", "int4", "fp8")}
+    decode = r.get("decode") or {}
+    out = {f"{q}_decode_b1_ms": d["ms_per_step_p50"] for q, d in decode.items()
+           if q in ("int8", "int4", "fp8") and "auto" in decode}
+    if "kv_blocks" in r:
+        out["fp8_kv_blocks_ratio"] = r["kv_blocks"]["fp8_kv_blocks_ratio"]
+    fixed = r.get("fixed") or {}
+    if "bf16" in fixed and "fp8_fp8kv" in fixed:
+        out["fp8_fixed_1000x1000_out_tok_s"] = fixed["fp8_fp8kv"]["output_tok_per_s"]
+    return out
 
 
 def spec_figures(r: Mapping[str, Any]) -> dict[str, float]:

@@ -227,7 +227,8 @@ SETTINGS: tuple[Setting, ...] = (
        "dense checkpoint on load: int8 (W8A16 per channel), int4 (W4A16, groups of 128), fp8 (W8A8 e4m3, needs a "
        "GPU of compute capability >= 8.9)", ENGINE_CMDS, "EngineConfig.quantization"),
     _s("kv_cache_dtype", choice("auto", "fp8"), "auto", "KV-cache element type (auto: the model dtype; fp8: "
-       "e4m3, refused where the device or the attention kernels lack it)", ENGINE_CMDS,
+       "e4m3 with per-head scales calibrated on the first step, twice the blocks; needs a GPU of compute "
+       "capability >= 8.9)", ENGINE_CMDS,
        "EngineConfig.kv_cache_dtype"),
     _s("tensor_parallel_size", integer(1), 1, "ranks the model is split over, one process and device each (on CUDA "
        "GPUs k..k+N-1 of --device cuda:k); N must divide the model's KV heads; the broker sees one worker",

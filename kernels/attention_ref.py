@@ -7,6 +7,10 @@ Layouts are the kernels' (the module docstrings of rotary.py and paged_attention
 [T, Hkv, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, W] int32; seq_lens [B]
 int32 (context including this step's tokens); query_start_loc [B+1] int32; slot_mapping [T] (-1: not
 written); cos_sin_cache [max_pos, D] (cos | sin per frequency pair, NeoX layout); positions [T].
+
+FP8 KV cache: caches of dtype float8_e4m3fn hold x / scale per kv head, kv_scales [2, Hkv] float32 (row 0: K's
+scales, row 1: V's); `quantize_kv_fp8` is the rounding the Triton KV-write kernels reproduce bit for bit
+(kernels/kv_cache.py, `quantize_e4m3`), and the attention reference reads the entries back as fp8 * scale.
 """
 
 from __future__ import annotations
@@ -14,6 +18,26 @@ from __future__ import annotations
 import itertools
 
 import torch
+
+FP8_KV = torch.float8_e4m3fn
+FP8_KV_MAX = float(torch.finfo(FP8_KV).max)  # 448
+
+
+def quantize_kv_fp8(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [..., Hkv, D] (any float dtype) -> e4m3 of x / scales[h], saturated at +-448, rounded to nearest even;
+    scales [Hkv] float32. The division is in fp32 (IEEE, as the kernels' div_rn)."""
+    y = x.float() / scales.float()[:, None]
+    return y.clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV)
+
+
+def read_kv(flat: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """Cache rows flat[slots] ([slots..., Hkv, D] of a [num_slots, Hkv, D] cache) as float32: fp8 entries times
+    their head's scale (scales [Hkv]; gathered as bytes, since float8 indexing is not implemented everywhere),
+    other dtypes as they are (scales unused)."""
+    if flat.dtype != FP8_KV:
+        return flat[slots].float()
+    assert scales is not None, "an fp8 cache needs its kv_scales"
+    return flat.view(torch.uint8)[slots].view(FP8_KV).float() * scales.float()[:, None]
 
 
 def rotary_embedding_ref(
@@ -32,36 +56,45 @@ def rotary_embedding_ref(
 
 
 def write_kv_cache_ref(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """k_cache/v_cache[slot // block_size, slot % block_size] = k/v[t] for every t with slot_mapping[t] >= 0."""
+    """k_cache/v_cache[slot // block_size, slot % block_size] = k/v[t] for every t with slot_mapping[t] >= 0
+    (fp8 caches: quantize_kv_fp8 with kv_scales [2, Hkv])."""
     block_size = k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
+    if k_cache.dtype == FP8_KV:  # indexed as bytes: float8 indexing is not implemented everywhere
+        assert kv_scales is not None, "an fp8 cache needs its kv_scales"
+        k_cache.view(torch.uint8)[blocks, offsets] = quantize_kv_fp8(k[keep], kv_scales[0]).view(torch.uint8)
+        v_cache.view(torch.uint8)[blocks, offsets] = quantize_kv_fp8(v[keep], kv_scales[1]).view(torch.uint8)
+        return
     k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
     v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
-                        sliding_window: int | None = None) -> torch.Tensor:
+                        sliding_window: int | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """What `paged_attention` computes (its launch-tuning arguments aside): [T, Hq, D] in q's dtype. Reads the
     batch layout on the host (a sync on CUDA). Decode rows (one query) of all requests go in one batched
-    softmax, longer query runs one request at a time; rows of no request stay zero."""
+    softmax, longer query runs one request at a time; rows of no request stay zero. fp8 caches are read as
+    entry * kv_scales[0 (K) / 1 (V), head]."""
     starts = query_start_loc.tolist()
     query_lens = [b - a for a, b in itertools.pairwise(starts)]
     lens = seq_lens.tolist()
     block_size = k_cache.shape[1]
     flat_k = k_cache.flatten(0, 1)  # [num_blocks * block_size, Hkv, D]: slot s is row s
     flat_v = v_cache.flatten(0, 1)
+    k_scales, v_scales = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
     out = torch.zeros_like(q)
     decodes = [i for i, n in enumerate(query_lens) if n == 1]
     if decodes:
         rows = torch.tensor([starts[i] for i in decodes], device=q.device)
         out[rows] = _decode_attention(
             q[rows], flat_k, flat_v, block_tables[decodes], seq_lens[decodes], max(lens[i] for i in decodes),
-            block_size, scale, sliding_window,
+            block_size, scale, sliding_window, kv_scales,
         ).to(q.dtype)
     for i, (query_len, seq_len) in enumerate(zip(query_lens, lens)):
         if query_len <= 1:
@@ -69,7 +102,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         slots = _context_slots(block_tables[i], seq_len, block_size)
         mask = _attention_mask(query_len, seq_len, sliding_window, q.device)
         span = slice(starts[i], starts[i + 1])
-        out[span] = _dense_attention(q[span], flat_k[slots], flat_v[slots], mask, scale).to(q.dtype)
+        k, v = read_kv(flat_k, slots, k_scales), read_kv(flat_v, slots, v_scales)
+        out[span] = _dense_attention(q[span], k, v, mask, scale).to(q.dtype)
     return out
 
 
@@ -115,6 +149,7 @@ def _decode_attention(
     block_size: int,
     scale: float,
     sliding_window: int | None,
+    kv_scales: torch.Tensor | None,
 ) -> torch.Tensor:
     """One query per request, all requests at once. q: [B, Hq, D]; flat caches [slots, Hkv, D];
     block_tables [B, W]; seq_lens [B] -> [B, Hq, D] float32. Keys past a request's length are masked."""
@@ -122,8 +157,9 @@ def _decode_attention(
     hkv = flat_k.shape[1]
     pos = torch.arange(max_seq_len, device=q.device)
     slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size  # [B, S]
-    k = flat_k[slots].float().transpose(1, 2)  # [B, Hkv, S, D]
-    v = flat_v[slots].float().transpose(1, 2)
+    k_scales, v_scales = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
+    k = read_kv(flat_k, slots, k_scales).transpose(1, 2)  # [B, Hkv, S, D]
+    v = read_kv(flat_v, slots, v_scales).transpose(1, 2)
     last = seq_lens.long().unsqueeze(1) - 1  # position of each query
     mask = pos.unsqueeze(0) <= last  # [B, S]
     if sliding_window is not None:

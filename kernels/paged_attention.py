@@ -38,6 +38,10 @@ Kernel structure (one kernel + an optional reduce kernel):
     token's own key rotates k and stores k and v into the cache before walking its keys (a CTA barrier makes
     the stores visible to its loads). This replaces the rotary kernel of a decode step (one launch fewer per
     layer; the H200 figure is in benchmarks/results/h200/NOTES.md, "Figures behind the code's rules").
+  * FP8 KV cache (float8_e4m3fn caches, KV_FP8, kv_scales [2, Hkv] float32): K/V tiles are loaded as e4m3 and
+    converted to q's dtype in registers (exact); each program's kv head has one K and one V scale, folded into
+    the scores' scale and into the output (or the split partials), so the inner loops gain only the conversions.
+    The fused decode write rounds as kernels/kv_cache.py (`quantize_e4m3`).
   * Programmatic dependent launch on Hopper (kernels/launch.py): both kernels wait on the previous kernel
     before their first load and release the next one after their last store.
 """
@@ -54,7 +58,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from .kv_cache import check_kv_cache_args
+from .kv_cache import FP8_KV, check_kv_cache_args, check_kv_scales, quantize_e4m3
 from .launch import l2_bytes as _l2_bytes
 from .launch import next_pow2 as _next_pow2
 from .launch import num_sms as _num_sms
@@ -201,7 +205,7 @@ def _attn_segment(
     l_i,  # [BLOCK_M] fp32 running sum of exp2(score - m_i)
     q,  # [BLOCK_M, HEAD_DIM] queries in cache dtype
     qpos,  # [BLOCK_M] int32 position of each row's query token
-    k_base,  # k_cache pointer already offset to this kv head
+    k_base,  # k_cache pointer already offset to this kv head (fp8 caches: converted to q's dtype on load)
     v_base,  # v_cache pointer already offset to this kv head
     bt_row,  # block_tables row of this request
     lo,  # first key position (multiple of BLOCK_N relative to the segment start)
@@ -233,9 +237,9 @@ def _attn_segment(
         k_ptrs = k_base + k_off[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
         v_ptrs = v_base + v_off[:, None] + offs_d[None, :]
         if MASKED:
-            k = tl.load(k_ptrs, mask=kmask[:, None], other=0.0)
+            k = tl.load(k_ptrs, mask=kmask[:, None], other=0.0).to(q.dtype)
         else:
-            k = tl.load(k_ptrs)
+            k = tl.load(k_ptrs).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if MASKED:
             visible = (offs_n[None, :] <= qpos[:, None]) & kmask[None, :]
@@ -249,9 +253,9 @@ def _attn_segment(
         acc = acc * alpha[:, None]
         # V must be masked too: p == 0 times a NaN in an unused slot would still be NaN.
         if MASKED:
-            v = tl.load(v_ptrs, mask=kmask[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=kmask[:, None], other=0.0).to(q.dtype)
         else:
-            v = tl.load(v_ptrs)
+            v = tl.load(v_ptrs).to(q.dtype)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -286,6 +290,7 @@ def _paged_attn_fn(
     cs_ptr,  # [max_pos, D] rotary table: cos | sin halves (FUSE_ROPE)
     pos_ptr,  # [T] positions (FUSE_ROPE)
     slot_ptr,  # [T] cache slots of this step's k/v, -1: not written (FUSE_ROPE)
+    kvs_ptr,  # [2, Hkv] float32 K and V scales per kv head (KV_FP8)
     num_seqs,
     heads_per_group,  # kv heads per program-order group (divides Hkv; see choose_heads_per_group)
     num_splits,  # runtime, so that a changing split count does not recompile
@@ -320,6 +325,7 @@ def _paged_attn_fn(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FUSE_ROPE: tl.constexpr,  # decode only (one query token per request): rotate q, write the rotated k and v
+    KV_FP8: tl.constexpr,  # e4m3 caches: entries times kv_scales (K's folded into qk_scale, V's into the output)
     PDL: tl.constexpr,  # programmatic dependent launch protocol (kernels/launch.py)
 ):
     pdl_wait(PDL)
@@ -402,6 +408,10 @@ def _paged_attn_fn(
     q_rows = q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh  # [BLOCK_M, 1]
     k_base = k_cache_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_cache_ptr + kvh.to(tl.int64) * stride_vh
+    if KV_FP8:
+        k_scale = tl.load(kvs_ptr + kvh)
+        v_scale = tl.load(kvs_ptr + num_q_heads // GROUP + kvh)
+        qk_scale = qk_scale * k_scale
     if FUSE_ROPE:
         # Rotary (numerics of kernels/rotary.py: fp32, one rounding) on the fly: x[d] * cos + sign * x[d +- D/2]
         # * sin with sign -1 on the first half. Only the tile's first token is real (decode).
@@ -424,8 +434,14 @@ def _paged_attn_fn(
             vx = tl.load(vn_ptr + tok_start.to(tl.int64) * stride_vnt + kvh * stride_vnh + offs_d)
             blk = slot // BLOCK_SIZE
             off = slot % BLOCK_SIZE
-            tl.store(k_base + blk * stride_kb + off * stride_ks + offs_d, k_rot.to(k_cache_ptr.dtype.element_ty))
-            tl.store(v_base + blk * stride_vb + off * stride_vs + offs_d, vx.to(v_cache_ptr.dtype.element_ty))
+            if KV_FP8:  # k rounded to its dtype first, as rotary_and_cache
+                k_new = quantize_e4m3(k_rot.to(kn_ptr.dtype.element_ty).to(tl.float32), k_scale)
+                v_new = quantize_e4m3(vx.to(tl.float32), v_scale)
+            else:
+                k_new = k_rot.to(k_cache_ptr.dtype.element_ty)
+                v_new = vx.to(v_cache_ptr.dtype.element_ty)
+            tl.store(k_base + blk * stride_kb + off * stride_ks + offs_d, k_new)
+            tl.store(v_base + blk * stride_vb + off * stride_vs + offs_d, v_new)
             tl.debug_barrier()  # the stores above are visible to every thread of this program below
     else:
         q = tl.load(q_rows + offs_d[None, :], mask=row_valid[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
@@ -447,6 +463,8 @@ def _paged_attn_fn(
         HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, DOT_PRECISION,
     )  # fmt: skip
 
+    if KV_FP8:
+        acc = acc * v_scale
     if not SPLIT:
         # every valid row saw at least its own key, so l_i >= 1 there; guard only the padded rows
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -536,6 +554,7 @@ def paged_attention(
     num_splits: int | None = None,
     config: PagedAttentionConfig | None = None,
     rope: DecodeRope | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of q [T, Hq, D] against the cache; returns [T, Hq, D] in q's dtype.
 
@@ -545,7 +564,10 @@ def paged_attention(
 
     With `rope` (decode batches only: max_query_len == 1), q and this step's k are rotated and k, v written
     into the cache inside the attention kernel: the same result as rotary_and_cache(...) followed by this
-    call, in one kernel instead of two (q and k stay un-rotated in memory)."""
+    call, in one kernel instead of two (q and k stay un-rotated in memory).
+
+    float8_e4m3fn caches need `kv_scales` [2, Hkv] float32 (K's and V's scale per kv head: an entry means
+    entry * scale); other caches have q's dtype and no scales."""
     if q.dim() != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -557,8 +579,9 @@ def paged_attention(
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if q.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"q dtype {q.dtype} not supported (float16, bfloat16, float32)")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"cache dtypes {k_cache.dtype}/{v_cache.dtype} must match q dtype {q.dtype}")
+    if k_cache.dtype not in (q.dtype, FP8_KV) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"cache dtypes {k_cache.dtype}/{v_cache.dtype} must both be q's dtype {q.dtype} or {FP8_KV}")
+    check_kv_scales(k_cache, kv_scales)
     if cache_head_dim != head_dim:
         raise ValueError(f"head dim of q ({head_dim}) and cache ({cache_head_dim}) differ")
     if head_dim < 16 or head_dim & (head_dim - 1):
@@ -592,7 +615,7 @@ def paged_attention(
         if max_query_len != 1:
             raise ValueError(f"rope fusion is for decode batches (max_query_len == 1), got {max_query_len}")
         check_rotary_args(q, rope.k, rope.cos_sin_cache, rope.positions)
-        check_kv_cache_args(rope.k, rope.v, k_cache, v_cache, rope.slot_mapping)
+        check_kv_cache_args(rope.k, rope.v, k_cache, v_cache, rope.slot_mapping, kv_scales)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
     else:
@@ -604,7 +627,7 @@ def paged_attention(
                                 max_seq_len=max_seq_len, sliding_window=sliding_window, num_splits=num_splits,
                                 config=config)  # fmt: skip
     try:
-        plan.launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, rope)
+        plan.launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, rope, kv_scales)
     except OutOfResources as exc:
         if not defaulted or plan.config not in _SHALLOW_OF:
             raise
@@ -614,6 +637,7 @@ def paged_attention(
         return paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=max_query_len,
             max_seq_len=max_seq_len, sliding_window=sliding_window, out=out, num_splits=num_splits, rope=rope,
+            kv_scales=kv_scales,
         )  # fmt: skip
     return out
 
@@ -654,9 +678,10 @@ class AttentionPlan:
 
     def launch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor,
-               rope: DecodeRope | None = None) -> None:
+               rope: DecodeRope | None = None, kv_scales: torch.Tensor | None = None) -> None:
         """Attention of q [T, Hq, D] into out [T, Hq, D], T and the caches' shapes as planned (callers of a
-        shared plan guarantee it; paged_attention checks every argument before it plans).
+        shared plan guarantee it; paged_attention checks every argument before it plans); kv_scales [2, Hkv]
+        float32 with float8_e4m3fn caches.
 
         The first launch goes through Triton's JIT, which picks the compiled variant for the arguments' types and
         alignments; later launches of the same plan reuse that variant directly, which is what makes one plan
@@ -669,7 +694,7 @@ class AttentionPlan:
         cfg = self.config
         args: tuple[Any, ...] = (
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_m, part_l,
-            kn, vn, cs, pos, slots,
+            kn, vn, cs, pos, slots, part_m if kv_scales is None else kv_scales,
             self.num_seqs, self.heads_per_group, self.num_splits, num_q_heads, self.qk_scale, self.window,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -682,7 +707,7 @@ class AttentionPlan:
             BLOCK_M=self.block_m, BLOCK_Q=self.block_q, BLOCK_N=cfg.block_n, SPLIT=self.num_splits > 1,
             ONE_TILE_PER_SEQ=self.one_tile, USE_WINDOW=self.window > 0,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FUSE_ROPE=rope is not None,
-            PDL=self.pdl["PDL"],
+            KV_FP8=kv_scales is not None, PDL=self.pdl["PDL"],
         )  # fmt: skip
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
                    **{k: v for k, v in self.pdl.items() if k != "PDL"}}

@@ -10,6 +10,8 @@ which is HF's `x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`.
 
 The fused `rotary_and_cache` reads q, k, v once and writes q, k (in place) and the rotated k and v into the
 cache, saving the separate cache-write pass over k and v. Plain-torch references: kernels/attention_ref.py.
+float8_e4m3fn caches (kv_scales [2, Hkv]) get the rotated k rounded to k's dtype first, then quantize_e4m3 as
+kernels/kv_cache.py: the reference's rotary_embedding_ref + write_kv_cache_ref, bit for bit.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_cache import check_kv_cache_args
+from .kv_cache import check_kv_cache_args, load_kv_scales, quantize_e4m3
 from .launch import next_pow2 as _next_pow2
 from .launch import pdl_launch_args, pdl_release, pdl_wait
 
@@ -68,6 +70,7 @@ def _rotary_kernel(
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D] (WRITE_CACHE only)
     v_cache_ptr,
     slot_ptr,  # [T] (WRITE_CACHE only)
+    scales_ptr,  # [2, Hkv] float32 (KV_FP8 only)
     num_q_heads,
     num_kv_heads,
     half,  # D // 2
@@ -89,6 +92,7 @@ def _rotary_kernel(
     HALF_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     WRITE_CACHE: tl.constexpr,
+    KV_FP8: tl.constexpr,  # e4m3 caches
     PDL: tl.constexpr,  # programmatic dependent launch protocol (kernels/launch.py)
 ):
     pdl_wait(PDL)
@@ -108,12 +112,21 @@ def _rotary_kernel(
             offs_h = tl.arange(0, KHEADS_PAD)
             mask = (offs_h[:, None] < num_kv_heads) & dmask[None, :]  # [KHEADS_PAD, HALF_PAD]
             kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
-            tl.store(kc, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(kc + half, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
             vp = v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
             vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
-            tl.store(vc, tl.load(vp, mask=mask), mask=mask)
-            tl.store(vc + half, tl.load(vp + half, mask=mask), mask=mask)
+            if KV_FP8:
+                k_scale, v_scale = load_kv_scales(scales_ptr, offs_h, num_kv_heads)
+                ks, vs = k_scale[:, None], v_scale[:, None]
+                kt = k_ptr.dtype.element_ty
+                tl.store(kc, quantize_e4m3(k1.to(kt).to(tl.float32), ks), mask=mask)
+                tl.store(kc + half, quantize_e4m3(k2.to(kt).to(tl.float32), ks), mask=mask)
+                tl.store(vc, quantize_e4m3(tl.load(vp, mask=mask).to(tl.float32), vs), mask=mask)
+                tl.store(vc + half, quantize_e4m3(tl.load(vp + half, mask=mask).to(tl.float32), vs), mask=mask)
+            else:
+                tl.store(kc, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                tl.store(kc + half, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                tl.store(vc, tl.load(vp, mask=mask), mask=mask)
+                tl.store(vc + half, tl.load(vp + half, mask=mask), mask=mask)
     pdl_release(PDL)
 
 
@@ -153,6 +166,7 @@ def _launch(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     write_cache: bool,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -161,14 +175,14 @@ def _launch(
     half = head_dim // 2
     qh_pad, kh_pad, half_pad = _next_pow2(num_q_heads), _next_pow2(num_kv_heads), _next_pow2(half)
     _rotary_kernel[(num_tokens,)](
-        q, k, v, cos_sin_cache, positions, k_cache, v_cache, slot_mapping,
+        q, k, v, cos_sin_cache, positions, k_cache, v_cache, slot_mapping, q if kv_scales is None else kv_scales,
         num_q_heads, num_kv_heads, half,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         QHEADS_PAD=qh_pad, KHEADS_PAD=kh_pad, HALF_PAD=half_pad,
         BLOCK_SIZE=k_cache.shape[1] if write_cache else 1, WRITE_CACHE=write_cache,
-        num_warps=4 if qh_pad * half_pad >= 2048 else 2, **pdl_launch_args(q.device),
+        KV_FP8=kv_scales is not None, num_warps=4 if qh_pad * half_pad >= 2048 else 2, **pdl_launch_args(q.device),
     )  # fmt: skip
 
 
@@ -191,10 +205,12 @@ def rotary_and_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k in place, then write the rotated k and v into the cache at slot_mapping (-1 skipped).
-    Returns (q, k). Equivalent to rotary_embedding(...) followed by write_kv_cache(k, v, ...)."""
+    Returns (q, k). Equivalent to rotary_embedding(...) followed by write_kv_cache(k, v, ..., kv_scales) (kv_scales
+    [2, Hkv] float32 for float8_e4m3fn caches, else None)."""
     check_rotary_args(q, k, cos_sin_cache, positions)
-    check_kv_cache_args(k, v, k_cache, v_cache, slot_mapping)
-    _launch(q, k, v, cos_sin_cache, positions, k_cache, v_cache, slot_mapping, write_cache=True)
+    check_kv_cache_args(k, v, k_cache, v_cache, slot_mapping, kv_scales)
+    _launch(q, k, v, cos_sin_cache, positions, k_cache, v_cache, slot_mapping, write_cache=True, kv_scales=kv_scales)
     return q, k

@@ -794,15 +794,17 @@ def _sm90_compile_all() -> None:
         return str(kernel.asm["ttgir"])
 
     def attention(dt: str, group: int, head_dim: int, block_m: int, split: bool, one_tile: bool, window: bool,
-                  num_warps: int, num_stages: int, rope: bool = False, block_n: int = 64) -> str:  # fmt: skip
+                  num_warps: int, num_stages: int, rope: bool = False, block_n: int = 64, fp8: bool = False,
+                  ) -> str:  # fmt: skip
         gpad = 1 << (group - 1).bit_length()
         ptrs = {n: f"*{dt}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "kn_ptr", "vn_ptr")}
+        ptrs |= {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "kvs_ptr": "*fp32"} if fp8 else {}
         ptrs |= {n: "*i32" for n in ("bt_ptr", "seq_lens_ptr", "qsl_ptr")}
         ptrs |= {"cs_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64"}
         ptrs |= {n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}
         consts = {"GROUP": group, "GROUP_PAD": gpad, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, "BLOCK_M": block_m,
                   "BLOCK_Q": block_m // gpad, "BLOCK_N": block_n, "SPLIT": split, "ONE_TILE_PER_SEQ": one_tile,
-                  "USE_WINDOW": window, "DOT_PRECISION": "tf32", "FUSE_ROPE": rope}  # fmt: skip
+                  "USE_WINDOW": window, "DOT_PRECISION": "tf32", "FUSE_ROPE": rope, "KV_FP8": fp8}  # fmt: skip
         return build(pa._paged_attn_kernel, ptrs, consts, num_warps, num_stages)
 
     cfg_d, cfg_p = pa.DECODE_CONFIG, pa.PREFILL_CONFIG
@@ -821,15 +823,24 @@ def _sm90_compile_all() -> None:
         shared = built_shared[-1]
         assert shared <= pa.shared_bytes(deep, 128, 2) + pa._SHARED_MARGIN <= 232_448, (deep, shared)
     attention("fp16", 3, 64, cfg_p.block_m, True, False, True, cfg_p.num_warps, cfg_p.num_stages)
+    for rope in (False, True):  # FP8 KV cache (e4m3 loads, scales): decode split with and without rope, prefill
+        attention("bf16", 4, 128, cfg_d.block_m, True, True, False, cfg_d.num_warps, cfg_d.num_stages, rope, fp8=True)
+    ttgir = attention("bf16", 4, 128, cfg_p.block_m, False, False, False, cfg_p.num_warps, cfg_p.num_stages, fp8=True)
+    assert "warp_group_dot" in ttgir and "async_copy_global_to_local" in ttgir, "fp8 prefill: wgmma, pipelined"
     attention("bf16", 1, 64, cfg_d.block_m, False, True, True, cfg_d.num_warps, cfg_d.num_stages)
     f32 = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "out_ptr": "*bf16"}
     build(pa._reduce_splits_kernel, f32, {"SPLITS_PAD": 64, "HEAD_DIM": 128, "BLOCK_D": 16}, 4, 1)
     bf = dict.fromkeys(("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "q_ptr", "x_ptr", "res_ptr", "w_ptr",
                         "out_ptr", "res_out_ptr"), "*bf16")  # fmt: skip
     bf |= {"slot_ptr": "*i64", "pos_ptr": "*i64", "cos_sin_ptr": "*fp32"}
-    build(kvc._write_kv_cache_kernel, bf, {"BLOCK_SIZE": 16, "HEADS_PAD": 8, "DIM_PAD": 128}, 4, 1)
-    rot_consts = {"QHEADS_PAD": 32, "KHEADS_PAD": 8, "HALF_PAD": 64, "BLOCK_SIZE": 16, "WRITE_CACHE": True}
-    build(rot._rotary_kernel, bf, rot_consts, 4, 1)
+    fp8 = bf | {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "scales_ptr": "*fp32"}
+    for kv_fp8 in (False, True):
+        ptrs = fp8 if kv_fp8 else bf
+        kv_consts = {"BLOCK_SIZE": 16, "HEADS_PAD": 8, "DIM_PAD": 128, "KV_FP8": kv_fp8}
+        build(kvc._write_kv_cache_kernel, ptrs, kv_consts, 4, 1)
+        rot_consts = {"QHEADS_PAD": 32, "KHEADS_PAD": 8, "HALF_PAD": 64, "BLOCK_SIZE": 16, "WRITE_CACHE": True,
+                      "KV_FP8": kv_fp8}
+        build(rot._rotary_kernel, ptrs, rot_consts, 4, 1)
     for single in (True, False):
         for residual in (True, False):
             consts = {"HAS_RESIDUAL": residual, "BLOCK": 4096, "SINGLE_PASS": single}

@@ -117,6 +117,7 @@ class _AttentionCall(NamedTuple):
     v_cache: torch.Tensor
     scale: float
     sliding_window: int | None
+    kv_scales: torch.Tensor | None  # fp8 caches
 
 
 class _SplitRecorder:
@@ -142,12 +143,12 @@ class _SplitRecorder:
         self._graph = None
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                 sliding_window: int | None) -> torch.Tensor:
+                 sliding_window: int | None, kv_scales: torch.Tensor | None) -> torch.Tensor:
         # q goes to the shared static buffer inside the piece: a recorded q tensor would pin its pool memory
         # for the life of the graphs, every bucket's apart (tens of GB for an 8B model up to 8k tokens).
         self.attn_q[: q.shape[0]].copy_(q)
         self.end()
-        self.calls.append(_AttentionCall(k_cache, v_cache, scale, sliding_window))
+        self.calls.append(_AttentionCall(k_cache, v_cache, scale, sliding_window, kv_scales))
         self.begin()
         return self.attn_out[: q.shape[0]]
 
@@ -162,13 +163,14 @@ class PiecewiseGraphs:
     replays the smallest bucket >= T; rows past T are padding (slot -1: no cache write; outputs ignored)."""
 
     def __init__(self, model: torch.nn.Module, backend: Any, kv_caches: KVCaches, sizes: Sequence[int],
-                 num_heads: int, head_dim: int, hidden_size: int, device: torch.device) -> None:
+                 num_heads: int, head_dim: int, hidden_size: int, device: torch.device,
+                 dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
         self.sizes = sorted(sizes)
         n = self.sizes[-1]
-        dtype = kv_caches[0][0].dtype
+        dtype = dtype or kv_caches[0][0].dtype  # the activations' (an fp8 cache's is not)
         # Static inputs: the pieces read these addresses on every replay.
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
@@ -246,7 +248,7 @@ class PiecewiseGraphs:
         for piece, call in zip(self.pieces[g], calls):
             piece.replay()
             plan.launch(q, call.k_cache, call.v_cache, meta.block_tables, meta.seq_lens,
-                        meta.query_start_loc, out)
+                        meta.query_start_loc, out, kv_scales=call.kv_scales)
         self.pieces[g][-1].replay()
         return self.hidden[:t]
 
@@ -282,7 +284,7 @@ class PiecewiseGraphs:
             q = self.attn_q[:t]
             plan = self._plan(q.shape, q.dtype, kc.shape, self.device, n, call.scale, max_query_len=max(q_lens),
                               max_seq_len=ctx, sliding_window=call.sliding_window)
-            plan.launch(q, kc, vc, tables, seq_lens, qsl, self.attn_out[:t])
+            plan.launch(q, kc, vc, tables, seq_lens, qsl, self.attn_out[:t], kv_scales=call.kv_scales)
         torch.cuda.synchronize()
         return len(seen)
 

@@ -3,7 +3,7 @@ enqueues the work and returns a PendingStep (the sampled ids stay on the device,
 reads the inputs that are still in flight); `PendingStep.result()` waits for the tokens on the host.
 
 Owns the device state: model weights, the paged KV cache (one [num_blocks, block_size, Hkv, D] key and
-value tensor per layer) and the sampler."""
+value tensor per layer, in the model dtype or float8_e4m3fn with --kv-cache-dtype fp8) and the sampler."""
 
 from __future__ import annotations
 
@@ -127,6 +127,7 @@ class ModelRunner:
         self.num_heads = self.arch.num_heads // shards  # this rank's query and KV heads
         self.num_kv_heads = self.arch.num_kv_heads // shards
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         configure_kernels(config.kernels)  # before the first kernel launch (and its per-device decisions)
         try:
             check_kv_cache_dtype(config.kv_cache_dtype, self.device)
@@ -145,10 +146,12 @@ class ModelRunner:
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.arch.head_dim)
         # Zeroed so that padding rows of a graph replay read finite values.
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(self.arch.num_layers)
         ]
+        # fp8 caches: the first step sets every layer's K/V scales (worker/attention/kv_scales.py)
+        self._calibrate_kv = self.kv_dtype == torch.float8_e4m3fn
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graphs:
             self.graphs = DecodeGraphs(
@@ -164,7 +167,7 @@ class ModelRunner:
         sched = config.scheduler
         self.piecewise = PiecewiseGraphs(self.model, self.backend, self.kv_caches,
                                          mixed_graph_sizes(sched.max_num_batched_tokens), self.num_heads,
-                                         self.arch.head_dim, self.arch.hidden_size, self.device)
+                                         self.arch.head_dim, self.arch.hidden_size, self.device, self.dtype)
         self.piecewise.capture()
         variants = self.piecewise.warm_up_attention(sched.max_num_seqs, self.max_model_len)
         log.info("piecewise CUDA graphs and %d attention variants ready in %.1f s", variants,
@@ -173,8 +176,9 @@ class ModelRunner:
     # -- KV cache sizing --------------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
+        """K and V of one block in all layers, in the cache's dtype (fp8: half of bf16's, so twice the blocks)."""
         a = self.arch
-        return 2 * a.num_layers * self.block_size * self.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return 2 * a.num_layers * self.block_size * self.num_kv_heads * a.head_dim * self.kv_dtype.itemsize
 
     def _size_kv_cache(self, cache: CacheConfig) -> int:
         if cache.num_blocks is not None:
@@ -269,11 +273,24 @@ class ModelRunner:
         return ids, dev["positions"], _attention_meta(dev, host.q_lens, host.seq_lens)
 
     def _forward(self, ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        if self._calibrate_kv:
+            return self._calibrating_forward(ids, positions, meta)
         if self.graphs is not None and meta.is_decode_only and self.graphs.bucket(meta.num_seqs) is not None:
             return self.graphs.run(ids, positions, meta)
         if self.piecewise is not None and self.piecewise.bucket(ids.shape[0]) is not None:
             return self.piecewise.run(ids, positions, meta)
         return self.model(ids, positions, self.kv_caches, meta)
+
+    def _calibrating_forward(self, ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        """The first step with an fp8 cache, eager: every layer sets its kv_scales from this step's keys and values
+        before writing them; the graphs read the scales in place from then on."""
+        self.backend.calibrate_kv_scales = True
+        try:
+            return self.model(ids, positions, self.kv_caches, meta)
+        finally:
+            self.backend.calibrate_kv_scales = False
+            self._calibrate_kv = False
+            log.info("fp8 KV cache: K/V scales calibrated on the first step (%d tokens)", ids.shape[0])
 
     def _host_sampling(self, reqs: list[Request], eos_token_ids: tuple[int, ...], prev: PendingStep | None,
                        ) -> tuple[SamplingMetadata, dict[str, Tensor]]:

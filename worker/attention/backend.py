@@ -18,7 +18,8 @@ from typing import ClassVar, Protocol
 
 import torch
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]: the
+# model's dtype, or float8_e4m3fn (EngineConfig.kv_cache_dtype "fp8": entries times AttentionLayer.kv_scales)
 
 
 @dataclass
@@ -50,6 +51,17 @@ class AttentionLayer:
     scale: float  # softmax scale, usually head_dim ** -0.5
     sliding_window: int | None  # a query at position p sees keys at positions > p - window; None: all
     cos_sin_cache: torch.Tensor  # [max_position, D] float32: cos | sin per frequency pair (NeoX layout)
+    # [2, Hkv] float32 on the layer's device: K's and V's scale per kv head for an fp8 cache (a cached entry
+    # stands for entry * scale); set in place by calibration (kv_scales.py); unused by caches of the model dtype
+    kv_scales: torch.Tensor | None = None
+
+    def fp8_scales(self, kv_cache: KVCache) -> torch.Tensor | None:
+        """kv_scales when kv_cache is float8_e4m3fn (the kernels then need them), else None."""
+        if kv_cache[0].dtype != torch.float8_e4m3fn:
+            return None
+        if self.kv_scales is None:
+            raise ValueError("an fp8 KV cache needs AttentionLayer.kv_scales; this layer has none")
+        return self.kv_scales
 
 
 class AttentionSplit(Protocol):
@@ -58,7 +70,7 @@ class AttentionSplit(Protocol):
     will hold the attention output when the graph pieces are replayed."""
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                 sliding_window: int | None) -> torch.Tensor: ...
+                 sliding_window: int | None, kv_scales: torch.Tensor | None) -> torch.Tensor: ...
 
 
 class AttentionBackend(ABC):
@@ -66,9 +78,13 @@ class AttentionBackend(ABC):
     layer's paged cache at meta.slot_mapping, then let each query attend causally to its request's cached
     context. q [T, Hq, D], k and v [T, Hkv, D] may be strided views of the fused qkv projection, and q and k
     may be rotated in place; positions [T] int64; kv_cache = (k_cache, v_cache), each
-    [num_blocks, block_size, Hkv, D]. Returns [T, Hq, D] in q's dtype."""
+    [num_blocks, block_size, Hkv, D]. Returns [T, Hq, D] in q's dtype.
+
+    With `calibrate_kv_scales` set (the first step of an engine with an fp8 cache, run eagerly), a layer with an
+    fp8 cache first sets its kv_scales from this step's rotated keys and values (kv_scales.calibrate)."""
 
     name: ClassVar[str]
+    calibrate_kv_scales: bool = False
 
     @abstractmethod
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.kernels.kv_cache import write_kv_cache
 from tokenmill.kernels.paged_attention import DecodeRope, paged_attention
-from tokenmill.kernels.rotary import rotary_and_cache
+from tokenmill.kernels.rotary import rotary_and_cache, rotary_embedding
 from tokenmill.worker.attention.backend import (
     AttentionBackend,
     AttentionLayer,
@@ -17,6 +18,7 @@ from tokenmill.worker.attention.backend import (
     AttentionSplit,
     KVCache,
 )
+from tokenmill.worker.attention.kv_scales import calibrate
 
 
 class TritonBackend(AttentionBackend):
@@ -33,15 +35,21 @@ class TritonBackend(AttentionBackend):
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """Decode-only steps: one kernel rotates q and k, writes k and v into the cache and attends. Other
-        steps: one kernel rotates q and k in place and writes the cache, then attention."""
+        steps: one kernel rotates q and k in place and writes the cache, then attention. A calibrating step (fp8
+        cache) rotates, sets the layer's kv_scales, then writes."""
         k_cache, v_cache = kv_cache
+        kv_scales = layer.fp8_scales(kv_cache)
         rope = None
-        if meta.max_query_len == 1 and self.decode_rope_in_attention:
+        if kv_scales is not None and self.calibrate_kv_scales:
+            rotary_embedding(q, k, layer.cos_sin_cache, positions)
+            calibrate(k, v, kv_scales)
+            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+        elif meta.max_query_len == 1 and self.decode_rope_in_attention:
             rope = DecodeRope(k, v, layer.cos_sin_cache, positions, meta.slot_mapping)
         else:
-            rotary_and_cache(q, k, v, layer.cos_sin_cache, positions, k_cache, v_cache, meta.slot_mapping)
+            rotary_and_cache(q, k, v, layer.cos_sin_cache, positions, k_cache, v_cache, meta.slot_mapping, kv_scales)
             if self.split is not None:
-                return self.split(q, k_cache, v_cache, layer.scale, layer.sliding_window)
+                return self.split(q, k_cache, v_cache, layer.scale, layer.sliding_window, kv_scales)
         return paged_attention(
             q,
             k_cache,
@@ -54,4 +62,5 @@ class TritonBackend(AttentionBackend):
             max_seq_len=max(1, meta.max_seq_len),
             sliding_window=layer.sliding_window,
             rope=rope,
+            kv_scales=kv_scales,
         )

@@ -47,7 +47,9 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * arch.head_dim
         self.backend = backend
         # rotary: shared by all layers, holds no parameters; its table is on the model's device already
-        self.spec = AttentionLayer(arch.head_dim**-0.5, arch.sliding_window, rotary.cos_sin_cache)
+        # kv_scales [2, this rank's kv heads]: ones until an fp8 KV cache calibrates them (attention/kv_scales.py)
+        kv_scales = torch.ones((2, self.num_kv_heads), device=rotary.cos_sin_cache.device)
+        self.spec = AttentionLayer(arch.head_dim**-0.5, arch.sliding_window, rotary.cos_sin_cache, kv_scales)
         self.qkv_proj = layers.column(arch.hidden_size, [arch.q_size, arch.kv_size, arch.kv_size], arch.qkv_bias,
                                       linear_method, dtype)
         self.o_proj = layers.row(arch.q_size, arch.hidden_size, False, linear_method, dtype)

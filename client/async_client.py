@@ -57,13 +57,21 @@ def run(coro: Awaitable[T]) -> T:
         return runner.run(coro)  # type: ignore[arg-type]
 
 
+def _expire(w: asyncio.Future[None]) -> None:
+    if not w.done():
+        w.set_result(None)  # the waiter finds no item: its deadline passed
+
+
 class AsyncJobHandle:
     """A submitted (or subscribed) job on an AsyncClient: `stream()`, `result()`, `cancel()`."""
 
     def __init__(self, client: AsyncClient, job_id: str, from_seq: int = 0) -> None:
         self._client = client
         self.job_id = job_id
-        self._q: asyncio.Queue[Any] = asyncio.Queue()
+        # Delivered items (chunks, DONE, FAIL, errors) and the consumer's wake-up future while it waits for
+        # one: a deque and one future, not an asyncio.Queue under wait_for (a task per token on Python 3.11).
+        self._items: deque[Any] = deque()
+        self._wakeup: asyncio.Future[None] | None = None
         self._asm = Assembly(job_id, from_seq)
         self._accepted = asyncio.Event()
         self._acked = False
@@ -95,20 +103,70 @@ class AsyncJobHandle:
         if self._error is not None:
             raise self._error
         while not self._finished:
-            try:
-                item = await asyncio.wait_for(self._q.get(), timeout)
-            except TimeoutError:
-                raise DeadlineExceeded(f"no event for {timeout}s", job_id=self.job_id) from None
-            ev = await self._consume(item)
+            if not self._items:
+                await self._wait_item(timeout)
+            ev = await self._consume(self._items.popleft())
             if ev is not None:
                 yield ev
+
+    async def next_events(self, timeout: float | None = None) -> list[StreamEvent]:
+        """Every event delivered since the last call, in order, waiting up to `timeout` seconds (None: the
+        client's `idle_timeout`) for the first; [] once the stream has ended. Raises as `stream()` does (an
+        error after some events: on the next call). A consumer that fell behind catches up in one call (the
+        gateway writes such a list as one HTTP write)."""
+        if self._error is not None:
+            raise self._error
+        batch: list[StreamEvent] = []
+        while not batch and not self._finished:
+            if not self._items:
+                await self._wait_item(wait_seconds(timeout, self._client.idle_timeout))
+            while self._items and not self._finished:
+                item = self._items[0]
+                if isinstance(item, p.StreamChunk):  # the common case, without a coroutine per chunk
+                    self._items.popleft()
+                    try:
+                        ev = self._asm.on_chunk(item)
+                    except _Gap:
+                        await self._resubscribe()
+                        continue
+                elif isinstance(item, p.Done) or not batch:
+                    ev = await self._consume(self._items.popleft())  # the final event, or raises the error
+                else:
+                    break  # an error: raised on the next call, after the events before it
+                if ev is not None:
+                    batch.append(ev)
+        return batch
+
+    async def stream_batches(self, timeout: float | None = None) -> AsyncIterator[list[StreamEvent]]:
+        """As `stream()`, in lists: each one every event delivered when asked for (see `next_events`)."""
+        while batch := await self.next_events(timeout):
+            yield batch
+
+    def _put(self, item: Any) -> None:
+        self._items.append(item)
+        w = self._wakeup
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _wait_item(self, timeout: float) -> None:
+        """Wait until an item is delivered; DeadlineExceeded after `timeout` seconds without one."""
+        loop = asyncio.get_running_loop()
+        w = self._wakeup = loop.create_future()
+        timer = loop.call_later(timeout, _expire, w)
+        try:
+            await w
+        finally:
+            timer.cancel()
+            self._wakeup = None
+        if not self._items:
+            raise DeadlineExceeded(f"no event for {timeout}s", job_id=self.job_id)
 
     async def _consume(self, item: Any) -> StreamEvent | None:
         if isinstance(item, p.StreamChunk):
             try:
                 return self._asm.on_chunk(item)
             except _Gap:
-                await self._client._send(p.Subscribe(self.job_id, self._client.owner, self._asm.next_seq))
+                await self._resubscribe()
                 return None
         if isinstance(item, p.Done):
             self._finished = True
@@ -116,6 +174,10 @@ class AsyncJobHandle:
         self._error = terminal_error(item) if isinstance(item, p.Fail) else item
         assert self._error is not None
         raise self._error
+
+    async def _resubscribe(self) -> None:
+        """Tokens are missing: ask the broker to replay from the first one not seen."""
+        await self._client._send(p.Subscribe(self.job_id, self._client.owner, self._asm.next_seq))
 
     async def result(self, timeout: float | None = None) -> Result:
         """Wait for the whole output; `timeout` bounds each wait for the next event."""
@@ -318,7 +380,7 @@ class AsyncClient(RouterCore):
         return n > 1
 
     def _deliver(self, handle: Any, item: Any) -> None:
-        handle._q.put_nowait(item)
+        handle._put(item)
 
     def _deliver_waiter(self, waiter: Any, item: Any) -> None:
         if not waiter.done():

@@ -9,6 +9,7 @@ load and prefix-cache block counters, workers registered."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,9 +61,16 @@ class GatewayMetrics:
         self.request_generation_tokens = Histogram(P + "request_generation_tokens", "Output tokens per request",
                                                    lbl, buckets=_token_count_buckets(), registry=r)
         r.register(PoolCollector(pool))
+        self._multiprocess: CollectorRegistry | None = None
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # one of several gateway processes (gateway/server.py)
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            self._multiprocess = CollectorRegistry(auto_describe=True)
+            MultiProcessCollector(self._multiprocess)  # every process's counters and histograms, summed
+            self._multiprocess.register(PoolCollector(pool))
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._multiprocess or self.registry)
 
 
 def _token_count_buckets() -> tuple[float, ...]:

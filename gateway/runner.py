@@ -1,6 +1,7 @@
 """One HTTP request's broker jobs: one per choice (prompt x n), submitted together, their first events
 awaited before any answer starts (so a refused job still gets its HTTP status), then their events merged
-in arrival order. Records the per-request metrics as events pass."""
+in arrival order, in batches: every event already delivered when the consumer asks (a stream that fell
+behind catches up in one HTTP write). Records the per-request metrics as events pass."""
 
 from __future__ import annotations
 
@@ -30,16 +31,18 @@ class ChoiceSpec:
     messages: list[dict[str, str]] | None = None
 
 
-class _Choice:
-    """A submitted choice: its handle, event iterator, first event and latency bookkeeping."""
+Batch = list[tuple[int, StreamEvent]]  # (choice index, event) pairs, in arrival order
 
-    __slots__ = ("first", "first_token_at", "handle", "index", "iterator", "last_token_at")
+
+class _Choice:
+    """A submitted choice: its handle, event batches, first batch and latency bookkeeping."""
+
+    __slots__ = ("first", "first_token_at", "handle", "index", "last_token_at")
 
     def __init__(self, index: int, handle: AsyncJobHandle) -> None:
         self.index = index
         self.handle = handle
-        self.iterator: AsyncIterator[StreamEvent] = handle.stream(None)
-        self.first: StreamEvent | None = None
+        self.first: list[StreamEvent] | None = None  # the first events, until they are taken
         self.first_token_at: float | None = None
         self.last_token_at = 0.0
 
@@ -55,6 +58,7 @@ class RequestRun:
         self.timeout = timeout
         self.arrival = time.monotonic()
         self.choices: list[_Choice] = []
+        self._merge: AsyncIterator[Batch] | None = None
         self.metrics = metrics
         m = metrics
         self._ttft, self._itl = m.ttft.labels(model), m.itl.labels(model)
@@ -66,7 +70,7 @@ class RequestRun:
                     spec.prompt, messages=spec.messages, prompt_token_ids=spec.prompt_token_ids, model=self.model,
                     params=spec.params, timeout=self.timeout, job_id=f"{self.request_id}-{spec.index}")
                 self.choices.append(_Choice(spec.index, handle))
-            firsts = await asyncio.gather(*(anext(c.iterator) for c in self.choices), return_exceptions=True)
+            firsts = await asyncio.gather(*(c.handle.next_events(None) for c in self.choices), return_exceptions=True)
         except TokenmillError as e:
             self.cancel()
             raise from_tokenmill(e) from None
@@ -81,34 +85,48 @@ class RequestRun:
                 raise from_tokenmill(err) from None
             raise err
         for c, first in zip(self.choices, firsts):
-            assert isinstance(first, StreamEvent)
+            assert isinstance(first, list)
             c.first = first
 
     async def events(self) -> AsyncIterator[tuple[int, StreamEvent]]:
         """(choice index, event) in arrival order; the last event of each choice has finish_reason.
         Raises APIError for a job that fails midway."""
-        try:
-            if len(self.choices) == 1:
-                c = self.choices[0]
-                assert c.first is not None
-                yield c.index, self._observe(c, c.first)
-                async for ev in c.iterator:
-                    yield c.index, self._observe(c, ev)
-                return
-            async for item in self._merged():
+        async for batch in self.batches():
+            for item in batch:
                 yield item
+
+    async def batches(self) -> AsyncIterator[Batch]:
+        """The events as `events()` yields them, grouped: each batch is what had arrived when asked for."""
+        while batch := await self.next_batch():
+            yield batch
+
+    async def next_batch(self) -> Batch:
+        """The (choice index, event) pairs that arrived since the last call, waiting for one; [] once every
+        job ended. Raises APIError for a job that fails midway."""
+        try:
+            if len(self.choices) == 1:  # the common case: no task, no queue between the handle and here
+                c = self.choices[0]
+                if c.first is not None:
+                    evs, c.first = c.first, None
+                else:
+                    evs = await c.handle.next_events(None)
+                return [(c.index, self._observe(c, ev)) for ev in evs]
+            if self._merge is None:
+                self._merge = self._merged()
+            return await anext(self._merge, [])
         except TokenmillError as e:
             raise from_tokenmill(e) from None
 
-    async def _merged(self) -> AsyncIterator[tuple[int, StreamEvent]]:
-        q: asyncio.Queue[tuple[_Choice, StreamEvent | BaseException | None]] = asyncio.Queue()
+    async def _merged(self) -> AsyncIterator[Batch]:
+        q: asyncio.Queue[tuple[_Choice, list[StreamEvent] | BaseException | None]] = asyncio.Queue()
 
         async def pump(c: _Choice) -> None:
             try:
                 assert c.first is not None
-                q.put_nowait((c, c.first))
-                async for ev in c.iterator:
-                    q.put_nowait((c, ev))
+                evs, c.first = c.first, None
+                while evs:
+                    q.put_nowait((c, evs))
+                    evs = await c.handle.next_events(None)
                 q.put_nowait((c, None))
             except Exception as e:  # handed to the consumer, which raises it
                 q.put_nowait((c, e))
@@ -117,13 +135,20 @@ class RequestRun:
         try:
             remaining = len(tasks)
             while remaining:
+                batch: Batch = []
                 c, item = await q.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield c.index, self._observe(c, item)
+                while True:
+                    if item is None:
+                        remaining -= 1
+                    elif isinstance(item, BaseException):
+                        raise item
+                    else:
+                        batch.extend((c.index, self._observe(c, ev)) for ev in item)
+                    if q.empty():
+                        break
+                    c, item = q.get_nowait()
+                if batch:
+                    yield batch
         finally:
             for t in tasks:
                 t.cancel()

@@ -319,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--aiperf-requests", type=int, default=256)
     ap.add_argument("--out", default="benchmarks/results/cpu")
     ap.add_argument("--name", default="gateway")
+    ap.add_argument("--record", action="store_true",
+                    help="merge the headline figure (gateway_added_p50_ms) into the summary.json of --out")
     ap.add_argument("--load", choices=sorted(LOADS), help=argparse.SUPPRESS)  # the load-generator child
     ap.add_argument("--target", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -391,7 +393,7 @@ def report(args: argparse.Namespace, path_names: list[str], rounds: list[dict[st
         pairs = [r["p50"] - sdk_p50[r["round"]] for r in per_round if r["path"] == path]
         added[path]["p50_median_of_rounds"] = _median(pairs)
     load = tuple(round(x, 2) for x in os.getloadavg())
-    payload = {"streams": args.streams, "tokens_per_stream": args.tokens, "step_rate": args.step_rate,
+    payload = {"benchmark": "gateway", "streams": args.streams, "tokens_per_stream": args.tokens, "step_rate": args.step_rate,
                "busy": args.busy, "gateway_workers": args.gateway_workers, "load_average": load, "paths": paths,
                "added_ms": added, "rounds": per_round, "aiperf": aiperf}
     lines = [
@@ -422,6 +424,10 @@ def report(args: argparse.Namespace, path_names: list[str], rounds: list[dict[st
                   f"`aiperf {aiperf['command']}` (exit {aiperf['returncode']})", ""]
         lines += _aiperf_table(aiperf.get("export"))
     write_results(Path(args.out), args.name, payload, "\n".join(lines))
+    if args.record:
+        from tokenmill.benchmarks.summary import record_file
+
+        print("summary:", record_file(Path(args.out) / f"{args.name}.json"))
 
 
 AIPERF_METRICS = ("time_to_first_token", "inter_token_latency", "inter_chunk_latency", "request_latency",

@@ -50,6 +50,7 @@ KEYS: dict[str, str] = {
     "fp8_decode_b1_ms": "ms",
     "ngram_cpu_b1_speedup": "x",
     "ngram_cpu_b1_copy_speedup": "x",
+    "gateway_added_p50_ms": "ms",
 }
 
 # The suite section each suite figure comes from (a merged suite takes sections from several runs).
@@ -244,6 +245,14 @@ def spec_figures(r: Mapping[str, Any]) -> dict[str, float]:
     return {key: r["results"][name]["speedup"] for name, key in keys.items() if name in r["results"]}
 
 
+def gateway_figures(r: Mapping[str, Any]) -> dict[str, float]:
+    """gateway_bench.py in its headline configuration: 64 streams x 200 tokens at 50 steps/s (busy 0.3), one
+    gateway process, the lean SSE reader; the figure is the median over rounds of each round's p50 added."""
+    headline = ((r.get("streams"), r.get("tokens_per_stream"), r.get("step_rate"), r.get("busy"),
+                 r.get("gateway_workers", 1)) == (64, 200, 50.0, 0.3, 1) and "sse" in (r.get("added_ms") or {}))
+    return {"gateway_added_p50_ms": r["added_ms"]["sse"]["p50_median_of_rounds"]} if headline else {}
+
+
 def figures_of(result: Mapping[str, Any]) -> dict[str, float]:
     """The figures a result file holds, by what kind of result it is."""
     kind: Callable[[Mapping[str, Any]], dict[str, float]] | None = (
@@ -251,6 +260,7 @@ def figures_of(result: Mapping[str, Any]) -> dict[str, float]:
         quant_accuracy_figures if result.get("benchmark") == "quant_accuracy" else
         gpu_quant_figures if result.get("benchmark") == "gpu_quant" else
         spec_figures if result.get("benchmark") == "spec_cpu" else
+        gateway_figures if result.get("benchmark") == "gateway" else
         suite_figures if "sections_s" in result else
         e2e_figures if "latency_b8_in32_out128_s" in result else None)
     return kind(result) if kind else {}

@@ -57,11 +57,6 @@ def run(coro: Awaitable[T]) -> T:
         return runner.run(coro)  # type: ignore[arg-type]
 
 
-def _expire(w: asyncio.Future[None]) -> None:
-    if not w.done():
-        w.set_result(None)  # the waiter finds no item: its deadline passed
-
-
 class AsyncJobHandle:
     """A submitted (or subscribed) job on an AsyncClient: `stream()`, `result()`, `cancel()`."""
 
@@ -72,6 +67,10 @@ class AsyncJobHandle:
         # one: a deque and one future, not an asyncio.Queue under wait_for (a task per token on Python 3.11).
         self._items: deque[Any] = deque()
         self._wakeup: asyncio.Future[None] | None = None
+        # The waiter's deadline, and one timer that fires at or before it; a wait that ends before the timer
+        # leaves it armed for the next one (a steady stream re-arms it once per timeout, not per token).
+        self._deadline = 0.0
+        self._timer: asyncio.TimerHandle | None = None
         self._asm = Assembly(job_id, from_seq)
         self._accepted = asyncio.Event()
         self._acked = False
@@ -152,14 +151,30 @@ class AsyncJobHandle:
         """Wait until an item is delivered; DeadlineExceeded after `timeout` seconds without one."""
         loop = asyncio.get_running_loop()
         w = self._wakeup = loop.create_future()
-        timer = loop.call_later(timeout, _expire, w)
+        self._deadline = loop.time() + timeout
+        if self._timer is not None and self._timer.when() > self._deadline:
+            self._timer.cancel()
+            self._timer = None
+        if self._timer is None:
+            self._timer = loop.call_at(self._deadline, self._on_timer)
         try:
             await w
         finally:
-            timer.cancel()
-            self._wakeup = None
+            if self._wakeup is w:
+                self._wakeup = None
         if not self._items:
             raise DeadlineExceeded(f"no event for {timeout}s", job_id=self.job_id)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        w = self._wakeup
+        if w is None or w.done():
+            return  # nobody waits: the next wait arms a timer of its own
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self._deadline:
+            w.set_result(None)  # the waiter finds no item: its deadline passed
+        else:
+            self._timer = loop.call_at(self._deadline, self._on_timer)
 
     async def _consume(self, item: Any) -> StreamEvent | None:
         if isinstance(item, p.StreamChunk):
@@ -168,6 +183,9 @@ class AsyncJobHandle:
             except _Gap:
                 await self._resubscribe()
                 return None
+        if self._timer is not None:  # the stream ends here: no more waits
+            self._timer.cancel()
+            self._timer = None
         if isinstance(item, p.Done):
             self._finished = True
             return self._asm.on_done(item)

@@ -160,7 +160,7 @@ class RequestRun:
                 c.first_token_at = now
                 self._ttft.observe(now - self.arrival)
             else:
-                self._itl.observe(now - c.last_token_at)
+                self.metrics.observe_soon(self._itl, now - c.last_token_at)
             c.last_token_at = now
         if ev.finish_reason is not None:
             self._finished(c, ev, now)

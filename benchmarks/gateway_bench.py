@@ -393,9 +393,9 @@ def report(args: argparse.Namespace, path_names: list[str], rounds: list[dict[st
         pairs = [r["p50"] - sdk_p50[r["round"]] for r in per_round if r["path"] == path]
         added[path]["p50_median_of_rounds"] = _median(pairs)
     load = tuple(round(x, 2) for x in os.getloadavg())
-    payload = {"benchmark": "gateway", "streams": args.streams, "tokens_per_stream": args.tokens, "step_rate": args.step_rate,
-               "busy": args.busy, "gateway_workers": args.gateway_workers, "load_average": load, "paths": paths,
-               "added_ms": added, "rounds": per_round, "aiperf": aiperf}
+    payload = {"benchmark": "gateway", "streams": args.streams, "tokens_per_stream": args.tokens,
+               "step_rate": args.step_rate, "busy": args.busy, "gateway_workers": args.gateway_workers,
+               "load_average": load, "paths": paths, "added_ms": added, "rounds": per_round, "aiperf": aiperf}
     lines = [
         f"Fake engine at {args.step_rate:g} steps/s (holding the GIL {args.busy:.0%} of each step), {args.streams} "
         f"concurrent streams x {args.tokens} tokens, gateway workers {args.gateway_workers}, {args.rounds} rounds "

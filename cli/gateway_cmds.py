@@ -65,7 +65,7 @@ def _run_gateway(cfg: Any) -> int:
     check_ports_free(f"http://{cfg.host}:{cfg.port}")
     print(f"http://{cfg.host}:{cfg.port}/v1", flush=True)
     log.info("gateway_listening", url=f"http://{cfg.host}:{cfg.port}/v1", broker=cfg.broker,
-             api_keys=len(cfg.api_keys))
+             api_key_count=len(cfg.api_keys), workers=cfg.workers)
     serve(cfg)
     return 0
 

@@ -42,6 +42,7 @@ from tokenmill.gateway.responses import (
 from tokenmill.gateway.runner import ChoiceSpec, RequestRun, unless_disconnected, until_disconnect
 from tokenmill.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from tokenmill.gateway.tenants import Tenants
+from tokenmill.protocol.logs import bind_job
 
 log = structlog.get_logger("tokenmill.gateway")
 
@@ -69,10 +70,10 @@ class Gateway:
         await self.pool.stop()
         await self.tenants.close()
 
-    def error(self, model: str, err: APIError, request_id: str = "") -> JSONResponse:
+    def error(self, model: str, err: APIError) -> JSONResponse:
         self.metrics.request_errors.labels(model, str(err.status)).inc()
-        log.info("request_failed", request_id=request_id or None, model=model, status=err.status, code=err.code,
-                 error=err.message[:200])
+        # the request id, where there is one, is in the log context (bound by _open_run)
+        log.info("request_failed", model=model, status=err.status, code=err.code, error=err.message[:200])
         return err.response()
 
     def max_tokens(self, requested: int | None, worker: dict[str, Any]) -> int:
@@ -219,9 +220,8 @@ async def _completions(gw: Gateway, body: CompletionRequest, request: Request, a
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
             specs.append(ChoiceSpec(index, _seeded(params, body.seed, i), prompt=text, prompt_token_ids=ids))
     echo = {s.index: s.prompt or "" for s in specs} if body.echo else {}
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    run = RequestRun(gw.tenants.client(owner), body.model, rid, specs, gw.metrics, gw.cfg.request_timeout)
-    await run.open()
+    run = await _open_run(gw, owner, body.model, f"cmpl-{uuid.uuid4().hex}", specs, body.stream)
+    rid = run.request_id
     created = int(time.time())
     if body.stream:
         writer = ChunkWriter(False, rid, created, body.model, body.include_usage)
@@ -240,9 +240,8 @@ async def _chat(gw: Gateway, body: ChatCompletionRequest, request: Request, auth
         params["extra"] = {"chat_template_kwargs": body.chat_template_kwargs}
     messages = body.wire_messages()
     specs = [ChoiceSpec(i, _seeded(params, body.seed, i), messages=messages) for i in range(body.n)]
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    run = RequestRun(gw.tenants.client(owner), body.model, rid, specs, gw.metrics, gw.cfg.request_timeout)
-    await run.open()
+    run = await _open_run(gw, owner, body.model, f"chatcmpl-{uuid.uuid4().hex}", specs, body.stream)
+    rid = run.request_id
     created = int(time.time())
     k = body.logprobs_k()
     if body.stream:
@@ -251,6 +250,18 @@ async def _chat(gw: Gateway, body: ChatCompletionRequest, request: Request, auth
     results = await unless_disconnected(request.receive, _collect(run, k))
     return JSONResponse(chat_json(rid, created, body.model, list(results.values()), _usage(results, body.n),
                                   k is not None))
+
+
+async def _open_run(gw: Gateway, owner: str, model: str, rid: str, specs: list[ChoiceSpec],
+                    stream: bool) -> RequestRun:
+    """Submit a request's jobs (job ids: the request id, '-', the choice index), its id bound into this
+    request's log context (the task serving it; the stream's task inherits it)."""
+    bind_job(request_id=rid)
+    run = RequestRun(gw.tenants.client(owner), model, rid, specs, gw.metrics, gw.cfg.request_timeout)
+    log.debug("request_received", model=model, choices=len(specs), stream=stream,
+              job_ids=[run.job_id(s) for s in specs])
+    await run.open()
+    return run
 
 
 async def _collect(run: RequestRun, k: int | None) -> dict[int, ChoiceResult]:

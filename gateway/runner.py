@@ -12,11 +12,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from tokenmill.client import AsyncClient, AsyncJobHandle, StreamEvent
 from tokenmill.gateway.errors import APIError, from_tokenmill
 from tokenmill.gateway.metrics import GatewayMetrics
 from tokenmill.protocol.errors import TokenmillError
 
+log = structlog.get_logger("tokenmill.gateway")
 _background: set[asyncio.Task[Any]] = set()  # cancels in flight (kept referenced until done)
 
 
@@ -63,12 +66,16 @@ class RequestRun:
         m = metrics
         self._ttft, self._itl = m.ttft.labels(model), m.itl.labels(model)
 
+    def job_id(self, spec: ChoiceSpec) -> str:
+        """The broker job id of a choice: the request id and the choice index (grep either in any log)."""
+        return f"{self.request_id}-{spec.index}"
+
     async def open(self) -> None:
         try:
             for spec in self.specs:
                 handle = await self.client.submit(
                     spec.prompt, messages=spec.messages, prompt_token_ids=spec.prompt_token_ids, model=self.model,
-                    params=spec.params, timeout=self.timeout, job_id=f"{self.request_id}-{spec.index}")
+                    params=spec.params, timeout=self.timeout, job_id=self.job_id(spec))
                 self.choices.append(_Choice(spec.index, handle))
             firsts = await asyncio.gather(*(c.handle.next_events(None) for c in self.choices), return_exceptions=True)
         except TokenmillError as e:
@@ -168,6 +175,9 @@ class RequestRun:
 
     def _finished(self, c: _Choice, ev: StreamEvent, now: float) -> None:
         m, model = self.metrics, self.model
+        log.debug("job_finished", job_id=c.handle.job_id, finish_reason=ev.finish_reason,
+                  completion_tokens=ev.usage.completion_tokens if ev.usage else None,
+                  seconds=round(now - self.arrival, 4))
         m.request_success.labels(model, ev.finish_reason).inc()
         m.e2e.labels(model).observe(now - self.arrival)
         if ev.queue_time is not None:
@@ -189,6 +199,7 @@ class RequestRun:
         open_handles = [c.handle for c in self.choices if not c.handle.done]
         if not open_handles:
             return
+        log.info("jobs_cancelled", job_ids=[h.job_id for h in open_handles])
         task = asyncio.get_running_loop().create_task(_cancel_all(open_handles))
         _background.add(task)
         task.add_done_callback(_background.discard)

@@ -72,6 +72,7 @@ class Workers:
         self.cfg = cfg
         self.procs: list[subprocess.Popen[bytes]] = []
         self._stop = False
+        self._previous: dict[int, Any] = {}  # the handlers replaced while serving (called on as well)
 
     def run(self) -> None:
         with tempfile.TemporaryDirectory(prefix="tokenmill-gateway-") as tmp:
@@ -85,7 +86,7 @@ class Workers:
             metrics_dir = Path(tmp) / "metrics"
             metrics_dir.mkdir()
             env = {**os.environ, MULTIPROC_ENV: str(metrics_dir)}
-            previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+            self._previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
             try:
                 for _ in range(cfg.workers):
                     self.procs.append(subprocess.Popen(
@@ -93,7 +94,7 @@ class Workers:
                 self._wait_bound(cfg.port, hold)
                 self._supervise()
             finally:
-                for s, handler in previous.items():
+                for s, handler in self._previous.items():
                     signal.signal(s, handler)
                 self._stop_all()
 
@@ -110,11 +111,14 @@ class Workers:
         while not self._stop and all(p.poll() is None for p in self.procs):
             time.sleep(0.2)
 
-    def _on_signal(self, signum: int, _frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop = True
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signum)
+        previous = self._previous.get(signum)
+        if callable(previous) and previous not in (signal.default_int_handler,):
+            previous(signum, frame)  # e.g. `serve`'s Stopper, which then drains the pool
 
     def _stop_all(self, timeout: float = 10.0) -> None:
         for p in self.procs:

@@ -87,10 +87,10 @@ def configure(level: str = "info", fmt: str = "auto", stream: TextIO | None = No
         renderer = structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)
         tail = []
     structlog.configure(
-        processors=[structlog.stdlib.filter_by_level, structlog.stdlib.PositionalArgumentsFormatter(), *shared,
+        processors=[structlog.stdlib.PositionalArgumentsFormatter(), *shared,
                     structlog.processors.StackInfoRenderer(), structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),
-        wrapper_class=structlog.stdlib.BoundLogger,
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),  # a call below the level returns at once
         cache_logger_on_first_use=False,  # a later configure() (a test, a CLI re-run in-process) takes effect
     )
     formatter = structlog.stdlib.ProcessorFormatter(
@@ -107,17 +107,17 @@ def configure(level: str = "info", fmt: str = "auto", stream: TextIO | None = No
     root.setLevel(lvl)
     if export:
         os.environ[LEVEL_ENV], os.environ[FORMAT_ENV] = level.lower(), chosen
-        os.environ.pop(JSON_ENV, None)
     return chosen
 
 
-def configure_from_env(default_level: str = "info") -> str:
-    """`configure` from TOKENMILL_LOG_LEVEL / TOKENMILL_LOG_FORMAT (TOKENMILL_LOG_JSON=1 means json)."""
+def configure_from_env(default_level: str = "info", level: str | None = None, *, export: bool = True) -> str:
+    """`configure` from TOKENMILL_LOG_LEVEL (else `default_level`; `level` overrides both) and
+    TOKENMILL_LOG_FORMAT (TOKENMILL_LOG_JSON=1 means json)."""
     env = os.environ
     fmt = env.get(FORMAT_ENV, "auto").strip().lower() or "auto"
     if env.get(JSON_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
         fmt = "json"
-    return configure(env.get(LEVEL_ENV, default_level).strip().lower() or default_level, fmt)
+    return configure(level or env.get(LEVEL_ENV, "").strip().lower() or default_level, fmt, export=export)
 
 
 def bind_job(**ids: Any) -> None:

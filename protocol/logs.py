@@ -112,12 +112,16 @@ def configure(level: str = "info", fmt: str = "auto", stream: TextIO | None = No
 
 def configure_from_env(default_level: str = "info", level: str | None = None, *, export: bool = True) -> str:
     """`configure` from TOKENMILL_LOG_LEVEL (else `default_level`; `level` overrides both) and
-    TOKENMILL_LOG_FORMAT (TOKENMILL_LOG_JSON=1 means json)."""
+    TOKENMILL_LOG_FORMAT (TOKENMILL_LOG_JSON=1 means json). A value it cannot use falls back to the default
+    (the command's settings parser reports it, as one line)."""
     env = os.environ
     fmt = env.get(FORMAT_ENV, "auto").strip().lower() or "auto"
     if env.get(JSON_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
         fmt = "json"
-    return configure(level or env.get(LEVEL_ENV, "").strip().lower() or default_level, fmt, export=export)
+    lvl = level or env.get(LEVEL_ENV, "").strip().lower() or default_level
+    if lvl not in LEVELS:
+        lvl = default_level
+    return configure(lvl, fmt if fmt in FORMATS else "auto", export=export)
 
 
 def bind_job(**ids: Any) -> None:

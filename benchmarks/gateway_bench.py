@@ -134,9 +134,12 @@ GENERATORS = {"sdk": "AsyncClient.stream, against the broker",
 
 
 def run_load(args: argparse.Namespace) -> None:
+    """The load-generator child: its result goes to a file (a 300 KB line on a pipe came back cut short at
+    128 KiB after the openai client's run, once in a few)."""
     from tokenmill.client import run
 
-    print(json.dumps(run(LOADS[args.load](args.target, args.streams, args.tokens))))
+    result = run(LOADS[args.load](args.target, args.streams, args.tokens))
+    Path(args.result_file).write_text(json.dumps(result))
 
 
 # ---- the pool --------------------------------------------------------------------------------------
@@ -244,10 +247,12 @@ def tree_cpu_seconds(pid: int) -> float:
 
 
 def _load(kind: str, target: str, streams: int, tokens: int) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "tokenmill.benchmarks.gateway_bench", "--load", kind, "--target",
-                          target, "--streams", str(streams), "--tokens", str(tokens)],
-                         capture_output=True, text=True, check=True, timeout=900)
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    with tempfile.TemporaryDirectory(prefix="tokenmill-gateway-load-") as tmp:
+        result = Path(tmp) / "result.json"
+        subprocess.run([sys.executable, "-m", "tokenmill.benchmarks.gateway_bench", "--load", kind, "--target",
+                        target, "--streams", str(streams), "--tokens", str(tokens), "--result-file", str(result)],
+                       capture_output=True, text=True, check=True, timeout=900)
+        return dict(json.loads(result.read_text()))
 
 
 def _summary(latencies: list[float]) -> dict[str, float]:
@@ -323,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="merge the headline figure (gateway_added_p50_ms) into the summary.json of --out")
     ap.add_argument("--load", choices=sorted(LOADS), help=argparse.SUPPRESS)  # the load-generator child
     ap.add_argument("--target", help=argparse.SUPPRESS)
+    ap.add_argument("--result-file", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.load:
         run_load(args)

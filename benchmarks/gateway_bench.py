@@ -130,7 +130,8 @@ LOADS = {"sdk": _sdk_load, "sse": _sse_load, "openai": _openai_load}
 GENERATORS = {"sdk": "AsyncClient.stream, against the broker",
               "sse": "a lean asyncio SSE reader, through the gateway",
               "openai": "official `openai` AsyncOpenAI, through the gateway",
-              "sse_baseline": "the lean SSE reader, through the baseline gateway (--baseline-src)"}
+              "sse_baseline": "the lean SSE reader, through the baseline gateway (--baseline-src)",
+              "openai_baseline": "official `openai` AsyncOpenAI, through the baseline gateway (--baseline-src)"}
 
 
 def run_load(args: argparse.Namespace) -> None:
@@ -318,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gateway-workers", type=int, default=1, help="the gateway's --gateway-workers")
     ap.add_argument("--baseline-src", type=Path, default=None,
                     help="a source tree of another commit (e.g. `git archive` of it): a second gateway runs from "
-                         "it on the same broker, measured in the same rounds by the lean reader (path sse_baseline)")
+                         "it on the same broker, measured in the same rounds through the same HTTP clients (paths "
+                         "sse_baseline, openai_baseline)")
     ap.add_argument("--aiperf", action="store_true", help="also profile the gateway with aiperf")
     ap.add_argument("--aiperf-venv", default=str(Path(tempfile.gettempdir()) / "tokenmill-aiperf-venv"))
     ap.add_argument("--aiperf-requests", type=int, default=256)
@@ -367,8 +369,8 @@ def _targets(pool: Pool, paths: str) -> dict[str, tuple[str, str]]:
     if unknown:
         raise SystemExit(f"--paths: unknown {sorted(unknown)} (choose from {sorted(LOADS)})")
     out = {name: (name, pool.address if name == "sdk" else pool.base_url) for name in names}
-    if pool.baseline_url is not None:
-        out["sse_baseline"] = ("sse", pool.baseline_url)
+    if pool.baseline_url is not None:  # the baseline gateway, through the same HTTP clients
+        out.update({f"{name}_baseline": (name, pool.baseline_url) for name in ("sse", "openai") if name in out})
     return out
 
 

@@ -4,11 +4,9 @@ fake-engine worker; streamed and whole answers through both; /metrics on any of 
 
 from __future__ import annotations
 
-import http.client
 import json
 import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -17,29 +15,9 @@ try:
     from prometheus_client.parser import text_string_to_metric_families
 except ImportError:
     pytest.skip("needs the gateway extra (pip install 'tokenmill[gateway]')", allow_module_level=True)
-from helpers_net import FAKE, addr, free_port, procs_ctx, wait_until
+from helpers_net import FAKE, addr, free_port, http_request, procs_ctx, wait_gateway, wait_until
 
 from tokenmill.gateway.server import _listeners
-
-
-def _post(port: int, body: dict[str, Any]) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    try:
-        conn.request("POST", "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        return r.status, r.read()
-    finally:
-        conn.close()
-
-
-def _get(port: int, path: str) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        conn.request("GET", path)
-        r = conn.getresponse()
-        return r.status, r.read()
-    finally:
-        conn.close()
 
 
 def _children(pid: int) -> list[int]:
@@ -66,24 +44,18 @@ def test_two_gateway_processes_share_a_port_and_their_metrics(tmp_path: Path) ->
         ps.worker(back, model=FAKE)
         gw = ps.spawn(["gateway", "--broker", addr(front), "--port", str(port), "--gateway-workers", "2"], "gateway")
 
-        def healthy() -> bool:
-            assert gw.poll() is None, ps.dump_logs()
-            try:
-                return _get(port, "/health")[0] == 200
-            except OSError:
-                return False
-
-        wait_until(healthy, 120, 0.2, "gateway /health 200")
+        wait_gateway(ps, gw, port)
         assert _listeners(port) == 2  # the two children's sockets; the parent's placeholder is closed
         n = 8
         for i in range(n):  # a new connection each: the kernel spreads them over both processes
-            status, raw = _post(port, {"model": "fake", "prompt": f"p{i}", "max_tokens": 4, "stream": i % 2 == 1})
+            status, raw = http_request(port, "POST", "/v1/completions",
+                                       {"model": "fake", "prompt": f"p{i}", "max_tokens": 4, "stream": i % 2 == 1})
             assert status == 200, raw
             if i % 2:
                 assert raw.rstrip().endswith(b"data: [DONE]")
             else:
                 assert json.loads(raw)["usage"]["completion_tokens"] == 4
-        scrapes = [_finished_requests(_get(port, "/metrics")[1].decode()) for _ in range(6)]
+        scrapes = [_finished_requests(http_request(port, "GET", "/metrics")[1].decode()) for _ in range(6)]
         assert scrapes == [n] * 6, scrapes
         assert len(_children(gw.pid)) == 2
         gw.send_signal(signal.SIGTERM)

@@ -5,7 +5,6 @@ id can be grepped in the gateway's, the broker's and the worker's logs."""
 
 from __future__ import annotations
 
-import http.client
 import io
 import json
 import logging
@@ -17,7 +16,7 @@ from typing import Any
 
 import pytest
 import structlog
-from helpers_net import FAKE, addr, free_port, procs_ctx, wait_until
+from helpers_net import FAKE, addr, free_port, http_request, procs_ctx, wait_gateway, wait_until
 
 from tokenmill.protocol import logs
 from tokenmill.protocol.keys import load_keypair
@@ -59,7 +58,7 @@ def test_structlog_and_stdlib_lines_are_json_off_a_terminal(restore_logging: Non
     assert b["event"] == "preempted 3 requests" and b["level"] == "warning" and b["logger"] == "tokenmill.engine"
 
 
-def test_console_text_on_a_terminal_and_json_on_request(restore_logging: None) -> None:
+def test_console_text_on_a_terminal_and_json_onhttp_request(restore_logging: None) -> None:
     tty = _Tty()
     assert logs.configure("debug", "auto", tty) == "console"
     structlog.get_logger("tokenmill.worker").debug("job_admitted", job_id="j-2")
@@ -114,20 +113,6 @@ def test_secret_values_are_redacted(restore_logging: None) -> None:
 # ---- processes ------------------------------------------------------------------------------------------
 
 
-def _request(port: int, method: str, path: str, body: dict[str, Any] | None = None,
-             key: str | None = None) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    headers = {"Content-Type": "application/json"}
-    if key is not None:
-        headers["Authorization"] = f"Bearer {key}"
-    try:
-        conn.request(method, path, json.dumps(body).encode() if body is not None else None, headers)
-        r = conn.getresponse()
-        return r.status, r.read()
-    finally:
-        conn.close()
-
-
 def _json_lines(path: Path) -> list[dict[str, Any]]:
     out = []
     for line in path.read_text().splitlines():
@@ -151,19 +136,12 @@ def test_a_gateway_never_logs_its_api_key_or_curve_secret(tmp_path: Path) -> Non
                        str(keys / "gateway.key_secret"), "--log-level", "debug", "--log-format", "json",
                        "--access-log", "--model", "m"], "gateway")
 
-        def up() -> bool:
-            assert gw.poll() is None, ps.dump_logs()
-            try:
-                return _request(port, "GET", "/health")[0] in (200, 503)
-            except OSError:
-                return False
-
-        wait_until(up, 60, 0.2, "the gateway to answer")
-        assert _request(port, "GET", "/v1/models", key=api_key)[0] == 200
-        assert _request(port, "GET", "/v1/models", key="wrong")[0] == 401
+        wait_gateway(ps, gw, port, 60, (200, 503))
+        assert http_request(port, "GET", "/v1/models", key=api_key)[0] == 200
+        assert http_request(port, "GET", "/v1/models", key="wrong")[0] == 401
         body = {"model": "m", "prompt": "hi", "max_tokens": 2}
-        assert _request(port, "POST", "/v1/completions", body, key=api_key)[0] == 503
-        assert _request(port, "POST", "/v1/completions", body)[0] == 401
+        assert http_request(port, "POST", "/v1/completions", body, key=api_key)[0] == 503
+        assert http_request(port, "POST", "/v1/completions", body)[0] == 401
         gw.send_signal(signal.SIGTERM)
         gw.wait(30)
         text = ps.logs[0].read_text()
@@ -173,7 +151,7 @@ def test_a_gateway_never_logs_its_api_key_or_curve_secret(tmp_path: Path) -> Non
 
 
 @pytest.fixture
-def debug_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[int, list[Path]]]:
+def debug_pool(tmp_path: Path) -> Iterator[tuple[int, list[Path]]]:
     """broker, a fake-engine worker and a gateway, each logging JSON at debug level to its own file."""
     port, front, back = free_port(), free_port(), free_port()
     flags = ["--log-level", "debug", "--log-format", "json"]
@@ -182,14 +160,7 @@ def debug_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tupl
         ps.worker(back, *flags, model=FAKE)
         gw = ps.spawn(["gateway", "--broker", addr(front), "--port", str(port), *flags], "gateway")
 
-        def healthy() -> bool:
-            assert gw.poll() is None, ps.dump_logs()
-            try:
-                return _request(port, "GET", "/health")[0] == 200
-            except OSError:
-                return False
-
-        wait_until(healthy, 120, 0.2, "gateway /health 200")
+        wait_gateway(ps, gw, port)
         yield port, ps.logs
         for pr in ps.procs:
             pr.send_signal(signal.SIGTERM)
@@ -199,7 +170,7 @@ def debug_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tupl
 
 def test_one_request_can_be_grepped_across_processes(debug_pool: tuple[int, list[Path]]) -> None:
     port, (broker_log, worker_log, gateway_log) = debug_pool
-    status, raw = _request(port, "POST", "/v1/completions", {"model": "fake", "prompt": "hello", "max_tokens": 3})
+    status, raw = http_request(port, "POST", "/v1/completions", {"model": "fake", "prompt": "hello", "max_tokens": 3})
     assert status == 200, raw
     rid = json.loads(raw)["id"]
     job = f"{rid}-0"

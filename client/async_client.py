@@ -171,7 +171,7 @@ class AsyncJobHandle:
         if w is None or w.done():
             return  # nobody waits: the next wait arms a timer of its own
         loop = asyncio.get_running_loop()
-        if loop.time() >= self._deadline:
+        if loop.time() >= self._deadline - 0.001:  # (a loop's timers may fire up to a tick early)
             w.set_result(None)  # the waiter finds no item: its deadline passed
         else:
             self._timer = loop.call_at(self._deadline, self._on_timer)

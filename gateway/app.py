@@ -1,9 +1,8 @@
 """The FastAPI application: OpenAI-compatible routes over the broker, plus /health, /metrics, /version.
 
 Each request becomes one broker job per choice (runner.RequestRun); streamed answers are server-sent
-events. A client that disconnects cancels its jobs: a stream when the server notices the closed
-connection (Starlette cancels the response), a whole answer through a watcher of the ASGI receive
-channel. Errors come in OpenAI's JSON error shape (errors.APIError)."""
+events. A client that disconnects cancels its jobs, streamed or not, through a watcher of the ASGI receive
+channel (`http.disconnect`). Errors come in OpenAI's JSON error shape (errors.APIError)."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import secrets
 import time
 import uuid
@@ -372,9 +373,10 @@ class AsyncClient(RouterCore):
         monitor = s.get_monitor_socket(MONITOR_EVENTS)
         s.connect(self.address)
         self._sock = s
-        self._tasks = [asyncio.create_task(self._reader(), name=f"tokenmill-reader-{uuid.uuid4().hex[:6]}"),
-                       asyncio.create_task(self._heartbeat(), name="tokenmill-heartbeat"),
-                       asyncio.create_task(self._watch(monitor), name="tokenmill-monitor")]
+        # Empty contexts: the tasks outlive the call that started them (and the log ids bound in its context).
+        self._tasks = [asyncio.create_task(coro, name=name, context=contextvars.Context()) for coro, name in (
+            (self._reader(), f"tokenmill-reader-{uuid.uuid4().hex[:6]}"), (self._heartbeat(), "tokenmill-heartbeat"),
+            (self._watch(monitor), "tokenmill-monitor"))]
         return s
 
     async def _send(self, msg: p.Message) -> None:

@@ -37,6 +37,18 @@ SECRET_KEYS = ("api_key", "api_keys", "authorization", "password", "secret", "se
 _HANDLER_NAME = "tokenmill"
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A handler writing to whatever sys.stderr is when a record comes (test runners swap it)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: TextIO) -> None:
+        pass
+
+
 def is_secret_key(key: str) -> bool:
     k = key.lower().replace("-", "_")
     return any(k == s or k.endswith("_" + s) for s in SECRET_KEYS)
@@ -69,9 +81,8 @@ def _level_number(level: str) -> int:
 def configure(level: str = "info", fmt: str = "auto", stream: TextIO | None = None, *, export: bool = True) -> str:
     """Set up logging for this process (again: replaces the previous set-up); returns the format used.
     `export`: also put the settings in os.environ for the processes this one starts."""
-    stream = stream if stream is not None else sys.stderr
     lvl = _level_number(level)
-    chosen = resolve_format(fmt, stream)
+    chosen = resolve_format(fmt, stream if stream is not None else sys.stderr)
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_log_level,
@@ -97,7 +108,7 @@ def configure(level: str = "info", fmt: str = "auto", stream: TextIO | None = No
         foreign_pre_chain=[structlog.stdlib.ExtraAdder(), *shared],  # records of stdlib loggers
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *tail, renderer],
     )
-    handler = logging.StreamHandler(stream)
+    handler = logging.StreamHandler(stream) if stream is not None else _StderrHandler()
     handler.set_name(_HANDLER_NAME)
     handler.setFormatter(formatter)
     root = logging.getLogger()

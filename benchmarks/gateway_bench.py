@@ -63,9 +63,10 @@ def _record(latencies: list[float], text: str) -> None:
 async def _timed(streams: int, one: Callable[[list[float]], Awaitable[int]]) -> dict[str, Any]:
     """Run `streams` copies of `one` (which records per-token latencies and returns its token count)."""
     latencies: list[float] = []
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     counts = await asyncio.gather(*(one(latencies) for _ in range(streams)))
-    return {"latencies_ms": latencies, "tokens": sum(counts), "wall_s": time.perf_counter() - t0}
+    return {"latencies_ms": latencies, "tokens": sum(counts), "wall_s": time.perf_counter() - t0,
+            "client_cpu_s": time.process_time() - cpu0}
 
 
 async def _sdk_load(address: str, streams: int, tokens: int) -> dict[str, Any]:
@@ -128,13 +129,18 @@ async def _sse_load(base_url: str, streams: int, tokens: int) -> dict[str, Any]:
 LOADS = {"sdk": _sdk_load, "sse": _sse_load, "openai": _openai_load}
 GENERATORS = {"sdk": "AsyncClient.stream, against the broker",
               "sse": "a lean asyncio SSE reader, through the gateway",
-              "openai": "official `openai` AsyncOpenAI, through the gateway"}
+              "openai": "official `openai` AsyncOpenAI, through the gateway",
+              "sse_baseline": "the lean SSE reader, through the baseline gateway (--baseline-src)",
+              "openai_baseline": "official `openai` AsyncOpenAI, through the baseline gateway (--baseline-src)"}
 
 
 def run_load(args: argparse.Namespace) -> None:
+    """The load-generator child: its result goes to a file (a 300 KB line on a pipe came back cut short at
+    128 KiB after the openai client's run, once in a few)."""
     from tokenmill.client import run
 
-    print(json.dumps(run(LOADS[args.load](args.target, args.streams, args.tokens))))
+    result = run(LOADS[args.load](args.target, args.streams, args.tokens))
+    Path(args.result_file).write_text(json.dumps(result))
 
 
 # ---- the pool --------------------------------------------------------------------------------------
@@ -149,33 +155,48 @@ def _free_port() -> int:
 
 
 class Pool:
-    """broker + paced worker + gateway processes; `close()` stops them."""
+    """broker + paced worker + gateway processes (and a second, baseline gateway from `baseline_src`, a
+    source tree of another commit, when given); `close()` stops them."""
 
-    def __init__(self, step_rate: float, busy: float, start_jobs: int, log_dir: Path) -> None:
-        self.front, self.back, self.http = _free_port(), _free_port(), _free_port()
+    def __init__(self, step_rate: float, busy: float, start_jobs: int, log_dir: Path,
+                 gateway_args: tuple[str, ...] = (), baseline_src: Path | None = None) -> None:
+        self.front, self.back = _free_port(), _free_port()
         self.address = f"tcp://127.0.0.1:{self.front}"
-        self.base_url = f"http://127.0.0.1:{self.http}/v1"
         env = {**os.environ, "TOKENMILL_BENCH_STEP_RATE": str(step_rate), "TOKENMILL_BENCH_BUSY": str(busy),
                "TOKENMILL_BENCH_START_JOBS": str(start_jobs), "PYTHONUNBUFFERED": "1"}
-        cli = [sys.executable, "-m", "tokenmill.cli.main"]
-        self.procs = []
-        for name, argv in (
-            ("broker", ["broker", "--frontend", self.address, "--backend", f"tcp://127.0.0.1:{self.back}"]),
-            ("worker", ["worker", "--broker", f"tcp://127.0.0.1:{self.back}", "--model", MODEL, "--engine-factory",
-                        "tokenmill.benchmarks.gateway_bench:paced_engine", "--max-num-seqs", "256"]),
-            ("gateway", ["gateway", "--broker", self.address, "--port", str(self.http)]),
-        ):
-            with open(log_dir / f"{name}.log", "wb") as log:
-                self.procs.append(subprocess.Popen([*cli, *argv], stdout=log, stderr=subprocess.STDOUT, env=env))
-        self._wait_healthy()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.gateway_pid: dict[str, int] = {}  # base URL -> the gateway's process id
+        self._start(log_dir, "broker", env, ["broker", "--frontend", self.address, "--backend",
+                                             f"tcp://127.0.0.1:{self.back}"])
+        self._start(log_dir, "worker", env, ["worker", "--broker", f"tcp://127.0.0.1:{self.back}", "--model", MODEL,
+                                             "--engine-factory", "tokenmill.benchmarks.gateway_bench:paced_engine",
+                                             "--max-num-seqs", "256"])
+        self.base_url = self._gateway(log_dir, "gateway", env, gateway_args)
+        self.baseline_url = None
+        if baseline_src is not None:
+            env_b = {**env, "PYTHONPATH": str(_package_of(baseline_src, log_dir / "baseline-pkg"))}
+            self.baseline_url = self._gateway(log_dir, "gateway-baseline", env_b, ())
 
-    def _wait_healthy(self, timeout: float = 60.0) -> None:
+    def _start(self, log_dir: Path, name: str, env: dict[str, str], argv: list[str]) -> None:
+        with open(log_dir / f"{name}.log", "wb") as log:
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "tokenmill.cli.main", *argv], stdout=log,
+                                               stderr=subprocess.STDOUT, env=env))
+
+    def _gateway(self, log_dir: Path, name: str, env: dict[str, str], extra: tuple[str, ...]) -> str:
+        port = _free_port()
+        self._start(log_dir, name, env, ["gateway", "--broker", self.address, "--port", str(port), *extra])
+        self._wait_healthy(port)
+        url = f"http://127.0.0.1:{port}/v1"
+        self.gateway_pid[url] = self.procs[-1].pid
+        return url
+
+    def _wait_healthy(self, port: int, timeout: float = 60.0) -> None:
         import http.client
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.http, timeout=2)
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
                 conn.request("GET", "/health")
                 if conn.getresponse().status == 200:
                     return
@@ -194,11 +215,45 @@ class Pool:
                 pr.kill()
 
 
+def _package_of(src: Path, folder: Path) -> Path:
+    """A PYTHONPATH entry under which `tokenmill.*` imports from the source tree `src` (a checkout of another
+    commit: its top-level folders linked into a regular `tokenmill` package, found before the editable
+    install's finder)."""
+    pkg = folder / "tokenmill"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text("")
+    for sub in ("protocol", "broker", "worker", "kernels", "client", "gateway", "cli", "benchmarks"):
+        if (src / sub).is_dir() and not (pkg / sub).exists():
+            (pkg / sub).symlink_to((src / sub).resolve(), target_is_directory=True)
+    return folder
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) of process `pid` and its live descendants, from /proc (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent, cpu s)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += stats.get(p, (0, 0.0))[1]
+        todo.extend(c for c, (parent, _) in stats.items() if parent == p)
+    return total
+
+
 def _load(kind: str, target: str, streams: int, tokens: int) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "tokenmill.benchmarks.gateway_bench", "--load", kind, "--target",
-                          target, "--streams", str(streams), "--tokens", str(tokens)],
-                         capture_output=True, text=True, check=True, timeout=900)
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    with tempfile.TemporaryDirectory(prefix="tokenmill-gateway-load-") as tmp:
+        result = Path(tmp) / "result.json"
+        subprocess.run([sys.executable, "-m", "tokenmill.benchmarks.gateway_bench", "--load", kind, "--target",
+                        target, "--streams", str(streams), "--tokens", str(tokens), "--result-file", str(result)],
+                       capture_output=True, text=True, check=True, timeout=900)
+        return dict(json.loads(result.read_text()))
 
 
 def _summary(latencies: list[float]) -> dict[str, float]:
@@ -258,61 +313,102 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=200, help="tokens per stream")
     ap.add_argument("--step-rate", type=float, default=50.0, help="engine steps per second")
     ap.add_argument("--busy", type=float, default=0.3, help="share of each step the engine holds the GIL")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds of (SDK, gateway)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of the load generators in turn")
+    ap.add_argument("--paths", default="sdk,sse,openai",
+                    help="load generators, in each round's order: sdk, sse, openai (sdk always included)")
+    ap.add_argument("--gateway-workers", type=int, default=1, help="the gateway's --gateway-workers")
+    ap.add_argument("--baseline-src", type=Path, default=None,
+                    help="a source tree of another commit (e.g. `git archive` of it): a second gateway runs from "
+                         "it on the same broker, measured in the same rounds through the same HTTP clients (paths "
+                         "sse_baseline, openai_baseline)")
     ap.add_argument("--aiperf", action="store_true", help="also profile the gateway with aiperf")
     ap.add_argument("--aiperf-venv", default=str(Path(tempfile.gettempdir()) / "tokenmill-aiperf-venv"))
     ap.add_argument("--aiperf-requests", type=int, default=256)
     ap.add_argument("--out", default="benchmarks/results/cpu")
     ap.add_argument("--name", default="gateway")
+    ap.add_argument("--record", action="store_true",
+                    help="merge the headline figure (gateway_added_p50_ms) into the summary.json of --out")
     ap.add_argument("--load", choices=sorted(LOADS), help=argparse.SUPPRESS)  # the load-generator child
     ap.add_argument("--target", help=argparse.SUPPRESS)
+    ap.add_argument("--result-file", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.load:
         run_load(args)
         return 0
     work = Path(tempfile.mkdtemp(prefix="tokenmill-gateway-bench-"))
-    pool = Pool(args.step_rate, args.busy, 1, work)
+    gateway_args = ("--gateway-workers", str(args.gateway_workers)) if args.gateway_workers != 1 else ()
+    pool = Pool(args.step_rate, args.busy, 1, work, gateway_args, args.baseline_src)
     rounds: list[dict[str, Any]] = []
     aiperf: dict[str, Any] | None = None
     try:
-        targets = {"sdk": pool.address, "sse": pool.base_url, "openai": pool.base_url}
-        for kind, target in targets.items():  # warm-up
+        targets = _targets(pool, args.paths)
+        for kind, target in targets.values():  # warm-up
             _load(kind, target, args.streams, 8)
         for r in range(args.rounds):
-            for kind, target in targets.items():
+            for path, (kind, target) in targets.items():
+                gw = pool.gateway_pid.get(target)
+                cpu0 = tree_cpu_seconds(gw) if gw else 0.0
                 res = _load(kind, target, args.streams, args.tokens)
-                rounds.append({"round": r, "path": kind, **res})
-                print(f"round {r} {kind}: {_summary(res['latencies_ms'])} ({res['tokens']} tokens)", flush=True)
+                res["gateway_cpu_s"] = round(tree_cpu_seconds(gw) - cpu0, 3) if gw else None
+                rounds.append({"round": r, "path": path, **res})
+                print(f"round {r} {path}: {_summary(res['latencies_ms'])} ({res['tokens']} tokens)", flush=True)
         if args.aiperf:
             aiperf = run_aiperf(ensure_aiperf(Path(args.aiperf_venv)), pool, args.streams, args.tokens,
                                 args.aiperf_requests, work)
     finally:
         pool.close()
-    report(args, rounds, aiperf, work)
+    report(args, list(targets), rounds, aiperf)
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
-def report(args: argparse.Namespace, rounds: list[dict[str, Any]], aiperf: dict[str, Any] | None, work: Path) -> None:
+def _targets(pool: Pool, paths: str) -> dict[str, tuple[str, str]]:
+    """path name -> (load generator kind, its target), in round order."""
+    names = ["sdk", *(x for x in paths.split(",") if x and x != "sdk")]
+    unknown = set(names) - set(LOADS)
+    if unknown:
+        raise SystemExit(f"--paths: unknown {sorted(unknown)} (choose from {sorted(LOADS)})")
+    out = {name: (name, pool.address if name == "sdk" else pool.base_url) for name in names}
+    if pool.baseline_url is not None:  # the baseline gateway, through the same HTTP clients
+        out.update({f"{name}_baseline": (name, pool.baseline_url) for name in ("sse", "openai") if name in out})
+    return out
+
+
+def _us_per_token(cpu_s: float | None, tokens: int) -> float | None:
+    return round(cpu_s / tokens * 1e6, 1) if cpu_s is not None and tokens else None
+
+
+def _median(xs: list[float]) -> float:
+    return round(percentile(xs, 50), 4) if xs else float("nan")
+
+
+def report(args: argparse.Namespace, path_names: list[str], rounds: list[dict[str, Any]],
+           aiperf: dict[str, Any] | None) -> None:
     paths: dict[str, dict[str, Any]] = {}
-    for path in LOADS:
+    for path in path_names:
         lat = [x for r in rounds if r["path"] == path for x in r["latencies_ms"]]
         toks = sum(r["tokens"] for r in rounds if r["path"] == path)
         wall = sum(r["wall_s"] for r in rounds if r["path"] == path)
         paths[path] = {"latency_ms": _summary(lat), "tokens": toks, "tokens_per_s": round(toks / wall, 1)}
+    per_round = [{"round": r["round"], "path": r["path"], **_summary(r["latencies_ms"]), "tokens": r["tokens"],
+                  "client_us_per_token": _us_per_token(r.get("client_cpu_s"), r["tokens"]),
+                  "gateway_us_per_token": _us_per_token(r.get("gateway_cpu_s"), r["tokens"])} for r in rounds]
+    http_paths = [p for p in path_names if p != "sdk"]
     added = {path: {q: round(paths[path]["latency_ms"][q] - paths["sdk"]["latency_ms"][q], 4)
-                    for q in ("p50", "p90", "p99")} for path in ("sse", "openai")}
-    per_round = [{"round": r["round"], "path": r["path"], **_summary(r["latencies_ms"]), "tokens": r["tokens"]}
-                 for r in rounds]
+                    for q in ("p50", "p90", "p99")} for path in http_paths}
+    sdk_p50 = {r["round"]: r["p50"] for r in per_round if r["path"] == "sdk"}
+    for path in http_paths:  # each round's p50 against the same round's SDK p50: the pairing that load drift spares
+        pairs = [r["p50"] - sdk_p50[r["round"]] for r in per_round if r["path"] == path]
+        added[path]["p50_median_of_rounds"] = _median(pairs)
     load = tuple(round(x, 2) for x in os.getloadavg())
-    payload = {"streams": args.streams, "tokens_per_stream": args.tokens, "step_rate": args.step_rate,
-               "busy": args.busy, "load_average": load, "paths": paths, "added_ms": added, "rounds": per_round,
-               "aiperf": aiperf}
+    payload = {"benchmark": "gateway", "streams": args.streams, "tokens_per_stream": args.tokens,
+               "step_rate": args.step_rate, "busy": args.busy, "gateway_workers": args.gateway_workers,
+               "load_average": load, "paths": paths, "added_ms": added, "rounds": per_round, "aiperf": aiperf}
     lines = [
         f"Fake engine at {args.step_rate:g} steps/s (holding the GIL {args.busy:.0%} of each step), {args.streams} "
-        f"concurrent streams x {args.tokens} tokens, {args.rounds} rounds of the three load generators in turn; "
-        f"load average at the end {load}. Latency per token = arrival at the load generator's code minus the "
-        "engine step's return (one monotonic clock).",
+        f"concurrent streams x {args.tokens} tokens, gateway workers {args.gateway_workers}, {args.rounds} rounds "
+        f"of the load generators in turn; load average at the end {load}. Latency per token = arrival at the "
+        "load generator's code minus the engine step's return (one monotonic clock).",
         "",
         "| path | load generator | p50 ms | p90 ms | p99 ms | tokens/s |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -321,17 +417,25 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Any]], aiperf: dict[
         lines.append(f"| {path} | {GENERATORS[path]} | {s['latency_ms']['p50']} | {s['latency_ms']['p90']} | "
                      f"{s['latency_ms']['p99']} | {s['tokens_per_s']} |")
     lines += [""]
-    for path in ("sse", "openai"):
+    for path in http_paths:
         a = added[path]
-        lines.append(f"- **Added over the SDK path per token ({path}): p50 {a['p50']} ms**, p90 {a['p90']} ms, "
-                     f"p99 {a['p99']} ms (goal: p50 <= 0.3 ms at 64 streams).")
-    lines += ["", "| round | path | p50 | p90 | p99 |", "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['round']} | {r['path']} | {r['p50']} | {r['p90']} | {r['p99']} |" for r in per_round]
+        lines.append(f"- **Added over the SDK path per token ({path}): p50 {a['p50']} ms** (median of the rounds' "
+                     f"paired p50 differences {a['p50_median_of_rounds']} ms), p90 {a['p90']} ms, p99 {a['p99']} ms "
+                     "(goal: p50 <= 0.3 ms at 64 streams).")
+    lines += ["", "CPU per token: the load generator's process time, and the gateway's (its process tree, from /proc) "
+              "over the round.", "", "| round | path | p50 | p90 | p99 | client CPU us/token | gateway CPU us/token |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['round']} | {r['path']} | {r['p50']} | {r['p90']} | {r['p99']} | {r['client_us_per_token']} | "
+              f"{r['gateway_us_per_token'] if r['gateway_us_per_token'] is not None else ''} |" for r in per_round]
     if aiperf is not None:
         lines += ["", "## aiperf against the gateway", "",
                   f"`aiperf {aiperf['command']}` (exit {aiperf['returncode']})", ""]
         lines += _aiperf_table(aiperf.get("export"))
     write_results(Path(args.out), args.name, payload, "\n".join(lines))
+    if args.record:
+        from tokenmill.benchmarks.summary import record_file
+
+        print("summary:", record_file(Path(args.out) / f"{args.name}.json"))
 
 
 AIPERF_METRICS = ("time_to_first_token", "inter_token_latency", "inter_chunk_latency", "request_latency",

@@ -57,6 +57,7 @@ KEYS: dict[str, str] = {
     "tp2_decode_b1_ms": "ms",
     "tp2_decode_b1_ratio": "x",
     "tp2_fixed_1000x1000_out_tok_s": "output tok/s",
+    "gateway_added_p50_ms": "ms",
 }
 
 # The suite section each suite figure comes from (a merged suite takes sections from several runs).
@@ -271,6 +272,12 @@ def tp_figures(r: Mapping[str, Any]) -> dict[str, float]:
     if (wl["input_len"], wl["output_len"], fx["completed"], fx["failed"]) == (1000, 1000, 1000, 0):
         out["tp2_fixed_1000x1000_out_tok_s"] = fx["output_tok_s"]
     return out
+def gateway_figures(r: Mapping[str, Any]) -> dict[str, float]:
+    """gateway_bench.py in its headline configuration: 64 streams x 200 tokens at 50 steps/s (busy 0.3), one
+    gateway process, the lean SSE reader; the figure is the median over rounds of each round's p50 added."""
+    headline = ((r.get("streams"), r.get("tokens_per_stream"), r.get("step_rate"), r.get("busy"),
+                 r.get("gateway_workers", 1)) == (64, 200, 50.0, 0.3, 1) and "sse" in (r.get("added_ms") or {}))
+    return {"gateway_added_p50_ms": r["added_ms"]["sse"]["p50_median_of_rounds"]} if headline else {}
 
 
 def figures_of(result: Mapping[str, Any]) -> dict[str, float]:
@@ -281,6 +288,7 @@ def figures_of(result: Mapping[str, Any]) -> dict[str, float]:
         gpu_quant_figures if result.get("benchmark") == "gpu_quant" else
         spec_figures if result.get("benchmark") == "spec_cpu" else
         tp_figures if result.get("benchmark") == "gpu_tp" else
+        gateway_figures if result.get("benchmark") == "gateway" else
         suite_figures if "sections_s" in result else
         e2e_figures if "latency_b8_in32_out128_s" in result else None)
     return kind(result) if kind else {}

@@ -420,6 +420,7 @@ class Broker:
         self.clients.send(ident, p.Ack(job.job_id, False, self.instance))
         if job.deadline is not None:
             self.timers.set(job.deadline, Timer.DEADLINE, job)
+        log.debug("job_accepted", job_id=job.job_id, model=job.model)
         self._enqueue(job, front=False)
         self._dispatch()
 
@@ -605,7 +606,7 @@ class Broker:
         else:
             job.attempt += 1
             self.counters["migrations"] += 1
-            log.info("job_migrated", job=job.job_id, attempt=job.attempt, delivered=job.num_tokens)
+            log.info("job_migrated", job_id=job.job_id, attempt=job.attempt, delivered=job.num_tokens)
             self._enqueue(job, front=True)
 
     def _enqueue(self, job: Job, front: bool) -> None:
@@ -637,6 +638,7 @@ class Broker:
             job.dispatched_at = time.monotonic()
         w.assign(job.job_id)
         self.counters["dispatches"] += 1
+        log.debug("job_dispatched", job_id=job.job_id, attempt=job.attempt, worker=w.name)
         self._send_worker(w, p.WorkerSubmit(job.job_id, job.attempt, job.input, job.params, job.tokens,
                                             job.priority))
 
@@ -650,6 +652,10 @@ class Broker:
                 self._send_worker(w, p.WorkerCancel(job.job_id, job.attempt), on_fail_dead=False)
             self._need_dispatch = True
         now = time.monotonic()
+        if isinstance(terminal, p.Done):
+            log.debug("job_finished", job_id=job.job_id, finish_reason=terminal.finish_reason, tokens=job.num_tokens)
+        else:
+            log.info("job_failed", job_id=job.job_id, code=terminal.code, error=terminal.message[:200])
         self.jobs.finish(job, terminal, now)
         self.counters.count_terminal(terminal, now - job.created)
         self.fanout.flush([job])

@@ -4,8 +4,6 @@ Generated text alone goes to stdout, as it is produced; logs, the spinner and er
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -52,8 +50,9 @@ def _params(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _engine(args: argparse.Namespace) -> Any:
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tokenmill.protocol.logs import configure_from_env
+
+    configure_from_env("warning", level="info" if args.verbose else None)
     from tokenmill.client.chat_repl import Spinner
     from tokenmill.worker.config import EngineConfig
     from tokenmill.worker.engine import LLMEngine

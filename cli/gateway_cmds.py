@@ -54,6 +54,7 @@ def _gateway_config(args: argparse.Namespace, broker: str, models: tuple[str, ..
     return GatewayConfig(broker=broker, host=args.host, port=args.port, models=models, api_keys=tuple(keys),
                          request_timeout=args.request_timeout, heartbeat_stale=args.health_stale,
                          progress_stall=args.progress_stall, log_requests=args.access_log,
+                         workers=args.gateway_workers,
                          curve_server_key=getattr(args, "curve_server_key", None),
                          curve_secret_key=getattr(args, "curve_secret", None))
 
@@ -64,7 +65,7 @@ def _run_gateway(cfg: Any) -> int:
     check_ports_free(f"http://{cfg.host}:{cfg.port}")
     print(f"http://{cfg.host}:{cfg.port}/v1", flush=True)
     log.info("gateway_listening", url=f"http://{cfg.host}:{cfg.port}/v1", broker=cfg.broker,
-             api_keys=len(cfg.api_keys))
+             api_key_count=len(cfg.api_keys), workers=cfg.workers)
     serve(cfg)
     return 0
 
@@ -77,7 +78,7 @@ def _config_or_exit(args: argparse.Namespace, broker: str, models: tuple[str, ..
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level, args.log_json)
+    configure_logging(args.log_level, args.log_json, args.log_format)
     cfg = _config_or_exit(args, args.broker_address, tuple(args.model or ()))
     # uvicorn takes SIGINT / SIGTERM while it serves and hands them on when it returns: to this handler, so the
     # gateway then exits with status 0 instead of dying of the signal.
@@ -86,7 +87,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level, args.log_json)
+    configure_logging(args.log_level, args.log_json, args.log_format)
     cfg = _config_or_exit(args, args.frontend, (args.model,))
     preflight(args, args.frontend, args.backend, f"http://{cfg.host}:{cfg.port}")
     # uvicorn takes Ctrl-C while it serves (a second one stops its wait for open streams) and hands the

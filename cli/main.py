@@ -44,7 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from tokenmill.protocol.logs import configure_from_env
+
     try:
+        # Every command logs through structlog to stderr (stdout stays the command's output); the serving
+        # commands set their own level and format from their settings when they start.
+        configure_from_env("warning", export=False)
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
     except (SettingError, UserError) as e:  # one line naming the variable, file key or flag; no traceback

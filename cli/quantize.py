@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,9 +44,10 @@ def register(sub: Any) -> None:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
+    from tokenmill.protocol.logs import configure_from_env
     from tokenmill.worker.loader import ModelLoadError
 
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    configure_from_env("warning")
     try:
         out = quantize(args)
     except (ModelLoadError, ValueError, FileNotFoundError) as e:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import logging
 import os
 import signal
 import subprocess
@@ -27,22 +26,12 @@ from tokenmill.cli.settings import BROKER, UP, WORKER, add_settings, build_confi
 log = structlog.get_logger("tokenmill.serve")
 
 
-def configure_logging(level: str = "info", json: bool = False) -> None:
-    """structlog (and the stdlib loggers the engine uses) to stderr at `level`."""
-    lvl = logging.getLevelName(level.upper())
-    if not isinstance(lvl, int):
-        lvl = logging.INFO
-    # Plain tracebacks: rich's would print local variables, which may hold key material.
-    renderer: Any = (structlog.processors.JSONRenderer() if json else
-                     structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback))
-    processors: list[Any] = [structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso")]
-    if json:
-        processors.append(structlog.processors.format_exc_info)
-    structlog.configure(processors=[*processors, renderer],
-                        wrapper_class=structlog.make_filtering_bound_logger(lvl),
-                        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-                        cache_logger_on_first_use=True)
-    logging.basicConfig(level=lvl, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def configure_logging(level: str = "info", json: bool = False, fmt: str = "auto") -> None:
+    """Every logger of this process (structlog's and the stdlib's) to stderr at `level`, as JSON lines
+    (`json`, or `fmt` 'json', or 'auto' off a terminal) or console text (tokenmill.protocol.logs)."""
+    from tokenmill.protocol.logs import configure
+
+    configure(level, "json" if json else fmt)
 
 
 def register(sub: Any) -> None:
@@ -78,7 +67,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
     from tokenmill.broker import Broker, BrokerConfig
 
     cfg = build_config(BrokerConfig, args, BROKER)
-    configure_logging(args.log_level, args.log_json)
+    configure_logging(args.log_level, args.log_json, args.log_format)
     check_ports_free(cfg.frontend, cfg.backend)
     broker = Broker(cfg)
     drains = [0]
@@ -138,7 +127,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     opts = build_config(WorkerOptions, args, WORKER, aliases=(args.model,), capacity=args.max_num_seqs,
                         curve_server_key=load_public_key(args.curve_server_key) if curve else None,
                         curve_keypair=load_keypair(args.curve_secret) if curve else None)
-    configure_logging(args.log_level, args.log_json)
+    configure_logging(args.log_level, args.log_json, args.log_format)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -259,7 +248,7 @@ def start_pool(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], list[
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level, args.log_json)
+    configure_logging(args.log_level, args.log_json, args.log_format)
     preflight(args, args.frontend, args.backend)
     stopper = Stopper().install()
     broker, workers = start_pool(args)

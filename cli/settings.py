@@ -174,6 +174,8 @@ SETTINGS: tuple[Setting, ...] = (
     # -- every serving process
     _s("log_level", choice("debug", "info", "warning", "error", "critical"), "info", "log level", SERVING),
     _s("log_json", BOOL, False, "log JSON lines (one object per line) instead of text", SERVING),
+    _s("log_format", choice("auto", "json", "console"), "auto", "log lines as JSON or console text (auto: console "
+       "on a terminal, JSON otherwise; --log-json forces JSON)", SERVING),
     # -- broker
     _s("frontend", TEXT, "tcp://127.0.0.1:5555", "address clients connect to", (BROKER, UP), "BrokerConfig.frontend"),
     _s("backend", TEXT, "tcp://127.0.0.1:5556", "address workers connect to", (BROKER, UP), "BrokerConfig.backend"),
@@ -297,6 +299,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("progress_stall", number(0, low_open=True), 10.0, "/health: seconds a worker with work may go without an "
        "engine step", (SERVE, GATEWAY), "GatewayConfig.progress_stall"),
     _s("access_log", BOOL, False, "log every HTTP request", (SERVE, GATEWAY), "GatewayConfig.log_requests"),
+    _s("gateway_workers", integer(1), 1, "gateway processes sharing the HTTP port (SO_REUSEPORT), each with its "
+       "own event loop", (SERVE, GATEWAY), "GatewayConfig.workers"),
     # -- read where it is used (worker/registry_fetch.py), listed for the README and the tests
     _s("cache", TEXT, None, "folder of the fetched embedded model", (), env_name="TOKENMILL_CACHE", flag_name="-",
        default_text="the user cache directory"),

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -58,7 +57,9 @@ def register(sub: Any) -> None:
 
 
 def cmd_train_eagle(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tokenmill.protocol.logs import configure_from_env
+
+    configure_from_env("info")
     import torch
 
     from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig

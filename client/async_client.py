@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import secrets
 import time
 import uuid
@@ -63,7 +64,14 @@ class AsyncJobHandle:
     def __init__(self, client: AsyncClient, job_id: str, from_seq: int = 0) -> None:
         self._client = client
         self.job_id = job_id
-        self._q: asyncio.Queue[Any] = asyncio.Queue()
+        # Delivered items (chunks, DONE, FAIL, errors) and the consumer's wake-up future while it waits for
+        # one: a deque and one future, not an asyncio.Queue under wait_for (a task per token on Python 3.11).
+        self._items: deque[Any] = deque()
+        self._wakeup: asyncio.Future[None] | None = None
+        # The waiter's deadline, and one timer that fires at or before it; a wait that ends before the timer
+        # leaves it armed for the next one (a steady stream re-arms it once per timeout, not per token).
+        self._deadline = 0.0
+        self._timer: asyncio.TimerHandle | None = None
         self._asm = Assembly(job_id, from_seq)
         self._accepted = asyncio.Event()
         self._acked = False
@@ -95,27 +103,100 @@ class AsyncJobHandle:
         if self._error is not None:
             raise self._error
         while not self._finished:
-            try:
-                item = await asyncio.wait_for(self._q.get(), timeout)
-            except TimeoutError:
-                raise DeadlineExceeded(f"no event for {timeout}s", job_id=self.job_id) from None
-            ev = await self._consume(item)
+            if not self._items:
+                await self._wait_item(timeout)
+            ev = await self._consume(self._items.popleft())
             if ev is not None:
                 yield ev
+
+    async def next_events(self, timeout: float | None = None) -> list[StreamEvent]:
+        """Every event delivered since the last call, in order, waiting up to `timeout` seconds (None: the
+        client's `idle_timeout`) for the first; [] once the stream has ended. Raises as `stream()` does (an
+        error after some events: on the next call). A consumer that fell behind catches up in one call (the
+        gateway writes such a list as one HTTP write)."""
+        if self._error is not None:
+            raise self._error
+        batch: list[StreamEvent] = []
+        while not batch and not self._finished:
+            if not self._items:
+                await self._wait_item(wait_seconds(timeout, self._client.idle_timeout))
+            while self._items and not self._finished:
+                item = self._items[0]
+                if isinstance(item, p.StreamChunk):  # the common case, without a coroutine per chunk
+                    self._items.popleft()
+                    try:
+                        ev = self._asm.on_chunk(item)
+                    except _Gap:
+                        await self._resubscribe()
+                        continue
+                elif isinstance(item, p.Done) or not batch:
+                    ev = await self._consume(self._items.popleft())  # the final event, or raises the error
+                else:
+                    break  # an error: raised on the next call, after the events before it
+                if ev is not None:
+                    batch.append(ev)
+        return batch
+
+    async def stream_batches(self, timeout: float | None = None) -> AsyncIterator[list[StreamEvent]]:
+        """As `stream()`, in lists: each one every event delivered when asked for (see `next_events`)."""
+        while batch := await self.next_events(timeout):
+            yield batch
+
+    def _put(self, item: Any) -> None:
+        self._items.append(item)
+        w = self._wakeup
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _wait_item(self, timeout: float) -> None:
+        """Wait until an item is delivered; DeadlineExceeded after `timeout` seconds without one."""
+        loop = asyncio.get_running_loop()
+        w = self._wakeup = loop.create_future()
+        self._deadline = loop.time() + timeout
+        if self._timer is not None and self._timer.when() > self._deadline:
+            self._timer.cancel()
+            self._timer = None
+        if self._timer is None:
+            self._timer = loop.call_at(self._deadline, self._on_timer)
+        try:
+            await w
+        finally:
+            if self._wakeup is w:
+                self._wakeup = None
+        if not self._items:
+            raise DeadlineExceeded(f"no event for {timeout}s", job_id=self.job_id)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        w = self._wakeup
+        if w is None or w.done():
+            return  # nobody waits: the next wait arms a timer of its own
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self._deadline - 0.001:  # (a loop's timers may fire up to a tick early)
+            w.set_result(None)  # the waiter finds no item: its deadline passed
+        else:
+            self._timer = loop.call_at(self._deadline, self._on_timer)
 
     async def _consume(self, item: Any) -> StreamEvent | None:
         if isinstance(item, p.StreamChunk):
             try:
                 return self._asm.on_chunk(item)
             except _Gap:
-                await self._client._send(p.Subscribe(self.job_id, self._client.owner, self._asm.next_seq))
+                await self._resubscribe()
                 return None
+        if self._timer is not None:  # the stream ends here: no more waits
+            self._timer.cancel()
+            self._timer = None
         if isinstance(item, p.Done):
             self._finished = True
             return self._asm.on_done(item)
         self._error = terminal_error(item) if isinstance(item, p.Fail) else item
         assert self._error is not None
         raise self._error
+
+    async def _resubscribe(self) -> None:
+        """Tokens are missing: ask the broker to replay from the first one not seen."""
+        await self._client._send(p.Subscribe(self.job_id, self._client.owner, self._asm.next_seq))
 
     async def result(self, timeout: float | None = None) -> Result:
         """Wait for the whole output; `timeout` bounds each wait for the next event."""
@@ -292,9 +373,10 @@ class AsyncClient(RouterCore):
         monitor = s.get_monitor_socket(MONITOR_EVENTS)
         s.connect(self.address)
         self._sock = s
-        self._tasks = [asyncio.create_task(self._reader(), name=f"tokenmill-reader-{uuid.uuid4().hex[:6]}"),
-                       asyncio.create_task(self._heartbeat(), name="tokenmill-heartbeat"),
-                       asyncio.create_task(self._watch(monitor), name="tokenmill-monitor")]
+        # Empty contexts: the tasks outlive the call that started them (and the log ids bound in its context).
+        self._tasks = [asyncio.create_task(coro, name=name, context=contextvars.Context()) for coro, name in (
+            (self._reader(), f"tokenmill-reader-{uuid.uuid4().hex[:6]}"), (self._heartbeat(), "tokenmill-heartbeat"),
+            (self._watch(monitor), "tokenmill-monitor"))]
         return s
 
     async def _send(self, msg: p.Message) -> None:
@@ -318,7 +400,7 @@ class AsyncClient(RouterCore):
         return n > 1
 
     def _deliver(self, handle: Any, item: Any) -> None:
-        handle._q.put_nowait(item)
+        handle._put(item)
 
     def _deliver_waiter(self, waiter: Any, item: Any) -> None:
         if not waiter.done():

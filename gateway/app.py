@@ -1,12 +1,13 @@
 """The FastAPI application: OpenAI-compatible routes over the broker, plus /health, /metrics, /version.
 
 Each request becomes one broker job per choice (runner.RequestRun); streamed answers are server-sent
-events. A client that disconnects cancels its jobs: a stream when the server notices the closed
-connection (Starlette cancels the response), a whole answer through a watcher of the ASGI receive
-channel. Errors come in OpenAI's JSON error shape (errors.APIError)."""
+events. A client that disconnects cancels its jobs, streamed or not, through a watcher of the ASGI receive
+channel (`http.disconnect`). Errors come in OpenAI's JSON error shape (errors.APIError)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -17,7 +18,7 @@ from typing import Any
 import structlog
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -37,9 +38,10 @@ from tokenmill.gateway.responses import (
     event_logprobs,
     usage_json,
 )
-from tokenmill.gateway.runner import ChoiceSpec, RequestRun, unless_disconnected
+from tokenmill.gateway.runner import ChoiceSpec, RequestRun, unless_disconnected, until_disconnect
 from tokenmill.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from tokenmill.gateway.tenants import Tenants
+from tokenmill.protocol.logs import bind_job
 
 log = structlog.get_logger("tokenmill.gateway")
 
@@ -67,10 +69,10 @@ class Gateway:
         await self.pool.stop()
         await self.tenants.close()
 
-    def error(self, model: str, err: APIError, request_id: str = "") -> JSONResponse:
+    def error(self, model: str, err: APIError) -> JSONResponse:
         self.metrics.request_errors.labels(model, str(err.status)).inc()
-        log.info("request_failed", request_id=request_id or None, model=model, status=err.status, code=err.code,
-                 error=err.message[:200])
+        # the request id, where there is one, is in the log context (bound by _open_run)
+        log.info("request_failed", model=model, status=err.status, code=err.code, error=err.message[:200])
         return err.response()
 
     def max_tokens(self, requested: int | None, worker: dict[str, Any]) -> int:
@@ -217,13 +219,12 @@ async def _completions(gw: Gateway, body: CompletionRequest, request: Request, a
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
             specs.append(ChoiceSpec(index, _seeded(params, body.seed, i), prompt=text, prompt_token_ids=ids))
     echo = {s.index: s.prompt or "" for s in specs} if body.echo else {}
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    run = RequestRun(gw.tenants.client(owner), body.model, rid, specs, gw.metrics, gw.cfg.request_timeout)
-    await run.open()
+    run = await _open_run(gw, owner, body.model, f"cmpl-{uuid.uuid4().hex}", specs, body.stream)
+    rid = run.request_id
     created = int(time.time())
     if body.stream:
         writer = ChunkWriter(False, rid, created, body.model, body.include_usage)
-        return _JobStream(run, _completion_events(run, writer, body, echo))
+        return _completion_stream(run, writer, body, echo)
     results = await unless_disconnected(request.receive, _collect(run, body.logprobs))
     return JSONResponse(completion_json(rid, created, body.model, list(results.values()),
                                         _usage(results, body.n), body.logprobs is not None, echo))
@@ -238,17 +239,28 @@ async def _chat(gw: Gateway, body: ChatCompletionRequest, request: Request, auth
         params["extra"] = {"chat_template_kwargs": body.chat_template_kwargs}
     messages = body.wire_messages()
     specs = [ChoiceSpec(i, _seeded(params, body.seed, i), messages=messages) for i in range(body.n)]
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    run = RequestRun(gw.tenants.client(owner), body.model, rid, specs, gw.metrics, gw.cfg.request_timeout)
-    await run.open()
+    run = await _open_run(gw, owner, body.model, f"chatcmpl-{uuid.uuid4().hex}", specs, body.stream)
+    rid = run.request_id
     created = int(time.time())
     k = body.logprobs_k()
     if body.stream:
         writer = ChunkWriter(True, rid, created, body.model, body.include_usage)
-        return _JobStream(run, _chat_events(run, writer, body, k))
+        return _chat_stream(run, writer, body, k)
     results = await unless_disconnected(request.receive, _collect(run, k))
     return JSONResponse(chat_json(rid, created, body.model, list(results.values()), _usage(results, body.n),
                                   k is not None))
+
+
+async def _open_run(gw: Gateway, owner: str, model: str, rid: str, specs: list[ChoiceSpec],
+                    stream: bool) -> RequestRun:
+    """Submit a request's jobs (job ids: the request id, '-', the choice index), its id bound into this
+    request's log context (the task serving it; the stream's task inherits it)."""
+    bind_job(request_id=rid)
+    run = RequestRun(gw.tenants.client(owner), model, rid, specs, gw.metrics, gw.cfg.request_timeout)
+    log.debug("request_received", model=model, choices=len(specs), stream=stream,
+              job_ids=[run.job_id(s) for s in specs])
+    await run.open()
+    return run
 
 
 async def _collect(run: RequestRun, k: int | None) -> dict[int, ChoiceResult]:
@@ -268,54 +280,70 @@ def _usage(results: dict[int, ChoiceResult], n: int) -> dict[str, Any]:
     return usage_json(per_prompt)
 
 
-class _JobStream(StreamingResponse):
-    """A streamed answer that cancels its request's unfinished jobs when it ends, however it ends
-    (Starlette stops sending when the client disconnects; this then runs at once, not at GC)."""
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]
 
-    def __init__(self, run: RequestRun, events: AsyncIterator[str]) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.run = run
+
+class _JobStream(Response):
+    """A streamed answer (server-sent events), written straight to the ASGI `send`: one write per batch of
+    events (what had arrived when the previous write was done), each event its own `data:` chunk as OpenAI
+    clients expect; the batch that finishes the last choice goes out with the tail (usage, `[DONE]`) and
+    the end of the body. A client that disconnects stops the stream; however it ends, the request's
+    unfinished jobs are cancelled at once (not at GC)."""
+
+    def __init__(self, run: RequestRun, writer: ChunkWriter, n: int, head: list[str],
+                 delta: Callable[[int, StreamEvent], str | None]) -> None:
+        super().__init__(status_code=200)
+        self.run, self.writer, self.n, self.head, self.delta = run, writer, n, head, delta
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        # The stream runs in a task of its own: each token's wake-up then resumes its few frames, not the
+        # whole ASGI stack of middlewares above this call (measured: benchmarks/results/cpu/NOTES.md).
+        streamer = asyncio.ensure_future(self._stream(send))
+        watcher = asyncio.ensure_future(until_disconnect(receive))
         try:
-            await super().__call__(scope, receive, send)
+            await asyncio.wait((streamer, watcher), return_when=asyncio.FIRST_COMPLETED)
         finally:
+            watcher.cancel()
+            if not streamer.done():  # the client left (or this call was cancelled): stop writing
+                streamer.cancel()
+                with contextlib.suppress(asyncio.CancelledError, OSError):
+                    await streamer
             self.run.cancel()
+        if not streamer.cancelled():
+            with contextlib.suppress(OSError):  # the connection broke while writing: nobody to answer
+                streamer.result()
+
+    async def _stream(self, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        run, writer, delta = self.run, self.writer, self.delta
+        usages: dict[int, Usage] = {}
+        out = list(self.head)
+        try:
+            while batch := await run.next_batch():
+                for index, ev in batch:
+                    if ev.finish_reason is not None:
+                        usages[index] = ev.usage or Usage(0, 0, 0)
+                        out.append(writer.finish(index, ev.finish_reason, ev.stop_reason))
+                    elif (line := delta(index, ev)) is not None:
+                        out.append(line)
+                if out and len(usages) < len(run.choices):
+                    await send({"type": "http.response.body", "body": "".join(out).encode(), "more_body": True})
+                    out = []
+        except APIError as e:
+            out.append(writer.error(e.body()))
+        else:
+            if writer.include_usage:
+                per_prompt: dict[int, list[Usage]] = {}
+                for index, u in usages.items():
+                    per_prompt.setdefault(index // self.n, []).append(u)
+                out.append(writer.usage(usage_json(per_prompt)))
+        out.append(DONE_LINE)
+        await send({"type": "http.response.body", "body": "".join(out).encode(), "more_body": False})
 
 
-async def _stream_lines(run: RequestRun, writer: ChunkWriter, n: int, head: list[str],
-                        delta: Callable[[int, StreamEvent], str | None]) -> AsyncIterator[str]:
-    """The SSE lines of a streamed answer: `head`, then per event the line `delta(choice index, event)`
-    makes (None: nothing to send) or the choice's finish chunk, then the usage chunk (if asked for) or an
-    error object for a job that failed midway, then `data: [DONE]`. Unfinished jobs are cancelled on exit."""
-    usages: dict[int, Usage] = {}
-    err = None
-    try:
-        for first in head:
-            yield first
-        async for index, ev in run.events():
-            if ev.finish_reason is not None:
-                usages[index] = ev.usage or Usage(0, 0, 0)
-                yield writer.finish(index, ev.finish_reason, ev.stop_reason)
-            elif (line := delta(index, ev)) is not None:
-                yield line
-    except APIError as e:
-        err = e
-    finally:
-        run.cancel()
-    if err is not None:
-        yield writer.error(err.body())
-    elif writer.include_usage:
-        per_prompt: dict[int, list[Usage]] = {}
-        for index, u in usages.items():
-            per_prompt.setdefault(index // n, []).append(u)
-        yield writer.usage(usage_json(per_prompt))
-    yield DONE_LINE
-
-
-def _completion_events(run: RequestRun, writer: ChunkWriter, body: CompletionRequest,
-                       echo: dict[int, str]) -> AsyncIterator[str]:
+def _completion_stream(run: RequestRun, writer: ChunkWriter, body: CompletionRequest,
+                       echo: dict[int, str]) -> _JobStream:
     k = body.logprobs
     offsets = {index: len(prefix) for index, prefix in echo.items()}  # text before each choice's next token
 
@@ -326,15 +354,14 @@ def _completion_events(run: RequestRun, writer: ChunkWriter, body: CompletionReq
             return writer.text(index, ev.text, lp)
         return writer.text(index, ev.text) if ev.text else None
 
-    head = [writer.text(index, prefix) for index, prefix in echo.items()]
-    return _stream_lines(run, writer, body.n, head, delta)
+    return _JobStream(run, writer, body.n, [writer.text(index, prefix) for index, prefix in echo.items()], delta)
 
 
-def _chat_events(run: RequestRun, writer: ChunkWriter, body: ChatCompletionRequest,
-                 k: int | None) -> AsyncIterator[str]:
+def _chat_stream(run: RequestRun, writer: ChunkWriter, body: ChatCompletionRequest,
+                 k: int | None) -> _JobStream:
     def delta(index: int, ev: StreamEvent) -> str | None:
         if k is not None and ev.token_ids:
             return writer.text(index, ev.text, chat_logprobs(event_logprobs(ev, k)))
         return writer.text(index, ev.text) if ev.text else None
 
-    return _stream_lines(run, writer, body.n, [writer.start(c.index) for c in run.choices], delta)
+    return _JobStream(run, writer, body.n, [writer.start(c.index) for c in run.choices], delta)

@@ -32,6 +32,7 @@ class GatewayConfig:
     curve_server_key: str | None = None  # the broker's public key (file or z85) when it runs CURVE
     curve_secret_key: str | None = None  # this gateway's NAME.key_secret
     log_requests: bool = False  # one log line per request (uvicorn's access log)
+    workers: int = 1  # gateway processes sharing the port (SO_REUSEPORT; gateway/server.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))
@@ -43,6 +44,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if any(not k or k != k.strip() for k in self.api_keys):

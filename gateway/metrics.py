@@ -9,6 +9,8 @@ load and prefix-cache block counters, workers registered."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,9 +62,29 @@ class GatewayMetrics:
         self.request_generation_tokens = Histogram(P + "request_generation_tokens", "Output tokens per request",
                                                    lbl, buckets=_token_count_buckets(), registry=r)
         r.register(PoolCollector(pool))
+        self._pending: list[tuple[Any, float]] = []  # (histogram child, value) to observe soon
+        self._multiprocess: CollectorRegistry | None = None
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # one of several gateway processes (gateway/server.py)
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            self._multiprocess = CollectorRegistry(auto_describe=True)
+            MultiProcessCollector(self._multiprocess)  # every process's counters and histograms, summed
+            self._multiprocess.register(PoolCollector(pool))
+
+    def observe_soon(self, histogram: Any, value: float) -> None:
+        """Observe `value` once the callbacks ready now have run: a step's tokens for every stream are
+        written first, their per-token observations (~3 us each) after."""
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append((histogram, value))
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for histogram, value in pending:
+            histogram.observe(value)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._multiprocess or self.registry)
 
 
 def _token_count_buckets() -> tuple[float, ...]:

@@ -32,6 +32,25 @@ def addr(port: int) -> str:
     return f"tcp://127.0.0.1:{port}"
 
 
+def http_request(port: int, method: str, path: str, body: dict[str, Any] | None = None, key: str | None = None,
+                 timeout: float = 30.0) -> tuple[int, bytes]:
+    """(status, body) of one HTTP request to 127.0.0.1:`port` on a connection of its own (JSON `body`,
+    `key` as a bearer token)."""
+    import http.client
+    import json
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    try:
+        conn.request(method, path, json.dumps(body).encode() if body is not None else None, headers)
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
 def wait_until(pred: Callable[[], Any], timeout: float, interval: float = 0.05, what: str = "condition") -> Any:
     deadline = time.monotonic() + timeout
     while True:
@@ -88,6 +107,19 @@ class Procs:
         for pr in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 pr.wait(10)
+
+
+def wait_gateway(ps: Procs, gateway: subprocess.Popen[bytes], port: int, timeout: float = 120.0,
+                 statuses: tuple[int, ...] = (200,)) -> None:
+    """Wait until the gateway on `port` answers /health with one of `statuses` (fails at once if it exited)."""
+    def answered() -> bool:
+        assert gateway.poll() is None, ps.dump_logs()
+        try:
+            return http_request(port, "GET", "/health")[0] in statuses
+        except OSError:
+            return False
+
+    wait_until(answered, timeout, 0.2, f"gateway /health in {statuses}")
 
 
 @contextlib.contextmanager

@@ -220,3 +220,58 @@ def test_grafana_dashboard_uses_only_metrics_the_gateway_exposes() -> None:
     used = {name for panel in dash["panels"] for t in panel["targets"]
             for name in re.findall(r"tokenmill:[a-z0-9_]+", t["expr"])}
     assert used and used <= exposed, sorted(used - exposed)
+
+
+# ---- the SDK handle the gateway streams from (AsyncJobHandle.next_events) -----------------------------
+
+
+class _StubClient:
+    idle_timeout = 5.0
+
+
+def test_next_events_returns_what_arrived_in_order_then_the_end() -> None:
+    import asyncio
+
+    from tokenmill.client.async_client import AsyncJobHandle
+    from tokenmill.protocol import wire as p
+
+    async def go() -> None:
+        h = AsyncJobHandle(_StubClient(), "j")  # type: ignore[arg-type]
+        for seq, text in enumerate("abc"):
+            h._put(p.StreamChunk("j", seq, [seq], text))
+        assert [e.text for e in await h.next_events(1.0)] == ["a", "b", "c"]  # three arrivals, one batch
+        waiter = asyncio.ensure_future(h.next_events(1.0))
+        await asyncio.sleep(0.01)
+        h._put(p.StreamChunk("j", 3, [3], "d"))
+        h._put(p.Done("j", "length", None, (1, 4, 0), 4))
+        last = await waiter
+        assert [e.text for e in last] == ["d", ""] and last[-1].finish_reason == "length"
+        assert await h.next_events(1.0) == [] and h.done
+
+    asyncio.run(go())
+
+
+def test_next_events_error_after_events_and_deadline_after_a_longer_wait() -> None:
+    import asyncio
+    import time
+
+    from tokenmill.client.async_client import AsyncJobHandle
+    from tokenmill.protocol import wire as p
+
+    async def go() -> None:
+        h = AsyncJobHandle(_StubClient(), "j")  # type: ignore[arg-type]
+        h._put(p.StreamChunk("j", 0, [0], "a"))
+        h._put(p.Fail("j", "failed", "worker lost"))
+        assert [e.text for e in await h.next_events(1.0)] == ["a"]  # the events before the error first
+        with pytest.raises(JobFailed):
+            await h.next_events(1.0)
+        quiet = AsyncJobHandle(_StubClient(), "k")  # type: ignore[arg-type]
+        long_wait = asyncio.ensure_future(quiet.next_events(30.0))  # arms a 30 s timer
+        await asyncio.sleep(0.01)
+        long_wait.cancel()
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            await quiet.next_events(0.2)  # a shorter deadline re-arms the timer earlier
+        assert time.monotonic() - t0 < 5.0
+
+    asyncio.run(go())

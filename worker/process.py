@@ -301,6 +301,7 @@ class EngineLoop:
             self.tokenizing.pop(rid, None)
             if self.active.pop(rid, None) is not None:
                 self.engine.abort_request(rid)
+                log.debug("job_aborted", job_id=item.job_id, attempt=item.attempt)
         elif isinstance(item, Tokenized):
             self._tokenized(item)
 
@@ -366,9 +367,11 @@ class EngineLoop:
             self.engine.add_request(rid, prompt, prompt_token_ids=prompt_token_ids, messages=messages,
                                     params=params, priority=msg.priority, resume_token_ids=msg.resume_token_ids)
         except (InvalidRequest, ValueError, TypeError) as e:
+            log.info("job_refused", job_id=msg.job_id, attempt=msg.attempt, error=str(e)[:200])
             self._job_error(msg.job_id, msg.attempt, "invalid", str(e)[:1000])
             return
         self.active[rid] = (msg.job_id, msg.attempt)
+        log.debug("job_admitted", job_id=msg.job_id, attempt=msg.attempt)
 
     def _emit(self, outputs: list[Any]) -> None:
         """One TOKENS message for the step, then FINISHED and ERRORs (after the tokens they follow), on the
@@ -392,6 +395,7 @@ class EngineLoop:
                 entries.append([job_id, out.first_index, list(out.new_token_ids), out.text_delta, lps])
             if out.finished:
                 del active[out.request_id]
+                log.debug("job_finished", job_id=job_id, attempt=attempt, finish_reason=out.finish_reason)
                 if out.finish_reason == "error":
                     self.received.pop(out.request_id, None)
                     errors.append(p.JobError(job_id, attempt, "failed", str(out.error)[:1000]))

@@ -147,6 +147,8 @@ def main() -> None:
                     help="KernelConfig(pdl=False): no programmatic dependent launch (A/B)")
     ap.add_argument("--no-decode-rope", action="store_true",
                     help="EngineConfig.decode_rope_in_attention=False: a separate rotary kernel in decode steps (A/B)")
+    ap.add_argument("--no-piecewise-graphs", action="store_true",
+                    help="EngineConfig.piecewise_graphs=False: steps with prompt tokens run eagerly (A/B)")
     ap.add_argument("--profile-mixed", action="store_true",
                     help="only profile the host side of mixed prefill + decode steps, then stop")
     args = ap.parse_args()
@@ -155,6 +157,7 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=args.model, load_format="dummy", dtype="bfloat16", device="cuda",
                                     max_model_len=4096, async_scheduling=not args.sync_scheduling,
                                     decode_rope_in_attention=not args.no_decode_rope,
+                                    piecewise_graphs=not args.no_piecewise_graphs,
                                     kernels=KernelConfig(pdl=not args.no_pdl),
                                     scheduler=SchedulerConfig(max_num_batched_tokens=8192,
                                                               max_num_seqs=args.max_num_seqs)))

@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tokenmill.cli.helptext import show_defaults
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser("quantize", help="write a quantized checkpoint (INT8, INT4 RTN / GPTQ, FP8)",
@@ -38,10 +40,7 @@ def register(sub: Any) -> None:
     p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"),
                    help="the dense tensors (embeddings, norms, lm_head)")
     p.add_argument("--out", required=True, help="output folder")
-    for action in p._actions:  # help shows every default, as the other commands' do
-        if action.default is not argparse.SUPPRESS and "default" not in (action.help or ""):
-            action.help = f"{action.help or action.dest.replace('_', ' ')} (default: " + (
-                "required)" if action.required else "%(default)s)")
+    show_defaults(p)
     p.set_defaults(func=cmd_quantize)
 
 

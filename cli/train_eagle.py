@@ -3,10 +3,12 @@
     tokenmill train-eagle --model embedded --data sharegpt --out heads/smollm2 --steps 2000
     tokenmill train-eagle --model /models/llama --data chats.jsonl --out heads/llama --device cuda
 
---data is `sharegpt` (the ShareGPT wheel of the package registry: each first human turn and its reply
-through the model's chat template) or a JSON-lines file, one object per line with "token_ids" (a list
-of ints) or "text". The last --heldout sequences are held out (none of them is trained on). The head, its
-config and the training summary go to --out (model.safetensors, eagle_config.json)."""
+--data is `sharegpt` (the ShareGPT wheel of the package registry: each first human turn and its reply through
+the model's chat template), a ShareGPT-format .json file (read the same way) or a JSON-lines file, one object
+per line with "token_ids" (a list of ints) or "text". With --replies self, each ShareGPT reply is replaced by
+the target's own greedy reply to the same prompt (up to --max-len tokens in all), so the head learns the
+distribution it will draft for. The last --heldout sequences are held out (none of them is trained on). The
+head, its config and the training summary go to --out (model.safetensors, eagle_config.json)."""
 
 from __future__ import annotations
 
@@ -17,18 +19,32 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tokenmill.cli.helptext import show_defaults
+
+FEATURE_BATCH = 32  # sequences per target forward while caching features (the KV cache holds that many)
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser("train-eagle", help="train an EAGLE-1 draft head for a model",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="embedded", help="HF folder, .gguf file, or 'embedded'")
     p.add_argument("--load-format", default="auto", choices=["auto", "hf", "gguf", "dummy"])
-    p.add_argument("--data", default="sharegpt", help="'sharegpt' or a JSON-lines file (token_ids or text)")
+    p.add_argument("--data", default="sharegpt",
+                   help="'sharegpt', a ShareGPT .json file, or a JSON-lines file (token_ids or text)")
     p.add_argument("--out", required=True, type=Path, help="folder for the head")
     p.add_argument("--num-sequences", type=int, default=2000, help="sequences to read (held-out ones included)")
     p.add_argument("--heldout", type=int, default=64, help="sequences held out for the agreement measure")
     p.add_argument("--max-len", type=int, default=512, help="tokens per sequence at most (longer ones are cut)")
+    p.add_argument("--replies", default="data", choices=["data", "self"],
+                   help="sharegpt: the dataset's replies, or the target's own greedy ones")
+    p.add_argument("--save-sequences", type=Path, default=None,
+                   help="write the token sequences read or generated (JSON lines, token_ids) here, to reuse")
+    p.add_argument("--online-features", action="store_true",
+                   help="run the target at every step instead of caching its features once (less memory)")
+    p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the saved head")
     p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--time-limit-s", type=float, default=None, help="stop training after this long (the head is kept)")
     p.add_argument("--batch-sequences", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--cls-weight", type=float, default=0.1, help="weight of the token cross-entropy")
@@ -37,58 +53,111 @@ def register(sub: Any) -> None:
     p.add_argument("--device", default="auto", help="torch device (auto: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="the target's dtype (the head trains in float32)")
+    show_defaults(p)
     p.set_defaults(func=cmd_train_eagle)
 
 
 def cmd_train_eagle(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import torch
+
     from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
     from tokenmill.worker.engine import LLMEngine
     from tokenmill.worker.spec.eagle_train import EagleTrainConfig, train
 
     try:
         config = EagleTrainConfig(steps=args.steps, batch_sequences=args.batch_sequences, lr=args.lr,
-                                  cls_weight=args.cls_weight, noise=args.noise, seed=args.seed)
+                                  cls_weight=args.cls_weight, noise=args.noise, seed=args.seed,
+                                  time_limit_s=args.time_limit_s, cache_features=not args.online_features)
         if args.max_len < 2 or args.heldout < 1 or args.num_sequences <= args.heldout:
             raise ValueError("need --max-len >= 2, --heldout >= 1 and --num-sequences > --heldout")
+        if args.replies == "self" and _sharegpt_file(args.data) is False:
+            raise ValueError("--replies self needs ShareGPT data (--data sharegpt or a .json file): the prompts")
     except ValueError as e:
         print(f"tokenmill: error: {e}", file=sys.stderr)
         return 2
     engine = LLMEngine(EngineConfig(
         model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
         max_model_len=args.max_len, cuda_graphs=False, async_scheduling=False,
-        cache=CacheConfig(num_blocks=-(-args.max_len // 16) + 1),
-        scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=args.max_len)))
+        cache=CacheConfig(num_blocks=FEATURE_BATCH * -(-args.max_len // 16) + 1),
+        scheduler=SchedulerConfig(max_num_seqs=FEATURE_BATCH, max_num_batched_tokens=FEATURE_BATCH * args.max_len)))
     try:
-        seqs = _sequences(engine, args.data, args.num_sequences, args.max_len)
+        if args.replies == "self":
+            seqs = _self_replies(args, args.num_sequences, args.max_len)
+        else:
+            seqs = _sequences(engine, args.data, args.num_sequences, args.max_len)
     except (OSError, ValueError) as e:
         print(f"tokenmill: error: --data {args.data}: {e}", file=sys.stderr)
         return 2
     if len(seqs) <= args.heldout:
         print(f"tokenmill: error: --data {args.data}: {len(seqs)} sequences, not more than --heldout", file=sys.stderr)
         return 2
+    if args.save_sequences is not None:
+        with open(args.save_sequences, "w") as f:
+            f.writelines(json.dumps({"token_ids": s}) + "\n" for s in seqs)
     train_seqs, heldout = seqs[: -args.heldout], seqs[-args.heldout :]
     head, summary = train(engine.runner, train_seqs, heldout, config,
                           progress=lambda h: print(json.dumps(h), file=sys.stderr, flush=True))
     arch = engine.runner.arch
     target = {"model": engine.model_name, "arch": arch.arch, "vocab_size": arch.vocab_size,
               "hidden_size": arch.hidden_size, "num_layers": arch.num_layers}
-    training = {"command": " ".join(["tokenmill", *sys.argv[1:]]), "data": args.data, "max_len": args.max_len,
+    training = {"command": " ".join(["tokenmill", *sys.argv[1:]]), "data": args.data, "replies": args.replies,
+                "max_len": args.max_len,
                 **{k: getattr(config, k) for k in ("steps", "batch_sequences", "lr", "cls_weight", "noise", "seed")},
                 "summary": summary}
-    head.save(args.out, target, training)
+    head.to(getattr(torch, args.save_dtype)).save(args.out, target, training)
     print(json.dumps(summary))
     return 0
+
+
+def _sharegpt_file(data: str) -> str | bool:
+    """"" for the packaged ShareGPT, the path of a ShareGPT .json file, False for anything else."""
+    if data == "sharegpt":
+        return ""
+    return data if data.endswith(".json") else False
+
+
+def _self_replies(args: argparse.Namespace, n: int, max_len: int) -> list[list[int]]:
+    """ShareGPT's first human turns through the chat template, each followed by the target's own greedy reply
+    (prompt + reply <= max_len tokens; prompts longer than max_len / 2 are skipped), at most n, in dataset order.
+    A batch engine of its own generates them; its memory is freed before training."""
+    import gc
+
+    import torch
+
+    from tokenmill.benchmarks.datasets import sharegpt_pairs
+    from tokenmill.protocol import SamplingParams
+    from tokenmill.worker.config import EngineConfig, SchedulerConfig
+    from tokenmill.worker.engine import LLMEngine
+
+    gen = LLMEngine(EngineConfig(model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
+                                 max_model_len=max_len, scheduler=SchedulerConfig(max_num_seqs=256)))
+    tok = gen.tokenizer
+    prompts: list[list[int]] = []
+    for human, _ in sharegpt_pairs(_sharegpt_file(args.data) or None):
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": human}], add_generation_prompt=True),
+                         add_special_tokens=False)
+        if 2 <= len(ids) <= max_len // 2:
+            prompts.append(ids)
+        if len(prompts) == n:
+            break
+    params = [SamplingParams(max_tokens=max_len - len(p), temperature=0.0) for p in prompts]
+    outs = gen.generate(prompts, params)
+    del gen
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return [o.prompt_token_ids + o.token_ids for o in outs]
 
 
 def _sequences(engine: Any, data: str, n: int, max_len: int) -> list[list[int]]:
     """Token sequences of at least 2 tokens, cut to max_len, at most n."""
     tok = engine.tokenizer
     out: list[list[int]] = []
-    if data == "sharegpt":
+    if (sharegpt := _sharegpt_file(data)) is not False:
         from tokenmill.benchmarks.datasets import sharegpt_pairs
 
-        for human, reply in sharegpt_pairs():
+        for human, reply in sharegpt_pairs(sharegpt or None):
             chat = [{"role": "user", "content": human}, {"role": "assistant", "content": reply}]
             text = tok.apply_chat_template(chat, add_generation_prompt=False)
             out.append(tok.encode(text, add_special_tokens=False)[:max_len])

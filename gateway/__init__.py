@@ -9,7 +9,18 @@ making progress. The gateway holds no model and no tokenizer: the worker renders
 counts tokens (usage comes with each job's DONE).
 """
 
-from tokenmill.gateway.app import create_app
+from typing import Any
+
 from tokenmill.gateway.config import GatewayConfig, load_api_keys
 
 __all__ = ["GatewayConfig", "create_app", "load_api_keys"]
+
+
+def __getattr__(name: str) -> Any:
+    # create_app needs FastAPI (the gateway extra); the config alone does not, so the settings table and
+    # the CLI load on a worker-only install.
+    if name == "create_app":
+        from tokenmill.gateway.app import create_app
+
+        return create_app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

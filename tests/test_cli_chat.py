@@ -15,11 +15,12 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import pexpect
 import pytest
 from helpers_net import FAKE, REPO, addr, free_port, procs_ctx, wait_until, wait_workers
 
 from tokenmill.client import Client
+
+pexpect = pytest.importorskip("pexpect", reason="pexpect drives the chat REPL (a dev dependency)")
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = ">>> "

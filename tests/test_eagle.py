@@ -28,7 +28,13 @@ from tokenmill.worker.spec.eagle import (
     EagleHeadError,
     load_eagle_head,
 )
-from tokenmill.worker.spec.eagle_train import EagleTrainConfig, head_rows, train
+from tokenmill.worker.spec.eagle_train import (
+    EagleTrainConfig,
+    all_features,
+    head_rows,
+    target_features,
+    train,
+)
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +71,15 @@ def test_dense_training_attention_equals_the_paged_reference() -> None:
     ref = paged_attention_ref(qr, k_cache, v_cache, torch.tensor([[0], [1], [2]], dtype=torch.int32),
                               torch.tensor(lens, dtype=torch.int32), meta.query_start_loc, d**-0.5)
     torch.testing.assert_close(dense, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_features_batched_in_one_forward_equal_one_sequence_at_a_time(engine: LLMEngine,
+                                                                     sequences: list[list[int]]) -> None:
+    seqs = [sequences[0], sequences[1][:7], sequences[2][:2], *sequences[3:30]]  # more than one cache's worth
+    batched = all_features(engine.runner, seqs)
+    assert [f.shape[0] for f in batched] == [len(s) for s in seqs]
+    for f, seq in zip(batched, seqs):
+        torch.testing.assert_close(f.float(), target_features(engine.runner, seq), atol=1e-5, rtol=1e-5)
 
 
 def test_training_lowers_the_heldout_loss_and_the_checkpoint_round_trips(engine: LLMEngine,

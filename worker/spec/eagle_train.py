@@ -38,12 +38,16 @@ class EagleTrainConfig:
     grad_clip: float = 0.5
     seed: int = 0
     log_every: int = 50
+    time_limit_s: float | None = None  # stop early (and keep the head) once training has run this long
+    cache_features: bool = True  # the target's features computed once before training (else at every step)
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_sequences < 1:
             raise ValueError("steps and batch_sequences must be >= 1")
         if not (self.lr > 0 and self.cls_weight >= 0 and self.noise >= 0 and self.grad_clip > 0):
             raise ValueError("lr and grad_clip must be > 0, cls_weight and noise >= 0")
+        if self.time_limit_s is not None and not self.time_limit_s > 0:
+            raise ValueError("time_limit_s must be > 0 (or None: no limit)")
 
 
 class Rows(NamedTuple):
@@ -57,26 +61,59 @@ class Rows(NamedTuple):
 
 
 @torch.no_grad()
+def target_features_batch(runner: ModelRunner, seqs: Sequence[Sequence[int]]) -> list[Tensor]:
+    """The target's final-normed hidden states [L_i, H] (its dtype) of each sequence, all in one forward: each
+    sequence in blocks of its own of the runner's KV cache, which is overwritten."""
+    lens = [len(s) for s in seqs]
+    blocks = [-(-n // runner.block_size) for n in lens]
+    if max(lens) > runner.max_model_len or sum(blocks) > runner.num_blocks:
+        raise ValueError(f"{len(seqs)} sequences of up to {max(lens)} tokens do not fit the target's context "
+                         "or KV cache")
+    first = [sum(blocks[:i]) for i in range(len(seqs))]
+    tables = [list(range(b, b + nb)) for b, nb in zip(first, blocks)]
+    slots = [b * runner.block_size + t for b, n in zip(first, lens) for t in range(n)]
+    meta = attention_metadata(lens, lens, tables, slots, runner.device)
+    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=runner.device)
+    positions = torch.tensor([t for n in lens for t in range(n)], dtype=torch.int64, device=runner.device)
+    return list(runner.model(ids, positions, runner.kv_caches, meta).split(lens))
+
+
 def target_features(runner: ModelRunner, seq: Sequence[int]) -> Tensor:
-    """The target's final-normed hidden states [L, H] over `seq` (its KV cache is overwritten)."""
-    n = len(seq)
-    blocks = -(-n // runner.block_size)
-    if n > runner.max_model_len or blocks > runner.num_blocks:
-        raise ValueError(f"a {n}-token sequence does not fit the target's context or KV cache")
-    meta = attention_metadata([n], [n], [list(range(blocks))], list(range(n)), runner.device)
-    ids = torch.tensor(list(seq), dtype=torch.int64, device=runner.device)
-    return runner.model(ids, torch.arange(n, device=runner.device), runner.kv_caches, meta).float()
+    """The target's final-normed hidden states [L, H] over `seq`, float32 (its KV cache is overwritten)."""
+    return target_features_batch(runner, [seq])[0].float()
 
 
-def head_rows(runner: ModelRunner, seqs: Sequence[Sequence[int]], noise: float, gen: torch.Generator | None) -> Rows:
-    embeds, feats, targets, positions, lens = [], [], [], [], []
+def all_features(runner: ModelRunner, seqs: Sequence[Sequence[int]]) -> list[Tensor]:
+    """target_features_batch over every sequence, as many per forward as the KV cache holds; kept on the
+    runner's device in its dtype (EAGLE trains on fixed target features: computed once, not every step)."""
+    need = sum(map(len, seqs)) * runner.arch.hidden_size * runner.kv_caches[0][0].element_size()
+    if runner.device.type == "cuda" and need > 0.8 * torch.cuda.mem_get_info(runner.device)[0]:
+        raise ValueError(f"the target features of {len(seqs)} sequences take {need / 2**30:.1f} GiB, more than "
+                         "the device has free: train on fewer or shorter sequences, or with online features")
+    out: list[Tensor] = []
+    group: list[Sequence[int]] = []
     for seq in seqs:
-        f = target_features(runner, seq)  # [L, H]
+        blocks = sum(-(-len(s) // runner.block_size) for s in [*group, seq])
+        if group and blocks > runner.num_blocks:
+            out += target_features_batch(runner, group)
+            group = []
+        group.append(seq)
+    if group:
+        out += target_features_batch(runner, group)
+    return out
+
+
+def head_rows(runner: ModelRunner, seqs: Sequence[Sequence[int]], noise: float, gen: torch.Generator | None,
+              features: Sequence[Tensor] | None = None) -> Rows:
+    """The head's rows of `seqs`; `features` (one [L_i, H] per sequence) saves the target's forward."""
+    embeds, feats, targets, positions, lens = [], [], [], [], []
+    for i, seq in enumerate(seqs):
+        f = target_features(runner, seq) if features is None else features[i].float()  # [L, H]
         with torch.no_grad():
             embeds.append(runner.model.model.embed_tokens(torch.tensor(list(seq[1:]), device=runner.device)).float())
         x = f[:-1]
         if noise:
-            x = x + (torch.rand(x.shape, generator=gen, device="cpu").to(x.device) * 2 - 1) * noise
+            x = x + (torch.rand(x.shape, generator=gen, device=x.device) * 2 - 1) * noise
         feats.append(x)
         targets.append(f[1:])
         positions.append(torch.arange(len(seq) - 1, device=runner.device))
@@ -85,14 +122,20 @@ def head_rows(runner: ModelRunner, seqs: Sequence[Sequence[int]], noise: float, 
     return Rows(torch.cat(embeds), torch.cat(feats), torch.cat(targets), torch.cat(positions), meta)
 
 
+def _logits(runner: ModelRunner, hidden: Tensor) -> Tensor:
+    """float32 logits [R, V] of float32 hidden states through the target's LM head (in the target's dtype;
+    the cast is differentiable, so the head's gradient flows through it)."""
+    return runner.model.compute_logits(hidden.to(runner.dtype)).float()
+
+
 def head_loss(runner: ModelRunner, head: EagleHead, rows: Rows, cls_weight: float) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, regression loss, token cross-entropy) of the head on `rows`."""
     empty = torch.empty(0, device=rows.features.device)
     pred = head(rows.token_embeds, rows.features, rows.positions, (empty, empty), rows.meta)
     reg = F.smooth_l1_loss(pred, rows.targets)
     with torch.no_grad():
-        p = runner.model.compute_logits(rows.targets).softmax(-1)  # [R, V] the target's next-token distribution
-    cls = -(p * runner.model.compute_logits(pred).log_softmax(-1)).sum(-1).mean()
+        p = _logits(runner, rows.targets).softmax(-1)  # [R, V] the target's next-token distribution
+    cls = -(p * _logits(runner, pred).log_softmax(-1)).sum(-1).mean()
     return reg + cls_weight * cls, reg, cls
 
 
@@ -107,8 +150,8 @@ def evaluate(runner: ModelRunner, head: EagleHead, seqs: Sequence[Sequence[int]]
         rows = head_rows(runner, [seq], 0.0, None)
         empty = torch.empty(0, device=rows.features.device)
         pred = head(rows.token_embeds, rows.features, rows.positions, (empty, empty), rows.meta)
-        got = runner.model.compute_logits(pred).argmax(-1)
-        want = runner.model.compute_logits(rows.targets).argmax(-1)
+        got = _logits(runner, pred).argmax(-1)
+        want = _logits(runner, rows.targets).argmax(-1)
         hits += int((got == want).sum())
         total += len(seq) - 1
         loss += head_loss(runner, head, rows, cls_weight)[0].item() * (len(seq) - 1)
@@ -144,12 +187,17 @@ def train(runner: ModelRunner, train_seqs: Sequence[Sequence[int]], heldout: Seq
     head = new_head(runner, config.seed)
     before = evaluate(runner, head, heldout, config.cls_weight)
     opt = torch.optim.AdamW(head.parameters(), lr=config.lr)
-    rng, gen = random.Random(config.seed), torch.Generator().manual_seed(config.seed)
+    rng, gen = random.Random(config.seed), torch.Generator(runner.device).manual_seed(config.seed)
     history: list[dict[str, float]] = []
     start = time.perf_counter()
+    cached = all_features(runner, train_seqs) if config.cache_features else None
+    if cached is not None:
+        log.info("target features of %d sequences cached in %.1f s", len(cached), time.perf_counter() - start)
     for step in range(1, config.steps + 1):
-        batch = rng.sample(list(train_seqs), min(config.batch_sequences, len(train_seqs)))
-        loss, reg, cls = head_loss(runner, head, head_rows(runner, batch, config.noise, gen), config.cls_weight)
+        picks = rng.sample(range(len(train_seqs)), min(config.batch_sequences, len(train_seqs)))
+        rows = head_rows(runner, [train_seqs[i] for i in picks], config.noise, gen,
+                         None if cached is None else [cached[i] for i in picks])
+        loss, reg, cls = head_loss(runner, head, rows, config.cls_weight)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), config.grad_clip)
@@ -157,9 +205,12 @@ def train(runner: ModelRunner, train_seqs: Sequence[Sequence[int]], heldout: Seq
         history.append({"step": step, "loss": loss.item(), "regression": reg.item(), "token_ce": cls.item()})
         if progress is not None and (step % config.log_every == 0 or step == config.steps):
             progress(history[-1])
+        if config.time_limit_s is not None and time.perf_counter() - start > config.time_limit_s:
+            log.info("time limit reached after %d of %d steps", step, config.steps)
+            break
     after = evaluate(runner, head, heldout, config.cls_weight)
     window = max(1, min(50, len(history) // 4))
-    summary = {"steps": config.steps, "train_sequences": len(train_seqs), "heldout_sequences": len(heldout),
+    summary = {"steps": len(history), "train_sequences": len(train_seqs), "heldout_sequences": len(heldout),
                "loss_first": sum(h["loss"] for h in history[:window]) / window,
                "loss_last": sum(h["loss"] for h in history[-window:]) / window,
                "heldout_loss_before": before["loss"], "heldout_loss_after": after["loss"],

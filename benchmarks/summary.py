@@ -50,6 +50,11 @@ KEYS: dict[str, str] = {
     "fp8_decode_b1_ms": "ms",
     "ngram_cpu_b1_speedup": "x",
     "ngram_cpu_b1_copy_speedup": "x",
+    "eagle_cpu_b1_speedup": "x",
+    "eagle_b1_speedup": "x",
+    "eagle_b32_speedup": "x",
+    "eagle_b128_speedup": "x",
+    "eagle_tau_k4": "tokens/step",
 }
 
 # The suite section each suite figure comes from (a merged suite takes sections from several runs).
@@ -236,12 +241,24 @@ def gpu_quant_figures(r: Mapping[str, Any]) -> dict[str, float]:
 
 
 def spec_figures(r: Mapping[str, Any]) -> dict[str, float]:
-    """spec_cpu.py in its headline configuration: 8 requests of up to 128 tokens at batch 1, k = 3, one thread."""
+    """spec_cpu.py in its headline configurations, batch 1, k = 3, one thread: n-gram on 8 requests of up to
+    128 tokens; EAGLE (slower on the CPU: it drafts with the LM head) on 4 requests of up to 64 tokens."""
     c = r["config"]
-    if (c["requests"], c["max_tokens"], c["max_prompt"], c.get("threads")) != (8, 128, 384, 1):
-        return {}
-    keys = {"chat_k3": "ngram_cpu_b1_speedup", "copy_k3": "ngram_cpu_b1_copy_speedup"}
+    shape = (c["requests"], c["max_tokens"], c["max_prompt"], c.get("threads"))
+    keys = ({"chat_k3": "ngram_cpu_b1_speedup", "copy_k3": "ngram_cpu_b1_copy_speedup"} if shape == (8, 128, 384, 1)
+            else {"eagle_chat_k3": "eagle_cpu_b1_speedup"} if shape == (4, 64, 384, 1) else {})
     return {key: r["results"][name]["speedup"] for name, key in keys.items() if name in r["results"]}
+
+
+def spec_gpu_figures(r: Mapping[str, Any]) -> dict[str, float]:
+    """spec_gpu.py in its headline configuration (not --smoke): k = 4, up to 256 tokens, prompts <= 512."""
+    c = r["config"]
+    if r.get("smoke") or (c["k"], c["max_tokens"], c["max_prompt"]) != (4, 256, 512):
+        return {}
+    out = {f"eagle_b{b}_speedup": r["throughput"][str(b)]["speedup"] for b in (1, 32, 128)
+           if str(b) in r["throughput"]}
+    tau = r["tau"].get("4", {}).get("tau")
+    return out | ({"eagle_tau_k4": tau} if tau is not None else {})
 
 
 def figures_of(result: Mapping[str, Any]) -> dict[str, float]:
@@ -251,6 +268,7 @@ def figures_of(result: Mapping[str, Any]) -> dict[str, float]:
         quant_accuracy_figures if result.get("benchmark") == "quant_accuracy" else
         gpu_quant_figures if result.get("benchmark") == "gpu_quant" else
         spec_figures if result.get("benchmark") == "spec_cpu" else
+        spec_gpu_figures if result.get("benchmark") == "spec_gpu" else
         suite_figures if "sections_s" in result else
         e2e_figures if "latency_b8_in32_out128_s" in result else None)
     return kind(result) if kind else {}

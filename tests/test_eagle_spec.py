@@ -216,3 +216,22 @@ def test_the_embedded_model_has_its_shipped_head_folder() -> None:
 def test_an_unknown_speculative_method_is_refused() -> None:
     with pytest.raises(ValueError, match="use off, ngram or eagle"):
         SpeculativeConfig(method="medusa")  # type: ignore[arg-type]
+
+
+def test_generate_command_with_eagle(tiny: tuple[Path, Path], tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from tokenmill.cli.main import build_parser, main
+    from tokenmill.cli.settings import build_config
+
+    model, head = tiny
+    argv = ["generate", "hello", "--model", str(model), "--device", "cpu", "--dtype", "float32",
+            "--temperature", "0", "--max-tokens", "6", "--speculative", "eagle", "--num-speculative-tokens", "2"]
+    config = build_config(EngineConfig, build_parser().parse_args([*argv, "--draft-model", str(head)]), "generate")
+    assert (config.speculative.method, config.speculative.draft_model) == ("eagle", str(head))
+    assert main([*argv, "--draft-model", str(head)]) == 0
+    with_eagle = capsys.readouterr().out
+    assert main(argv[:-4]) == 0
+    assert capsys.readouterr().out == with_eagle
+    assert main([*argv, "--draft-model", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert "speculative eagle" in err and "no readable eagle_config.json" in err and "Traceback" not in err

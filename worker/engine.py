@@ -462,12 +462,15 @@ def make_proposer(config: EngineConfig, runner: ModelRunner, model_name: str) ->
 def make_switch(config: EngineConfig, runner: ModelRunner, proposer: DraftProposer | None,
                 max_model_len: int) -> SpeculationSwitch | None:
     """The automatic switch (worker/spec/switch.py), its costs measured now on the runner's device: a decode
-    step and a verify step of k+1 tokens at batch sizes 1, 8, 32, ... up to max_num_seqs, after 512 tokens."""
+    step and a verify step of k+1 tokens at batch sizes 1, 8, 32, ... up to max_num_seqs (or as many as one
+    step's token budget verifies), after 512 tokens. Past the largest size measured, costs are extrapolated."""
     spec = config.speculative
     on = spec.auto_switch if spec.auto_switch is not None else runner.device.type == "cuda"
     if proposer is None or not on:
         return None
     k, most = spec.num_speculative_tokens, config.scheduler.max_num_seqs
+    # A verify step the scheduler can run: b (k + 1) tokens within the step budget (the memory profiled).
+    most = max(1, min(most, config.scheduler.max_num_batched_tokens // (k + 1)))
     sizes = sorted({b for b in (1, 8, 32, 128, 256) if b < most} | {most})
     context = max(1, min(512, max_model_len - k - 1))
     draft = proposer.draft_seconds if isinstance(proposer, EagleProposer) else None

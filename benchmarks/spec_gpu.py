@@ -178,8 +178,8 @@ def table(r: dict[str, Any]) -> str:
              "drafts accepted |", "|---|---|---|---|---|---|---|---|"]
     for t in r["throughput"].values():
         acc = t["accepted_draft_tokens"] / t["draft_tokens"] if t["draft_tokens"] else 0.0
-        lines.append(f"| {t['batch']} | {t['k']} | {t['requests']} x {t['rounds']} | {t['plain_tok_s']:.0f} | "
-                     f"{t['eagle_tok_s']:.0f} | {t['speedup']:.2f}x | {t['identical_requests']:.0%} | {acc:.0%} |")
+        lines.append(f"| {t['batch']} | {t['k']} | {t['requests']} x {t['rounds']} | {t['plain_tok_s']:.1f} | "
+                     f"{t['eagle_tok_s']:.1f} | {t['speedup']:.2f}x | {t['identical_requests']:.0%} | {acc:.0%} |")
     lines += ["", f"tau at batch {r['tau_batch']} (switch off): mean accepted drafts + 1 per verify step\n",
               "| k | tau | acceptance | verify request-steps |", "|---|---|---|---|"]
     for k, t in r["tau"].items():

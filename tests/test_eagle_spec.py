@@ -200,17 +200,31 @@ def test_no_head_for_the_model_is_a_clear_error(tiny: tuple[Path, Path]) -> None
         make_engine(str(model), False, speculative=SpeculativeConfig(method="eagle"))
 
 
-def test_the_embedded_model_has_its_shipped_head_folder() -> None:
-    assert HEADS_DIR.name == "heads" and HEADS_DIR.parent.name == "spec"
+def test_the_embedded_model_has_its_shipped_head() -> None:
     folder = HEADS_DIR / "smollm2-135m-instruct"
-    if (folder / CONFIG_FILE).is_file():
-        assert head_folder(None, "embedded") == folder
-        config = json.loads((folder / CONFIG_FILE).read_text())
-        assert config["arch"]["hidden_size"] == 576 and config["arch"]["vocab_size"] == 49152
-    else:
-        with pytest.raises(ValueError, match="no EAGLE head is shipped for model 'embedded'"):
-            head_folder(None, "embedded")
+    assert head_folder(None, "embedded") == folder
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    assert config["arch"]["hidden_size"] == 576 and config["arch"]["vocab_size"] == 49152
     assert head_folder("~/h", "embedded") == Path("~/h").expanduser()
+
+
+@pytest.mark.slow
+def test_the_shipped_head_drafts_for_the_embedded_model_and_greedy_output_is_identical() -> None:
+    """`--speculative eagle` without --draft-model on the embedded model: its shipped head, accepted drafts,
+    the same tokens as plain decoding (requests with num_speculative_tokens=0 on the same engine)."""
+    engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", max_model_len=256,
+                                    speculative=SpeculativeConfig(method="eagle"),
+                                    scheduler=SchedulerConfig(max_num_seqs=2)))
+    chats = [[{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "user", "content": "Write a Python function that adds two numbers."}]]
+    prompts = [engine.tokenizer.encode(engine.tokenizer.apply_chat_template(c), add_special_tokens=False)
+               for c in chats]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    plain = engine.generate(prompts, dataclasses.replace(greedy, num_speculative_tokens=0))
+    assert engine.counters.draft_tokens == 0
+    spec = engine.generate(prompts, greedy)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert engine.counters.accepted_draft_tokens > 0
 
 
 def test_an_unknown_speculative_method_is_refused() -> None:

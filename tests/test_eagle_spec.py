@@ -249,3 +249,23 @@ def test_generate_command_with_eagle(tiny: tuple[Path, Path], tmp_path: Path,
     assert main([*argv, "--draft-model", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
     assert "speculative eagle" in err and "no readable eagle_config.json" in err and "Traceback" not in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_eagle_on_cuda_with_the_triton_backend_is_identical(tiny: tuple[Path, Path], graphs: bool) -> None:
+    """On the GPU (float32, so that verify rows and decode rows agree to the bit on the tiny model): the head
+    runs through the Triton backend (its fused decode path, the in-kernel rotary and KV write), with and
+    without the target's CUDA graphs; and the automatic switch is measured at start-up (auto: on for CUDA)."""
+    model, head = tiny
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    jobs = [(f"r{i}", p, params) for i, p in enumerate(repetitive(384, 6, seed=8) + mixed_prompts(4, seed=8))]
+    cuda = dict(device="cuda", dtype="float32", cuda_graphs=graphs)
+    spec = make_engine(str(model), True, speculative=dataclasses.replace(eagle(head, k=4), auto_switch=False), **cuda)
+    got = results(run(spec, jobs))
+    assert got == results(run(make_engine(str(model), True, **cuda), jobs))
+    assert spec.counters.draft_tokens > 0
+    auto = make_engine(str(model), True, speculative=eagle(head), **cuda)
+    assert auto.switch is not None and all(t > 0 for t in auto.switch.costs.draft_s)
+    assert results(run(auto, jobs)) == got

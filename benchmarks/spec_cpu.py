@@ -1,4 +1,5 @@
-"""CPU benchmark of n-gram (prompt lookup) speculative decoding at batch 1 on the embedded model (issue 17).
+"""CPU benchmark of speculative decoding at batch 1 on the embedded model (issue 17): n-gram (prompt lookup)
+and EAGLE (the head shipped for the model, or --draft-model).
 
 One engine with `--speculative ngram` and prefix caching off; each request runs twice, once with
 `num_speculative_tokens=0` (plain decoding) and once with k drafts per step, in alternating order, one
@@ -7,13 +8,18 @@ request at a time (batch 1), greedy, up to --max-tokens tokens or EOS. Both runs
 (the turn through the chat template) and `copy` (a completion prompt asking for the turn again: prompt
 lookup's good case, output copying input; see `workload_text`). Also recorded: drafts accepted per verify step,
 and the time of a decode step against a verify step (the host times a step synchronously on the CPU).
+EAGLE runs the `chat` workload on a second engine (`--speculative eagle`), its prompts taken from after the
+ShareGPT pairs the head was trained on (spec_gpu.heldout_offset); its step times include the drafting.
 
     python -m tokenmill.benchmarks.spec_cpu --out benchmarks/results/cpu
+    python -m tokenmill.benchmarks.spec_cpu --methods eagle --requests 4 --max-tokens 64 --threads 1 \
+        --name spec_cpu_eagle --out benchmarks/results/cpu
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -25,10 +31,12 @@ import torch
 from tokenmill.benchmarks import summary
 from tokenmill.benchmarks.common import write_results
 from tokenmill.benchmarks.datasets import sharegpt_pairs
+from tokenmill.benchmarks.spec_gpu import heldout_offset, heldout_prompts
 from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.config import CacheConfig, EngineConfig, SpeculativeConfig
 from tokenmill.worker.engine import LLMEngine, StepRecord
 from tokenmill.worker.registry_fetch import sharegpt_path
+from tokenmill.worker.spec.eagle import CONFIG_FILE, head_folder
 
 WORKLOADS = ("chat", "copy")
 
@@ -120,17 +128,26 @@ def run_workload(engine: LLMEngine, reqs: list[list[int]], k: int, max_tokens: i
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
-    rows = ["| workload | k | requests | output tokens | plain tok/s | ngram tok/s | speed-up | drafts accepted | "
-            "tokens / step | decode step p50 | verify step p50 (tokens scored: ms, x decode) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| method | workload | k | requests | output tokens | plain tok/s | spec tok/s | speed-up | "
+            "drafts accepted | tokens / step | decode step p50 | verify step p50 (tokens scored: ms, x decode) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         verify = ", ".join(f"{n}: {ms:.1f} ms ({r['verify_step_cost_vs_decode'][n]:.2f}x)"
                            for n, ms in r["verify_step_ms_p50"].items())
-        rows.append(f"| {name.split('_k')[0]} | {r['k']} | {r['requests']} | {r['output_tokens']} | "
+        base = name.split("_k")[0]
+        method, workload = base.split("_") if base.startswith("eagle_") else ("ngram", base)
+        rows.append(f"| {method} | {workload} | {r['k']} | {r['requests']} | {r['output_tokens']} | "
                     f"{r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | "
                     f"{r['acceptance_rate']:.0%} | {r['tokens_per_spec_step']:.2f} | "
                     f"{r['decode_step_ms_p50']:.1f} ms | {verify} |")
     return "\n".join(rows)
+
+
+def spec_engine(spec: SpeculativeConfig) -> LLMEngine:
+    engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", cache=CacheConfig(enable_prefix_caching=False),
+                                    speculative=spec))
+    timed(engine, [1, 2, 3, 1, 2], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+    return engine
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -142,21 +159,32 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--k", type=int, nargs="+", default=[3], help="draft tokens per step (one run each)")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--methods", nargs="+", default=["ngram", "eagle"], choices=["ngram", "eagle"])
+    ap.add_argument("--draft-model", default=None, help="eagle: head folder (default: the one shipped)")
+    ap.add_argument("--name", default="spec_cpu", help="result file name (<name>.json / .md in --out)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", cache=CacheConfig(enable_prefix_caching=False),
-                                    speculative=SpeculativeConfig(method="ngram")))
-    timed(engine, [1, 2, 3, 1, 2], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+    head = head_folder(args.draft_model, "embedded") if "eagle" in args.methods else None  # fails early if none
     load = os.getloadavg()
-    results = {f"{w}_k{k}": run_workload(engine, prompts(engine, w, args.requests, args.max_prompt), k,
-                                        args.max_tokens)
-               for w in args.workloads for k in args.k}
+    results: dict[str, dict[str, Any]] = {}
+    if "ngram" in args.methods:
+        engine = spec_engine(SpeculativeConfig(method="ngram"))
+        results |= {f"{w}_k{k}": run_workload(engine, prompts(engine, w, args.requests, args.max_prompt), k,
+                                              args.max_tokens)
+                    for w in args.workloads for k in args.k}
+    if head is not None:
+        engine = spec_engine(SpeculativeConfig(method="eagle", draft_model=str(head)))
+        chats = heldout_prompts(engine, heldout_offset(head), args.requests, args.max_prompt)
+        results |= {f"eagle_chat_k{k}": run_workload(engine, chats, k, args.max_tokens) for k in args.k}
     payload = {"benchmark": "spec_cpu", "config": vars(args) | {"out": str(args.out)},
+               "eagle_head": None if head is None else str(head),
+               "eagle_head_training": None if head is None else
+               json.loads((head / CONFIG_FILE).read_text()).get("training"),
                "torch_threads": torch.get_num_threads(),
                "load_average_before_after": [load, os.getloadavg()], "results": results}
-    write_results(args.out, "spec_cpu", payload, table(results))
-    print("summary.json:", summary.record_file(args.out / "spec_cpu.json"))
+    write_results(args.out, args.name, payload, table(results))
+    print("summary.json:", summary.record_file(args.out / f"{args.name}.json"))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,11 @@ KEYS: dict[str, str] = {
     "tp2_decode_b1_ratio": "x",
     "tp2_fixed_1000x1000_out_tok_s": "output tok/s",
     "gateway_added_p50_ms": "ms",
+    "eagle_cpu_b1_speedup": "x",
+    "eagle_b1_speedup": "x",
+    "eagle_b32_speedup": "x",
+    "eagle_b128_speedup": "x",
+    "eagle_tau_k4": "tokens/step",
 }
 
 # The suite section each suite figure comes from (a merged suite takes sections from several runs).
@@ -252,11 +257,12 @@ def gpu_quant_figures(r: Mapping[str, Any]) -> dict[str, float]:
 
 
 def spec_figures(r: Mapping[str, Any]) -> dict[str, float]:
-    """spec_cpu.py in its headline configuration: 8 requests of up to 128 tokens at batch 1, k = 3, one thread."""
+    """spec_cpu.py in its headline configurations, batch 1, k = 3, one thread: n-gram on 8 requests of up to
+    128 tokens; EAGLE (slower on the CPU: it drafts with the LM head) on 4 requests of up to 64 tokens."""
     c = r["config"]
-    if (c["requests"], c["max_tokens"], c["max_prompt"], c.get("threads")) != (8, 128, 384, 1):
-        return {}
-    keys = {"chat_k3": "ngram_cpu_b1_speedup", "copy_k3": "ngram_cpu_b1_copy_speedup"}
+    shape = (c["requests"], c["max_tokens"], c["max_prompt"], c.get("threads"))
+    keys = ({"chat_k3": "ngram_cpu_b1_speedup", "copy_k3": "ngram_cpu_b1_copy_speedup"} if shape == (8, 128, 384, 1)
+            else {"eagle_chat_k3": "eagle_cpu_b1_speedup"} if shape == (4, 64, 384, 1) else {})
     return {key: r["results"][name]["speedup"] for name, key in keys.items() if name in r["results"]}
 
 
@@ -278,6 +284,15 @@ def gateway_figures(r: Mapping[str, Any]) -> dict[str, float]:
     headline = ((r.get("streams"), r.get("tokens_per_stream"), r.get("step_rate"), r.get("busy"),
                  r.get("gateway_workers", 1)) == (64, 200, 50.0, 0.3, 1) and "sse" in (r.get("added_ms") or {}))
     return {"gateway_added_p50_ms": r["added_ms"]["sse"]["p50_median_of_rounds"]} if headline else {}
+def spec_gpu_figures(r: Mapping[str, Any]) -> dict[str, float]:
+    """spec_gpu.py in its headline configuration (not --smoke): k = 4, up to 256 tokens, prompts <= 512."""
+    c = r["config"]
+    if r.get("smoke") or (c["k"], c["max_tokens"], c["max_prompt"]) != (4, 256, 512):
+        return {}
+    out = {f"eagle_b{b}_speedup": r["throughput"][str(b)]["speedup"] for b in (1, 32, 128)
+           if str(b) in r["throughput"]}
+    tau = r["tau"].get("4", {}).get("tau")
+    return out | ({"eagle_tau_k4": tau} if tau is not None else {})
 
 
 def figures_of(result: Mapping[str, Any]) -> dict[str, float]:
@@ -289,6 +304,7 @@ def figures_of(result: Mapping[str, Any]) -> dict[str, float]:
         spec_figures if result.get("benchmark") == "spec_cpu" else
         tp_figures if result.get("benchmark") == "gpu_tp" else
         gateway_figures if result.get("benchmark") == "gateway" else
+        spec_gpu_figures if result.get("benchmark") == "spec_gpu" else
         suite_figures if "sections_s" in result else
         e2e_figures if "latency_b8_in32_out128_s" in result else None)
     return kind(result) if kind else {}

@@ -272,9 +272,14 @@ SETTINGS: tuple[Setting, ...] = (
        "EngineConfig.scheduler.enable_chunked_prefill"),
     _s("long_prefill_token_threshold", integer(0), 0, "cut prefill chunks longer than this (0: no extra cap)",
        ENGINE_CMDS, "EngineConfig.scheduler.long_prefill_token_threshold"),
-    _s("speculative", choice("off", "ngram"), "off", "speculative decoding: draft tokens verified in one target "
-       "forward, output unchanged (ngram: prompt lookup in the request's own tokens)", ENGINE_CMDS,
-       "EngineConfig.speculative.method"),
+    _s("speculative", choice("off", "ngram", "eagle"), "off", "speculative decoding: draft tokens verified in one "
+       "target forward, output unchanged (ngram: prompt lookup in the request's own tokens; eagle: an EAGLE-1 "
+       "draft head)", ENGINE_CMDS, "EngineConfig.speculative.method"),
+    _s("draft_model", TEXT, None, "eagle: folder of the draft head (made by `tokenmill train-eagle`)", ENGINE_CMDS,
+       "EngineConfig.speculative.draft_model", default_text="the head shipped for the model"),
+    _s("speculative_auto_switch", AUTO_BOOL, None, "with --speculative: pause speculation while the batch is large "
+       "enough that verifying drafts costs more than it saves (costs measured at start-up)", ENGINE_CMDS,
+       "EngineConfig.speculative.auto_switch", default_text="auto (on for CUDA)"),
     _s("num_speculative_tokens", integer(1), 3, "with --speculative: draft tokens per request and step, 1..16 "
        "(a request's num_speculative_tokens overrides it; 0 there turns it off)", ENGINE_CMDS,
        "EngineConfig.speculative.num_speculative_tokens"),

@@ -368,3 +368,10 @@ def test_tp2_worker_behind_the_broker_is_one_worker_and_its_rank_dies_with_it(tm
         rank1 = wait_until(lambda: [p for p in _children(worker.pid) if _alive(p)], 30, what="rank 1")
         worker.send_signal(signal.SIGKILL)  # rank 0 alone: rank 1 must follow it by itself
         wait_until(lambda: not any(_alive(p) for p in rank1), 30, what="rank 1 to exit with rank 0")
+
+
+def test_eagle_drafts_are_refused_with_tensor_parallelism() -> None:
+    from tokenmill.worker.config import EngineConfig, SpeculativeConfig
+
+    with pytest.raises(ValueError, match="speculative eagle does not run with --tensor-parallel-size"):
+        EngineConfig(tensor_parallel_size=2, speculative=SpeculativeConfig(method="eagle"))

@@ -108,7 +108,7 @@ class SchedulerConfig:
             raise ValueError(f"unknown scheduling policy {self.policy!r}")
 
 
-SpeculativeMethod = Literal["off", "ngram"]
+SpeculativeMethod = Literal["off", "ngram", "eagle"]
 
 
 @dataclass(frozen=True)
@@ -116,16 +116,22 @@ class SpeculativeConfig:
     """Speculative decoding: each step a proposer drafts up to `num_speculative_tokens` tokens per request and
     one target forward verifies them (worker/spec/). "ngram": prompt lookup, the tokens that followed the latest
     earlier occurrence of the request's last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`).
-    A request's `num_speculative_tokens` overrides k (0: off for it)."""
+    "eagle": an EAGLE-1 draft head (worker/spec/eagle.py) from the folder `draft_model` (None: the head shipped
+    for the model, if there is one; ignored by the other methods). A request's `num_speculative_tokens`
+    overrides k (0: off for it).
+    `auto_switch` (None: on for CUDA) turns speculation off while the batch is large enough that a verify
+    step costs more than the tokens it gains (worker/spec/switch.py, costs measured at start-up)."""
 
     method: SpeculativeMethod = "off"
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 8
     prompt_lookup_min: int = 1
+    draft_model: str | None = None
+    auto_switch: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in ("off", "ngram"):
-            raise ValueError(f"unknown speculative method {self.method!r}; use off or ngram")
+        if self.method not in ("off", "ngram", "eagle"):
+            raise ValueError(f"unknown speculative method {self.method!r}; use off, ngram or eagle")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
                              f"got {self.num_speculative_tokens}")
@@ -187,3 +193,6 @@ class EngineConfig:
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1 and self.speculative.method == "eagle":
+            # the head drafts through the target's embedding and LM head, which TP splits by vocabulary
+            raise ValueError("--speculative eagle does not run with --tensor-parallel-size > 1 yet (ngram does)")

@@ -20,15 +20,17 @@ from tokenmill.protocol.wire import max_tokens_error
 from tokenmill.worker.block_manager import BlockManager
 from tokenmill.worker.config import EngineConfig
 from tokenmill.worker.detokenizer import IncrementalDetokenizer
-from tokenmill.worker.loader import ModelSource, resolve_model
+from tokenmill.worker.loader import ModelLoadError, ModelSource, resolve_model
 from tokenmill.worker.metrics import EngineCounters, EngineStats
-from tokenmill.worker.model_runner import PendingStep
+from tokenmill.worker.model_runner import ModelRunner, PendingStep
 from tokenmill.worker.outputs import CompletionOutput, RequestOutput, RequestTimeline, Usage
 from tokenmill.worker.parallel.runner import make_model_runner
 from tokenmill.worker.request import Request
 from tokenmill.worker.scheduler import ScheduledBatch, Scheduler
+from tokenmill.worker.spec.eagle_proposer import EagleProposer
 from tokenmill.worker.spec.ngram import NgramProposer
 from tokenmill.worker.spec.proposer import DraftProposer, draft_budget
+from tokenmill.worker.spec.switch import SpeculationSwitch, measure_step_costs
 from tokenmill.worker.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenmill.engine")
@@ -106,7 +108,8 @@ class LLMEngine:
                                    self.counters)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
-        self.proposer = make_proposer(config)
+        self.proposer = make_proposer(config, self.runner, self.model_name)
+        self.switch = make_switch(config, self.runner, self.proposer, self.max_model_len)
         self._inflight: deque[_Launched] = deque()  # launched, not yet completed; at most 1 kept between steps
         self._live: dict[str, _Live] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside a step (aborts)
@@ -243,16 +246,19 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         speculating = self.proposer is not None and self._speculating()
+        drafted = accepted = 0
         if speculating:
             while self._inflight:
                 outputs += self._complete(self._inflight.popleft())
-            self._propose_drafts()
+            drafted, accepted = self._propose_drafts(), self.counters.accepted_draft_tokens
         launched = self._schedule_and_launch(outputs)
         if launched is not None:
             self._inflight.append(launched)
         keep = 1 if self.async_scheduling and launched is not None and not speculating else 0
         while len(self._inflight) > keep:
             outputs += self._complete(self._inflight.popleft())
+        if drafted and self.switch is not None:
+            self.switch.record(drafted, self.counters.accepted_draft_tokens - accepted)
         return outputs
 
     def _num_drafts(self, params: SamplingParams) -> int:
@@ -260,10 +266,13 @@ class LLMEngine:
         return self.config.speculative.num_speculative_tokens if k is None else k
 
     def _speculating(self) -> bool:
-        return any(self._num_drafts(r.params) for r in self.scheduler.running)
+        if not any(self._num_drafts(r.params) for r in self.scheduler.running):
+            return False
+        return self.switch is None or self.switch.should_speculate(len(self.scheduler.running))
 
-    def _propose_drafts(self) -> None:
-        """Drafts for every decoding request that speculates, as many as its budget allows (none in flight)."""
+    def _propose_drafts(self) -> int:
+        """Drafts for every decoding request that speculates, as many as its budget allows (none in flight).
+        Returns how many requests got drafts."""
         assert self.proposer is not None and not self._inflight
         reqs, budgets = [], []
         for req in self.scheduler.running:
@@ -276,6 +285,11 @@ class LLMEngine:
             for req, k, drafts in zip(reqs, budgets, self.proposer.propose(reqs, budgets), strict=True):
                 assert len(drafts) <= k, f"{self.proposer.name} proposed {len(drafts)} drafts, at most {k} asked"
                 req.draft_token_ids = drafts
+        return sum(bool(r.draft_token_ids) for r in reqs)
+
+    def _feature_requests(self, batch: ScheduledBatch) -> list[int]:
+        """The batch's requests whose target features the proposer reads: those that speculate."""
+        return [i for i, r in enumerate(batch.requests) if self._num_drafts(r.params)]
 
     def _schedule_and_launch(self, outputs: list[RequestOutput]) -> _Launched | None:
         batch = self.scheduler.schedule()
@@ -287,12 +301,17 @@ class LLMEngine:
         self._note_first_scheduled(batch)
         prev = self._inflight[-1].pending if self._inflight else None
         observer = self.step_observer
+        keep = self._feature_requests(batch) if self.proposer is not None and self.proposer.wants_features else ()
         if observer is None:
-            pending = self.runner.launch(batch, self.eos_token_ids, prev)
+            pending = self.runner.launch(batch, self.eos_token_ids, prev, keep)
         else:
             t0 = time.perf_counter()
-            pending = self.runner.launch(batch, self.eos_token_ids, prev)
+            pending = self.runner.launch(batch, self.eos_token_ids, prev, keep)
             observer(StepRecord(batch, time.perf_counter() - t0))
+        if keep:
+            assert self.proposer is not None
+            for i, features in zip(keep, pending.features, strict=True):
+                self.proposer.observe(batch.requests[i], batch.requests[i].num_computed_tokens, features)
         self.scheduler.begin_step(batch)
         return _Launched(batch, pending)
 
@@ -455,12 +474,49 @@ class LLMEngine:
         )
 
 
-def make_proposer(config: EngineConfig) -> DraftProposer | None:
+def make_proposer(config: EngineConfig, runner: ModelRunner, model_name: str) -> DraftProposer | None:
     spec = config.speculative
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "eagle":
+        from tokenmill.worker.spec.eagle import EagleHeadError, head_folder
+
+        try:
+            return EagleProposer(runner, head_folder(spec.draft_model, model_name), config.scheduler.max_num_seqs)
+        except EagleHeadError as e:
+            raise ModelLoadError(f"speculative eagle: {e}") from None
     assert spec.method == "off", spec.method
     return None
+
+
+def make_switch(config: EngineConfig, runner: ModelRunner, proposer: DraftProposer | None,
+                max_model_len: int) -> SpeculationSwitch | None:
+    """The automatic switch (worker/spec/switch.py), its costs measured now on the runner's device: a decode
+    step and a verify step of k+1 tokens at batch sizes 1, 8, 32, ... up to max_num_seqs (or as many as one
+    step's token budget verifies), after 512 tokens. Past the largest size measured, costs are extrapolated."""
+    spec = config.speculative
+    on = spec.auto_switch if spec.auto_switch is not None else runner.device.type == "cuda"
+    if proposer is None or not on:
+        return None
+    k, most = spec.num_speculative_tokens, config.scheduler.max_num_seqs
+    # A verify step the scheduler can run: b (k + 1) tokens within the step budget (the memory profiled).
+    most = max(1, min(most, config.scheduler.max_num_batched_tokens // (k + 1)))
+    sizes = sorted({b for b in (1, 8, 32, 128, 256) if b < most} | {most})
+    context = max(1, min(512, max_model_len - k - 1))
+    draft = proposer.draft_seconds if isinstance(proposer, EagleProposer) else None
+    t0 = time.perf_counter()
+    costs = measure_step_costs(runner, k, sizes, context,
+                               None if draft is None else (lambda b: draft(b, k, context)))
+    switch = SpeculationSwitch(costs)
+    log.info("speculation switch: costs measured in %.1f s at batch sizes %s (decode %s s, verify %s s, draft %s s); "
+             "at tau %.1f it stops paying at batch %s", time.perf_counter() - t0, sizes,
+             _fmt(costs.decode_s), _fmt(costs.verify_s), _fmt(costs.draft_s), switch.tau,
+             switch.breakeven_batch(most) or "never")
+    return switch
+
+
+def _fmt(seconds: Sequence[float]) -> str:
+    return "/".join(f"{s:.4f}" for s in seconds)
 
 
 def _template_kwargs(params: SamplingParams) -> dict[str, Any]:

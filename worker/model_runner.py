@@ -75,7 +75,7 @@ class PendingStep:
 
     def __init__(self, num_requests: int, rows: dict[Request, int], batch_index: list[int],
                  num_logprobs: list[int | None], sampled: Tensor | None, copy: HostCopy | None,
-                 draft_starts: list[int] | None = None) -> None:
+                 draft_starts: list[int] | None = None, features: list[Tensor] | None = None) -> None:
         self.num_requests = num_requests
         self.rows = rows  # sampling request without drafts -> its row of `sampled`
         self.sampled = sampled  # [S] i64 on the device ([R] with drafts); None when no request samples
@@ -85,6 +85,8 @@ class PendingStep:
         # With drafts: sampling request s owns rows draft_starts[s] .. (DraftLayout.starts); the copy then
         # holds the number of drafts each accepted after the sampled ids.
         self._draft_starts = draft_starts
+        # With `keep_features`: per kept request, the target's features [n, H] of its n scheduled tokens.
+        self.features = features or []
 
     def result(self) -> StepResult:
         sampled: list[int | list[int] | None] = [None] * self.num_requests
@@ -341,32 +343,39 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
-               prev: PendingStep | None = None) -> PendingStep:
+               prev: PendingStep | None = None, keep_features: Sequence[int] = ()) -> PendingStep:
         """Enqueue the forward and sampling of `batch` without waiting for the device. Inputs still in
         flight are read on the device from `prev`, which must be the step launched just before (it
-        samples them). Call before the scheduler marks the batch launched (`begin_step`)."""
+        samples them). Call before the scheduler marks the batch launched (`begin_step`). `keep_features`:
+        indices of the batch's requests whose features (final-normed hidden states of all their scheduled
+        tokens) the PendingStep keeps (EAGLE drafts read them); nothing is kept or copied without them."""
         sampling = [i for i in range(len(batch.requests)) if batch.samples(i)]
         reqs = [batch.requests[i] for i in sampling]
         host = self._host_inputs(batch, prev)
         ends = list(itertools.accumulate(host.q_lens))
+        if keep_features:
+            rows = [t for i in keep_features for t in range(ends[i] - host.q_lens[i], ends[i])]
+            host.tensors["feature_rows"] = _i64(rows)
         if any(r.draft_token_ids for r in reqs):
-            return self._launch_verify(batch, sampling, reqs, host, ends, eos_token_ids)
+            return self._launch_verify(batch, sampling, reqs, host, ends, eos_token_ids, keep_features)
         tensors = host.tensors | {"logits_rows": _i64([ends[i] - 1 for i in sampling])}  # last token of each
         smeta, stensors = self._host_sampling(reqs, eos_token_ids, prev) if reqs else (None, {})
         dev = self._ship(tensors | stensors)  # the step's one host-to-device copy
         hidden = self._forward(*self._device_inputs(dev, host, prev))
+        features = _kept_features(hidden, dev, [host.q_lens[i] for i in keep_features])
         if smeta is None:
-            return PendingStep(len(batch.requests), {}, [], [], None, None)
+            return PendingStep(len(batch.requests), {}, [], [], None, None, features=features)
         logits = self.model.compute_logits(hidden[dev["logits_rows"]])
         out = self.sampler(logits, self._device_sampling(smeta, dev, prev))
         copies = [out.sampled_token_ids]
         if out.logprobs_token_ids is not None and out.logprobs is not None:
             copies += [out.logprobs_token_ids, out.logprobs]
         return PendingStep(len(batch.requests), {r: row for row, r in enumerate(reqs)}, sampling,
-                           [r.params.logprobs for r in reqs], out.sampled_token_ids, HostCopy(copies))
+                           [r.params.logprobs for r in reqs], out.sampled_token_ids, HostCopy(copies),
+                           features=features)
 
     def _launch_verify(self, batch: ScheduledBatch, sampling: list[int], reqs: list[Request], host: _HostInputs,
-                       ends: list[int], eos_token_ids: tuple[int, ...]) -> PendingStep:
+                       ends: list[int], eos_token_ids: tuple[int, ...], keep_features: Sequence[int]) -> PendingStep:
         """`launch` of a step that verifies drafts (spec/verifier.py): the same forward, then every sampling
         request's k+1 last rows are sampled and compared with its drafts on the device."""
         assert not any(r.num_inflight for r in batch.requests), "drafts are verified with no token in flight"
@@ -378,6 +387,7 @@ class ModelRunner:
                                              "spec.drafts": layout.drafts}
         dev = self._ship(tensors)  # the step's one host-to-device copy
         hidden = self._forward(*self._device_inputs(dev, host, None))
+        features = _kept_features(hidden, dev, [host.q_lens[i] for i in keep_features])
         logits = self.model.compute_logits(hidden[dev["logits_rows"]])  # [R, V]
         out = self.sampler(logits, self._device_sampling(smeta, dev, None))
         accepted = accept_drafts(out.sampled_token_ids, dev["spec.rows"], dev["spec.drafts"])  # [S]
@@ -386,7 +396,7 @@ class ModelRunner:
             copies += [out.logprobs_token_ids, out.logprobs]
         plain = {r: layout.starts[s] for s, r in enumerate(reqs) if not r.draft_token_ids}
         return PendingStep(len(batch.requests), plain, sampling, [r.params.logprobs for r in reqs],
-                           out.sampled_token_ids, HostCopy(copies), layout.starts)
+                           out.sampled_token_ids, HostCopy(copies), layout.starts, features)
 
     @torch.inference_mode()
     def logits_for_all(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -408,6 +418,14 @@ class _HostInputs(NamedTuple):
     tensors: dict[str, Tensor]  # CPU tensors, shipped with the step's other inputs
     q_lens: list[int]
     seq_lens: list[int]
+
+
+def _kept_features(hidden: Tensor, dev: dict[str, Tensor], lens: list[int]) -> list[Tensor]:
+    """The rows `dev["feature_rows"]` of the step's hidden states (a copy: a graph's output buffer is reused),
+    split into one [n, H] tensor per kept request."""
+    if not lens:
+        return []
+    return list(hidden[dev["feature_rows"]].split(lens))
 
 
 def _top_logprobs(ids: list[int], vals: list[float], n: int) -> dict[int, float]:

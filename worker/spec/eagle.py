@@ -9,7 +9,9 @@ config naming the target shape it was trained for, which `load_eagle_head` check
 
 The layer has the target's shape (ModelArch with one layer, no sliding window) and runs through any
 attention backend; `DenseCausalBackend` is the cache-free one training uses. The head is trained by
-worker/spec/eagle_train.py (`tokenmill train-eagle`); the engine does not draft with it yet."""
+worker/spec/eagle_train.py (`tokenmill train-eagle`); the engine drafts with it through
+worker/spec/eagle_proposer.py. Heads shipped with the package live in worker/spec/heads/<name>/
+(`SHIPPED_HEADS`: the model each one is for)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ from tokenmill.worker.models.llama import LlamaDecoderLayer
 EAGLE_FORMAT = "tokenmill-eagle-1"
 CONFIG_FILE = "eagle_config.json"
 WEIGHTS_FILE = "model.safetensors"
+HEADS_DIR = Path(__file__).parent / "heads"
+SHIPPED_HEADS = {"embedded": "smollm2-135m-instruct"}  # engine model name -> folder under HEADS_DIR
 
 
 class EagleHeadError(ValueError):
@@ -125,6 +129,19 @@ def load_eagle_head(path: Path, target: ModelArch, backend: AttentionBackend, *,
                              f"the head expects {tuple(expected[bad[0]].shape)}")
     head.load_state_dict(weights)
     return head
+
+
+def head_folder(draft_model: str | None, model_name: str) -> Path:
+    """The head to draft with: `draft_model` if given, else the head shipped for `model_name`. Raises
+    EagleHeadError when there is none."""
+    if draft_model is not None:
+        return Path(draft_model).expanduser()
+    name = SHIPPED_HEADS.get(model_name)
+    if name is None or not (HEADS_DIR / name / CONFIG_FILE).is_file():
+        shipped = ", ".join(f"{m!r}" for m, n in SHIPPED_HEADS.items() if (HEADS_DIR / n / CONFIG_FILE).is_file())
+        raise EagleHeadError(f"no EAGLE head is shipped for model {model_name!r} (shipped for: {shipped or 'none'}); "
+                             "pass --draft-model DIR, a head made by `tokenmill train-eagle`")
+    return HEADS_DIR / name
 
 
 def _arch_to_json(arch: ModelArch) -> dict[str, Any]:

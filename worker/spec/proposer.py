@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any, ClassVar
 
 from tokenmill.worker.request import Request
 
@@ -13,6 +14,14 @@ class DraftProposer(ABC):
     drafts are a function of the request's tokens): the verifier relies on that (q is a point mass)."""
 
     name: str
+    # Whether the proposer reads the target's features (final-normed hidden states) of the requests that
+    # speculate: the engine then has the model runner keep them and hands them to `observe`.
+    wants_features: ClassVar[bool] = False
+
+    def observe(self, req: Request, start: int, features: Any) -> None:
+        """The target computed `req`'s positions start .. start + n - 1 in a step; features [n, H] (a device
+        tensor) are its rows there. Only called when `wants_features`."""
+        return None
 
     @abstractmethod
     def propose(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> list[list[int]]:

@@ -1,0 +1,280 @@
+"""EAGLE speculative decoding on the GPU (issue 17), in one device call (a few minutes on an H200).
+
+1. SmolLM2-135M-Instruct (the embedded model, its real weights) with its EAGLE head (the shipped one, or
+   --draft-model): greedy output tok/s with EAGLE (k = --k drafts, the automatic switch on) against plain
+   decoding (the same engine, requests with num_speculative_tokens=0) at batch 1, 32 and 128; both modes
+   alternate, and the share of requests whose tokens are identical is recorded (bf16 verify rows and
+   decode rows run different kernels, so a near-tie can flip a token: not a failure of the accept rule).
+2. tau (mean accepted drafts + 1 per request and verify step) for chains k = 1..5 at batch 32, the switch
+   off (it would pause speculation where it does not pay).
+   Prompts of 1 and 2: ShareGPT first human turns through the chat template, taken from after the pairs the
+   head was trained on (train-eagle trains on the first --num-sequences pairs of the file and holds out the
+   last --heldout of them; `heldout_offset` reads that count from the head's own config, at least 2000).
+3. Dummy Llama-3-8B (random weights, bf16): the time of a target step verifying k drafts (k+1 tokens per
+   request) against a decode step at batch 1 / 8 / 32, after 512 tokens of context, and the speed-up that
+   implies at tau = 3: 3 x decode / verify, a PROJECTION (no head for that model; drafting cost left out).
+
+    python -m tokenmill.benchmarks.spec_gpu --out benchmarks/results/h200
+    python -m tokenmill.benchmarks.spec_gpu --smoke --out /tmp/spec_smoke     # CPU, tiny sizes, no figures
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import re
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenmill.benchmarks import summary
+from tokenmill.benchmarks.common import write_results
+from tokenmill.benchmarks.datasets import sharegpt_pairs
+from tokenmill.protocol.sampling import SamplingParams
+from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from tokenmill.worker.engine import LLMEngine, StepRecord
+from tokenmill.worker.registry_fetch import sharegpt_path
+from tokenmill.worker.spec.eagle import CONFIG_FILE, head_folder
+
+TRAIN_EAGLE_DEFAULT_SEQUENCES = 2000  # cli/train_eagle.py --num-sequences
+
+
+def heldout_offset(head_dir: Path) -> int:
+    """Index of the first ShareGPT pair the head was not trained on: the --num-sequences of the train-eagle
+    command in its config (train-eagle reads the file's pairs in order), never below train-eagle's default."""
+    try:
+        command = json.loads((head_dir / CONFIG_FILE).read_text()).get("training", {}).get("command", "")
+        argv = shlex.split(command)
+    except (OSError, ValueError, AttributeError):
+        argv = []
+    used = TRAIN_EAGLE_DEFAULT_SEQUENCES
+    for flag, value in itertools.pairwise(argv):
+        if flag == "--num-sequences" and re.fullmatch(r"\d+", value):
+            used = int(value)
+    return max(used, TRAIN_EAGLE_DEFAULT_SEQUENCES)
+
+
+def heldout_prompts(engine: LLMEngine, offset: int, n: int, max_prompt: int) -> list[list[int]]:
+    """n chat prompts (16..max_prompt tokens) from the ShareGPT pairs at index >= offset."""
+    out = []
+    tok = engine.tokenizer
+    for human, _ in sharegpt_pairs(sharegpt_path())[offset:]:
+        text = tok.apply_chat_template([{"role": "user", "content": human}], add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False)
+        if 16 <= len(ids) <= max_prompt:
+            out.append(ids)
+        if len(out) == n:
+            return out
+    raise RuntimeError(f"only {len(out)} ShareGPT prompts after pair {offset}, {n} wanted")
+
+
+class Verifies:
+    """Step observer: request-steps that verified drafts (a request's drafts are still set at launch)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, rec: StepRecord) -> None:
+        self.count += sum(bool(r.draft_token_ids) for r in rec.batch.requests)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_generate(engine: LLMEngine, prompts: Sequence[list[int]], params: SamplingParams, batch: int,
+                   ) -> tuple[float, list[list[int]]]:
+    """Wall seconds and outputs of `prompts`, `batch` of them at a time (all added at once per group)."""
+    outs: list[list[int]] = []
+    _sync()
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        outs += [o.token_ids for o in engine.generate(list(prompts[i : i + batch]), params)]
+    _sync()
+    return time.perf_counter() - t0, outs
+
+
+def throughput(engine: LLMEngine, prompts: list[list[int]], batch: int, k: int, max_tokens: int,
+               rounds: int) -> dict[str, Any]:
+    """Output tok/s plain and with EAGLE at one batch size (greedy), the modes alternating over `rounds`."""
+    plain_p = SamplingParams(temperature=0.0, max_tokens=max_tokens, num_speculative_tokens=0)
+    spec_p = SamplingParams(temperature=0.0, max_tokens=max_tokens, num_speculative_tokens=k)
+    seconds = {"plain": 0.0, "eagle": 0.0}
+    tokens = {"plain": 0, "eagle": 0}
+    same = total = 0
+    c = engine.counters
+    d0, a0 = c.draft_tokens, c.accepted_draft_tokens
+    for r in range(rounds):
+        got: dict[str, list[list[int]]] = {}
+        for mode in (("plain", "eagle") if r % 2 == 0 else ("eagle", "plain")):
+            s, got[mode] = timed_generate(engine, prompts, spec_p if mode == "eagle" else plain_p, batch)
+            seconds[mode] += s
+            tokens[mode] += sum(map(len, got[mode]))
+        same += sum(a == b for a, b in zip(got["plain"], got["eagle"]))
+        total += len(prompts)
+    plain_tok_s, eagle_tok_s = tokens["plain"] / seconds["plain"], tokens["eagle"] / seconds["eagle"]
+    return {"batch": batch, "requests": len(prompts), "rounds": rounds, "k": k, "max_tokens": max_tokens,
+            "plain_tok_s": plain_tok_s, "eagle_tok_s": eagle_tok_s, "speedup": eagle_tok_s / plain_tok_s,
+            "output_tokens_plain": tokens["plain"], "output_tokens_eagle": tokens["eagle"],
+            "identical_requests": same / total, "draft_tokens": c.draft_tokens - d0,
+            "accepted_draft_tokens": c.accepted_draft_tokens - a0}
+
+
+def tau_sweep(engine: LLMEngine, prompts: list[list[int]], batch: int, ks: Sequence[int], max_tokens: int,
+              ) -> dict[str, Any]:
+    """tau per chain length k, the switch off."""
+    switch, engine.switch = engine.switch, None
+    verifies = Verifies()
+    engine.step_observer = verifies
+    out = {}
+    c = engine.counters
+    try:
+        for k in ks:
+            verifies.count = 0
+            d0, a0 = c.draft_tokens, c.accepted_draft_tokens
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, num_speculative_tokens=k)
+            timed_generate(engine, prompts, params, batch)
+            accepted, n = c.accepted_draft_tokens - a0, verifies.count
+            out[str(k)] = {"tau": 1 + accepted / n if n else None, "verify_request_steps": n,
+                           "draft_tokens": c.draft_tokens - d0, "accepted_draft_tokens": accepted,
+                           "acceptance_rate": accepted / max(1, c.draft_tokens - d0)}
+    finally:
+        engine.switch, engine.step_observer = switch, None
+    return out
+
+
+def verify_costs(model: str, batch_sizes: Sequence[int], ks: Sequence[int], context: int, device: str,
+                 dtype: str) -> dict[str, Any]:
+    """Dummy `model`: ms of a decode step and of a verify step of k+1 tokens per request, per batch size."""
+    from tokenmill.worker.spec.switch import target_step_seconds
+
+    engine = LLMEngine(EngineConfig(model=model, load_format="dummy", device=device, dtype=dtype,
+                                    max_model_len=context + 64, async_scheduling=False,
+                                    scheduler=SchedulerConfig(max_num_seqs=max(batch_sizes))))
+    rows = {}
+    for b in batch_sizes:
+        decode = target_step_seconds(engine.runner, b, 1, context, repeats=10)
+        verify = {str(k): target_step_seconds(engine.runner, b, k + 1, context, repeats=10) for k in ks}
+        rows[str(b)] = {"decode_ms": decode * 1e3, "verify_ms": {k: v * 1e3 for k, v in verify.items()},
+                        "verify_vs_decode": {k: v / decode for k, v in verify.items()},
+                        "projected_speedup_tau3": {k: 3 * decode / v for k, v in verify.items() if int(k) >= 2}}
+    del engine
+    return {"model": model, "context": context, "batch": rows}
+
+
+def table(r: dict[str, Any]) -> str:
+    lines = [f"SmolLM2-135M-Instruct + EAGLE head `{r['head']}`, greedy, prompts from ShareGPT pair "
+             f"{r['prompt_offset']} on (not trained on)\n",
+             "| batch | k | requests x rounds | plain tok/s | EAGLE tok/s | speed-up | identical requests | "
+             "drafts accepted |", "|---|---|---|---|---|---|---|---|"]
+    for t in r["throughput"].values():
+        acc = t["accepted_draft_tokens"] / t["draft_tokens"] if t["draft_tokens"] else 0.0
+        lines.append(f"| {t['batch']} | {t['k']} | {t['requests']} x {t['rounds']} | {t['plain_tok_s']:.1f} | "
+                     f"{t['eagle_tok_s']:.1f} | {t['speedup']:.2f}x | {t['identical_requests']:.0%} | {acc:.0%} |")
+    lines += ["", f"tau at batch {r['tau_batch']} (switch off): mean accepted drafts + 1 per verify step\n",
+              "| k | tau | acceptance | verify request-steps |", "|---|---|---|---|"]
+    for k, t in r["tau"].items():
+        tau = "-" if t["tau"] is None else f"{t['tau']:.2f}"
+        lines.append(f"| {k} | {tau} | {t['acceptance_rate']:.0%} | {t['verify_request_steps']} |")
+    v = r["verify_cost"]
+    lines += ["", f"{v['model']} (dummy weights), context {v['context']}: verify step of k+1 tokens vs decode; "
+              "speed-up at tau = 3 is a PROJECTION (3 x decode / verify, drafting cost left out)\n",
+              "| batch | decode ms | " + " | ".join(f"verify k={k} ms (x)" for k in r["verify_ks"]) +
+              " | projected at tau 3, k=4 |", "|---|---|" + "---|" * len(r["verify_ks"]) + "---|"]
+    for b, row in v["batch"].items():
+        cells = " | ".join(f"{row['verify_ms'][str(k)]:.2f} ({row['verify_vs_decode'][str(k)]:.2f}x)"
+                           for k in r["verify_ks"])
+        proj = row["projected_speedup_tau3"].get("4")
+        lines.append(f"| {b} | {row['decode_ms']:.2f} | {cells} | {'-' if proj is None else f'{proj:.2f}x'} |")
+    if r.get("switch"):
+        s = r["switch"]
+        lines += ["", f"automatic switch: measured costs {s['costs']}; stops paying at batch {s['breakeven']}"
+                  f" at tau {s['tau']:.2f}"]
+    return "\n".join(lines)
+
+
+def progress(what: str) -> None:
+    print(f"spec_gpu [{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
+
+
+def smoke_head(model: str) -> Path:
+    """A random-init head for the smoke run (no head is shipped yet, or none given)."""
+    from tokenmill.worker.spec.eagle_train import new_head
+
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", cache=CacheConfig(num_blocks=4)))
+    out = Path(tempfile.mkdtemp(prefix="spec_gpu_head_"))
+    new_head(engine.runner, 0).save(out, {"model": model}, {"command": "random init (spec_gpu --smoke)"})
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/h200"))
+    ap.add_argument("--draft-model", default=None, help="head folder (default: the one shipped for the model)")
+    ap.add_argument("--k", type=int, default=4, help="drafts per step in the throughput runs")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes; records no summary figures")
+    args = ap.parse_args(argv)
+    smoke = args.smoke
+    max_prompt = min(args.max_prompt, 64) if smoke else args.max_prompt
+    device, dtype = ("cpu", "float32") if smoke else ("auto", "auto")
+    try:
+        head = head_folder(args.draft_model, "embedded")
+    except ValueError:
+        if not smoke:
+            raise
+        head = smoke_head("embedded")
+    batches = (1, 2, 4) if smoke else (1, 32, 128)
+    max_tokens = 8 if smoke else args.max_tokens
+    engine = LLMEngine(EngineConfig(
+        model="embedded", device=device, dtype=dtype, max_model_len=max_prompt + max_tokens + 32,
+        cache=CacheConfig(enable_prefix_caching=False),
+        speculative=SpeculativeConfig(method="eagle", num_speculative_tokens=args.k, draft_model=str(head),
+                                      auto_switch=True),
+        scheduler=SchedulerConfig(max_num_seqs=max(batches))))
+    offset = heldout_offset(head)
+    prompts = heldout_prompts(engine, offset, max(batches) + (0 if smoke else 64), max_prompt)
+    progress(f"engine ready, {len(prompts)} prompts from ShareGPT pair {offset}")
+    timed_generate(engine, prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), 2)  # warm-up
+    rounds = {1: 1} if smoke else {1: 1, 32: 2, 128: 2}
+    n_b1 = 2 if smoke else 8
+    tput = {str(b): throughput(engine, prompts[: (n_b1 if b == 1 else b)], b, args.k, max_tokens, rounds.get(b, 1))
+            for b in batches}
+    progress(f"throughput done: {[round(t['speedup'], 2) for t in tput.values()]}")
+    tau_batch = 2 if smoke else 32
+    ks = (1, 2) if smoke else (1, 2, 3, 4, 5)
+    taus = tau_sweep(engine, prompts[-(4 if smoke else 64):], tau_batch, ks, max_tokens)
+    sw = engine.switch
+    switch = None if sw is None else {
+        "costs": {"batch_sizes": sw.costs.batch_sizes, "decode_ms": [t * 1e3 for t in sw.costs.decode_s],
+                  "verify_ms": [t * 1e3 for t in sw.costs.verify_s], "draft_ms": [t * 1e3 for t in sw.costs.draft_s]},
+        "tau": sw.tau, "breakeven": sw.breakeven_batch(max(batches))}
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    progress(f"tau done: {[t['tau'] for t in taus.values()]}")
+    verify_ks = (1, 2, 4) if smoke else (1, 2, 3, 4, 5)
+    cost = verify_costs("tiny-llama" if smoke else "llama3-8b", (1, 2) if smoke else (1, 8, 32), verify_ks,
+                        64 if smoke else 512, device, dtype)
+    payload = {"benchmark": "spec_gpu", "smoke": smoke, "config": vars(args) | {"out": str(args.out)},
+               "head": str(head), "head_config": json.loads((head / CONFIG_FILE).read_text()).get("training"),
+               "prompt_offset": offset, "throughput": tput, "tau_batch": tau_batch, "tau": taus,
+               "verify_ks": list(verify_ks), "verify_cost": cost, "switch": switch}
+    write_results(args.out, "spec_gpu", payload, table(payload))
+    if not smoke:
+        print("summary.json:", summary.record_file(args.out / "spec_gpu.json"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""EAGLE drafts in the engine (worker/spec/eagle_proposer.py), on CPU with heads saved in a temp dir:
+the drafts equal a cache-free reference of the head over the target's features (so the head's paged KV
+cache and its catch-up across rounds are right), greedy and seeded-sampled outputs are token-identical to
+decoding without speculation on every tiny architecture, alone and batched, with chunked prefill,
+preemption and prefix hits; a head that does not fit the target, or no head, is a clear error."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_async_scheduling import Job, assert_same, make_engine, results, run
+from test_spec import repetitive
+from tiny_hf import ARCHS, save_tiny_model
+
+from tokenmill.protocol import SamplingParams
+from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from tokenmill.worker.engine import LLMEngine
+from tokenmill.worker.loader import ModelLoadError
+from tokenmill.worker.model_runner import attention_metadata
+from tokenmill.worker.request import Request
+from tokenmill.worker.spec.eagle import CONFIG_FILE, HEADS_DIR, DenseCausalBackend, head_folder, load_eagle_head
+from tokenmill.worker.spec.eagle_train import new_head, target_features
+
+
+def save_head(model: Path, out: Path, seed: int = 0) -> Path:
+    """An untrained head (eagle_train's initialisation) for the model in `model`, saved in `out`."""
+    engine = LLMEngine(EngineConfig(model=str(model), device="cpu", dtype="float32", cache=CacheConfig(num_blocks=8)))
+    new_head(engine.runner, seed).save(out, {"model": model.name}, {})
+    return out
+
+
+def eagle(head: Path, k: int = 3) -> SpeculativeConfig:
+    return SpeculativeConfig(method="eagle", num_speculative_tokens=k, draft_model=str(head))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("eagle")
+    model = save_tiny_model("llama", root)
+    return model, save_head(model, root / "head")
+
+
+def spec_and_plain(model: Path, jobs: list[Job], spec: SpeculativeConfig, **config: Any,
+                   ) -> tuple[dict[str, Any], dict[str, Any], LLMEngine]:
+    engine = make_engine(str(model), False, speculative=spec, **config)
+    got = results(run(engine, jobs))
+    return got, results(run(make_engine(str(model), False, **config), jobs)), engine
+
+
+def mixed_prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 384) for _ in range(2 + 7 * i % 41)] for i in range(n)]
+
+
+# -- the drafts are the head's --------------------------------------------------------------------------
+
+
+def reference_drafts(engine: LLMEngine, head_dir: Path, tokens: Sequence[int], k: int) -> list[int]:
+    """The head run cache-free (dense attention) over the whole sequence: rows t < m from the target's
+    real features f_t and embed(x_{t+1}), then one row per draft from the predicted feature."""
+    runner = engine.runner
+    head = load_eagle_head(head_dir, runner.arch, DenseCausalBackend(), dtype=torch.float32, device=runner.device)
+    embed, logits = runner.model.model.embed_tokens, runner.model.compute_logits
+    m = len(tokens) - 1
+    with torch.no_grad():
+        feats = target_features(runner, tokens[:m])  # [m, H]
+        ids = list(tokens[1:])
+        drafts: list[int] = []
+        for _ in range(k):
+            n = feats.shape[0]
+            meta = attention_metadata([n], [n], [[0]], [-1] * n, runner.device)
+            empty = torch.empty(0)
+            out = head(embed(torch.tensor(ids)), feats, torch.arange(n), (empty, empty), meta)
+            d = int(logits(out[-1:]).argmax(-1))
+            drafts.append(d)
+            ids.append(d)
+            feats = torch.cat([feats, out[-1:]])
+    return drafts
+
+
+def test_drafts_equal_the_cache_free_reference_of_the_head(tiny: tuple[Path, Path]) -> None:
+    model, head = tiny
+    engine = make_engine(str(model), False, speculative=eagle(head, k=4),
+                         scheduler=SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=4))
+    assert engine.proposer is not None
+    calls: list[tuple[list[int], int, list[int]]] = []
+    propose = engine.proposer.propose
+
+    def recording(reqs: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
+        drafts = propose(reqs, ks)
+        calls.extend((list(r.token_ids), k, d) for r, k, d in zip(reqs, ks, drafts))
+        return drafts
+
+    engine.proposer.propose = recording  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    run(engine, [(f"r{i}", p, params) for i, p in enumerate(mixed_prompts(5, seed=2))])
+    assert len(calls) > 20 and all(len(d) == k for _, k, d in calls), "every decoding request was drafted"
+    ref = make_engine(str(model), False)
+    for tokens, k, drafts in calls:
+        assert drafts == reference_drafts(ref, head, tokens, k), f"after {len(tokens)} tokens"
+
+
+# -- token-identical output ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_greedy_is_identical_on_every_tiny_architecture(arch: str, tmp_path: Path) -> None:
+    model = save_tiny_model(arch, tmp_path)
+    head = save_head(model, tmp_path / "head")
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    jobs = [(f"r{i}", p, params) for i, p in enumerate(repetitive(384, 6, seed=1) + mixed_prompts(3, seed=1))]
+    small = dict(scheduler=SchedulerConfig(max_num_batched_tokens=40, max_num_seqs=8))  # chunks and mixes
+    batched, plain, engine = spec_and_plain(model, jobs, eagle(head), **small)
+    assert batched == plain
+    assert engine.counters.draft_tokens > 0
+    alone, plain_alone, _ = spec_and_plain(model, jobs[:1], eagle(head, k=5))
+    assert alone == plain_alone == {"r0": plain["r0"]}
+
+
+def test_seeded_sampling_preemption_and_prefix_hits_are_identical(tiny: tuple[Path, Path]) -> None:
+    model, head = tiny
+    kinds: list[dict[str, Any]] = [dict(temperature=0.9, top_p=0.9, seed=7), dict(temperature=0.3, top_k=20),
+                                   dict(temperature=0.0, frequency_penalty=1.5, logprobs=2),
+                                   dict(temperature=0.5, min_p=0.05, min_tokens=5, repetition_penalty=1.2)]
+    ps = repetitive(384, 8, seed=4)
+    shared = ps[0][:20]
+    ps += [shared + p for p in ps[1:4]]  # prefix hits on the first prompt's blocks
+    jobs = [(f"r{i}", p, SamplingParams(max_tokens=18, ignore_eos=True, **kinds[i % len(kinds)]))
+            for i, p in enumerate(ps)]
+    got, want, engine = spec_and_plain(model, jobs, eagle(head, k=4), seed=5,
+                                       cache=CacheConfig(block_size=4, num_blocks=48))
+    assert_same(got, want)
+    assert engine.stats().num_preemptions > 0 and engine.counters.draft_tokens > 0
+    assert engine.stats().prefix_cache_hits > 0
+
+
+def test_per_request_k_and_off_with_eagle(tiny: tuple[Path, Path]) -> None:
+    model, head = tiny
+    ps = mixed_prompts(4, seed=6)
+    jobs = [(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                        num_speculative_tokens=[0, 1, 5, None][i])) for i, p in enumerate(ps)]
+    got, want, engine = spec_and_plain(model, jobs, eagle(head))
+    assert got == want and engine.counters.draft_tokens > 0
+
+
+def test_the_switch_measures_the_heads_draft_cost(tiny: tuple[Path, Path]) -> None:
+    model, head = tiny
+    spec = dataclasses.replace(eagle(head, k=2), auto_switch=True)
+    engine = make_engine(str(model), False, speculative=spec, scheduler=SchedulerConfig(max_num_seqs=4))
+    assert engine.switch is not None and engine.switch.costs.batch_sizes == (1, 4)
+    assert all(t > 0 for t in engine.switch.costs.draft_s)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    jobs = [(f"r{i}", p, params) for i, p in enumerate(mixed_prompts(3, seed=9))]
+    assert results(run(engine, jobs)) == results(run(make_engine(str(model), False), jobs))
+
+
+def test_features_are_kept_only_for_requests_that_speculate(tiny: tuple[Path, Path]) -> None:
+    model, head = tiny
+    engine = make_engine(str(model), False, speculative=eagle(head))
+    kept: list[int] = []
+    launch = engine.runner.launch
+
+    def recording(batch: Any, eos: Any, prev: Any = None, keep: Sequence[int] = ()) -> Any:
+        kept.extend(keep)
+        pending = launch(batch, eos, prev, keep)
+        assert [f.shape[0] for f in pending.features] == [batch.num_new_tokens[i] for i in keep]
+        return pending
+
+    engine.runner.launch = recording  # type: ignore[method-assign]
+    off = SamplingParams(temperature=0.0, max_tokens=6, num_speculative_tokens=0)
+    run(engine, [("off", [5, 6, 7], off)])
+    assert kept == []
+    run(engine, [("on", [5, 6, 7], dataclasses.replace(off, num_speculative_tokens=2))])
+    assert kept
+
+
+# -- bad heads -------------------------------------------------------------------------------------------------
+
+
+def test_a_head_for_another_shape_is_a_clear_error(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    model, _ = tiny
+    other = save_head(save_tiny_model("qwen2-bias", tmp_path), tmp_path / "qwen-head")
+    with pytest.raises(ModelLoadError, match=r"speculative eagle: .*does not fit the target: arch qwen2 "
+                                             r"\(the target has llama\); .*qkv_bias True"):
+        make_engine(str(model), False, speculative=eagle(other))
+    with pytest.raises(ModelLoadError, match=f"speculative eagle: {tmp_path}/nothing: no readable {CONFIG_FILE}"):
+        make_engine(str(model), False, speculative=eagle(tmp_path / "nothing"))
+
+
+def test_no_head_for_the_model_is_a_clear_error(tiny: tuple[Path, Path]) -> None:
+    model, _ = tiny
+    with pytest.raises(ModelLoadError, match=r"no EAGLE head is shipped for model 'llama'.*--draft-model"):
+        make_engine(str(model), False, speculative=SpeculativeConfig(method="eagle"))
+
+
+def test_the_embedded_model_has_its_shipped_head() -> None:
+    folder = HEADS_DIR / "smollm2-135m-instruct"
+    assert head_folder(None, "embedded") == folder
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    assert config["arch"]["hidden_size"] == 576 and config["arch"]["vocab_size"] == 49152
+    assert head_folder("~/h", "embedded") == Path("~/h").expanduser()
+
+
+@pytest.mark.slow
+def test_the_shipped_head_drafts_for_the_embedded_model_and_greedy_output_is_identical() -> None:
+    """`--speculative eagle` without --draft-model on the embedded model: its shipped head, accepted drafts,
+    the same tokens as plain decoding (requests with num_speculative_tokens=0 on the same engine)."""
+    engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", max_model_len=256,
+                                    speculative=SpeculativeConfig(method="eagle"),
+                                    scheduler=SchedulerConfig(max_num_seqs=2)))
+    chats = [[{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "user", "content": "Write a Python function that adds two numbers."}]]
+    prompts = [engine.tokenizer.encode(engine.tokenizer.apply_chat_template(c), add_special_tokens=False)
+               for c in chats]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    plain = engine.generate(prompts, dataclasses.replace(greedy, num_speculative_tokens=0))
+    assert engine.counters.draft_tokens == 0
+    spec = engine.generate(prompts, greedy)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert engine.counters.accepted_draft_tokens > 0
+
+
+def test_an_unknown_speculative_method_is_refused() -> None:
+    with pytest.raises(ValueError, match="use off, ngram or eagle"):
+        SpeculativeConfig(method="medusa")  # type: ignore[arg-type]
+
+
+def test_generate_command_with_eagle(tiny: tuple[Path, Path], tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from tokenmill.cli.main import build_parser, main
+    from tokenmill.cli.settings import build_config
+
+    model, head = tiny
+    argv = ["generate", "hello", "--model", str(model), "--device", "cpu", "--dtype", "float32",
+            "--temperature", "0", "--max-tokens", "6", "--speculative", "eagle", "--num-speculative-tokens", "2"]
+    config = build_config(EngineConfig, build_parser().parse_args([*argv, "--draft-model", str(head)]), "generate")
+    assert (config.speculative.method, config.speculative.draft_model) == ("eagle", str(head))
+    assert main([*argv, "--draft-model", str(head)]) == 0
+    with_eagle = capsys.readouterr().out
+    assert main(argv[:-4]) == 0
+    assert capsys.readouterr().out == with_eagle
+    assert main([*argv, "--draft-model", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert "speculative eagle" in err and "no readable eagle_config.json" in err and "Traceback" not in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_eagle_on_cuda_with_the_triton_backend_is_identical(tiny: tuple[Path, Path], graphs: bool) -> None:
+    """On the GPU (float32, so that verify rows and decode rows agree to the bit on the tiny model): the head
+    runs through the Triton backend (its fused decode path, the in-kernel rotary and KV write), with and
+    without the target's CUDA graphs; and the automatic switch is measured at start-up (auto: on for CUDA)."""
+    model, head = tiny
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    jobs = [(f"r{i}", p, params) for i, p in enumerate(repetitive(384, 6, seed=8) + mixed_prompts(4, seed=8))]
+    cuda = dict(device="cuda", dtype="float32", cuda_graphs=graphs)
+    spec = make_engine(str(model), True, speculative=dataclasses.replace(eagle(head, k=4), auto_switch=False), **cuda)
+    got = results(run(spec, jobs))
+    assert got == results(run(make_engine(str(model), True, **cuda), jobs))
+    assert spec.counters.draft_tokens > 0
+    auto = make_engine(str(model), True, speculative=eagle(head), **cuda)
+    assert auto.switch is not None and all(t > 0 for t in auto.switch.costs.draft_s)
+    assert results(run(auto, jobs)) == got

@@ -1,0 +1,92 @@
+"""The automatic speculation switch (worker/spec/switch.py): its decision on given step costs, the running
+tau, probing while paused, and in the engine: a switch that says "no" at the batch size makes the step plain
+(no drafts, the same tokens), one that says "yes" speculates; the start-up measurement on CPU."""
+
+from __future__ import annotations
+
+import pytest
+from test_async_scheduling import make_engine, results, run
+from test_spec import NGRAM, repetitive
+
+from tokenmill.protocol import SamplingParams
+from tokenmill.worker.config import SchedulerConfig, SpeculativeConfig
+from tokenmill.worker.spec.switch import SpeculationSwitch, StepCosts
+
+# A memory-bound step at small batches turning compute-bound: decode costs 10 ms up to batch 8, then grows
+# linearly; verifying k=3 drafts (4 tokens a request) costs little more at batch 1, 4x decode at batch 128.
+COSTS = StepCosts(batch_sizes=(1, 8, 32, 128), decode_s=(0.010, 0.010, 0.016, 0.040),
+                  verify_s=(0.011, 0.014, 0.045, 0.160), draft_s=(0.002, 0.002, 0.004, 0.010), k=3)
+
+
+def test_interpolation_between_and_beyond_the_measured_sizes() -> None:
+    assert COSTS.at(COSTS.decode_s, 1) == COSTS.at(COSTS.decode_s, 0) == 0.010
+    assert COSTS.at(COSTS.decode_s, 20) == pytest.approx(0.013)
+    assert COSTS.at(COSTS.verify_s, 32) == pytest.approx(0.045)
+    assert COSTS.at(COSTS.decode_s, 224) == pytest.approx(0.064), "linear through the last two"
+    single = StepCosts((4,), (0.01,), (0.02,), (0.0,), 2)
+    assert single.at(single.verify_s, 100) == 0.02
+
+
+def test_speculation_pays_at_small_batches_and_not_at_large_ones() -> None:
+    switch = SpeculationSwitch(COSTS, prior_tau=2.5)
+    # batch 1: 2.5 x 10 ms > 11 + 2 ms; batch 32: 2.5 x 16 = 40 ms < 45 + 4 ms; batch 128: 100 < 170.
+    assert switch.pays(1) and switch.pays(8)
+    assert not switch.pays(32) and not switch.pays(128)
+    edge = switch.breakeven_batch(128)
+    assert edge is not None and 8 < edge <= 32
+    assert switch.pays(edge - 1) and not switch.pays(edge)
+    # A better tau moves the break-even point up; tau 1 (nothing accepted) never pays.
+    assert SpeculationSwitch(COSTS, prior_tau=4.0).pays(32)
+    assert SpeculationSwitch(COSTS, prior_tau=1.0).breakeven_batch(128) == 1
+    # A margin asks for that much more than break-even.
+    assert not SpeculationSwitch(COSTS, prior_tau=2.5, margin=2.0).pays(1)
+
+
+def test_tau_follows_the_verify_steps_and_a_paused_switch_probes() -> None:
+    switch = SpeculationSwitch(COSTS, prior_tau=2.5, smoothing=0.5, probe_every=4)
+    switch.record(4, 0)  # four requests verified, nothing accepted: tau -> 1
+    assert switch.tau == pytest.approx(1.75)
+    switch.record(0, 0)
+    assert switch.tau == pytest.approx(1.75), "a step without verification changes nothing"
+    for _ in range(6):
+        switch.record(2, 0)
+    assert switch.tau < 1.05 and not switch.pays(1)
+    decisions = [switch.should_speculate(1) for _ in range(8)]
+    assert decisions == [False, False, False, True] * 2, "every 4th paused step probes"
+    for _ in range(10):
+        switch.record(1, 3)  # the probes accept everything: tau -> 4
+    assert switch.should_speculate(32)
+
+
+@pytest.mark.parametrize("kw", [dict(batch_sizes=(8, 1)), dict(batch_sizes=(0, 2)), dict(decode_s=(0.0, 1.0)),
+                                dict(draft_s=(0.1,))])
+def test_bad_costs_are_refused(kw: dict[str, tuple[float, ...]]) -> None:
+    base = dict(batch_sizes=(1, 2), decode_s=(0.01, 0.01), verify_s=(0.02, 0.02), draft_s=(0.0, 0.0))
+    with pytest.raises(ValueError):
+        StepCosts(k=2, **(base | kw))  # type: ignore[arg-type]
+
+
+def test_the_engine_speculates_only_where_the_switch_says_it_pays() -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    jobs = [(f"r{i}", p, params) for i, p in enumerate(repetitive(384, 4, seed=7))]
+    plain = results(run(make_engine("tiny-llama", False), jobs))
+    for batch_limit, drafts in ((2, False), (8, True)):
+        engine = make_engine("tiny-llama", False, speculative=NGRAM)
+        # Costs under which speculation pays below `batch_limit` requests and never at or above it.
+        engine.switch = SpeculationSwitch(
+            StepCosts((batch_limit - 1, batch_limit), (0.01, 0.01), (0.011, 1.0), (0.0, 0.0), 4),
+            prior_tau=2.0, probe_every=10**6)
+        assert results(run(engine, jobs)) == plain
+        # Four requests run together from start to end: no drafts at limit 2, drafts at limit 8.
+        assert (engine.counters.draft_tokens > 0) is drafts
+
+
+def test_the_start_up_measurement_on_cpu() -> None:
+    engine = make_engine("tiny-llama", False, speculative=SpeculativeConfig(method="ngram", auto_switch=True),
+                         scheduler=SchedulerConfig(max_num_seqs=8))
+    switch = engine.switch
+    assert switch is not None
+    assert switch.costs.batch_sizes == (1, 8) and switch.costs.k == 3
+    assert all(t > 0 for t in switch.costs.decode_s + switch.costs.verify_s)
+    assert switch.costs.draft_s == (0.0, 0.0), "prompt lookup costs no device time"
+    assert make_engine("tiny-llama", False, speculative=NGRAM).switch is None, "auto: off on CPU"

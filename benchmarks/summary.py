@@ -50,6 +50,10 @@ KEYS: dict[str, str] = {
     "fp8_decode_b1_ms": "ms",
     "ngram_cpu_b1_speedup": "x",
     "ngram_cpu_b1_copy_speedup": "x",
+    "disagg_ttft_p99_ms": "ms",
+    "disagg_tpot_p99_ms": "ms",
+    "agg2_ttft_p99_ms": "ms",
+    "agg2_tpot_p99_ms": "ms",
 }
 
 # The suite section each suite figure comes from (a merged suite takes sections from several runs).
@@ -244,6 +248,16 @@ def spec_figures(r: Mapping[str, Any]) -> dict[str, float]:
     return {key: r["results"][name]["speedup"] for name, key in keys.items() if name in r["results"]}
 
 
+def disagg_figures(r: Mapping[str, Any]) -> dict[str, float]:
+    """disagg_bench.py in its headline configuration (the file's `headline`: its defaults on CUDA, every
+    request of both configurations completed)."""
+    if not r.get("headline"):
+        return {}
+    res = r["results"]
+    return {f"{name}_{m}_p99_ms": res[name]["latency"][f"{m}_ms"]["p99"] for name in ("disagg", "agg2")
+            for m in ("ttft", "tpot")}
+
+
 def figures_of(result: Mapping[str, Any]) -> dict[str, float]:
     """The figures a result file holds, by what kind of result it is."""
     kind: Callable[[Mapping[str, Any]], dict[str, float]] | None = (
@@ -251,6 +265,7 @@ def figures_of(result: Mapping[str, Any]) -> dict[str, float]:
         quant_accuracy_figures if result.get("benchmark") == "quant_accuracy" else
         gpu_quant_figures if result.get("benchmark") == "gpu_quant" else
         spec_figures if result.get("benchmark") == "spec_cpu" else
+        disagg_figures if result.get("benchmark") == "disagg" else
         suite_figures if "sections_s" in result else
         e2e_figures if "latency_b8_in32_out128_s" in result else None)
     return kind(result) if kind else {}

@@ -680,7 +680,7 @@ class Broker:
         if job is None or job.prefill != pw.ident or job.attempt != msg.attempt or job.is_terminal:
             self.counters["stale_messages_dropped"] += 1
             return
-        self.counters["prefills" if msg.blocks else "prefills_failed"] += 1
+        self.counters["prefills" if msg.blocks else "prefills_without_kv"] += 1
         if not msg.blocks:
             self._kv_lost(job)
 

@@ -12,7 +12,8 @@ prefix scorer, approximated on text because the broker has no tokenizer.
 Disaggregated prefill and decode (`Dispatcher.place`, the same for every policy unless one overrides it):
 when the workers that serve a job's model include a "prefill" and a "decode" worker (Ready.role), a new job
 is placed on both: `pick` chooses the prefill worker (so prefix affinity follows the prompt's KV cache) and
-the least-loaded decode worker streams the tokens. Otherwise the job goes to one worker as before: a "both"
+the least-loaded decode worker streams the tokens (a prompt of token ids too short to fill one KV block has
+nothing to hand over: it runs whole on that decode worker). Otherwise the job goes to one worker as before: a "both"
 worker, or, when no worker of that role serves the model, any worker (every role can run a whole job).
 """
 
@@ -54,6 +55,8 @@ class Dispatcher(abc.ABC):
         if prefill and decode:  # disaggregated: wait for room on both sides
             room = [w for w in decode if w.has_room()]
             d = min(room, key=lambda w: (w.load_score(), w.dispatched)) if room else None
+            if d is not None and len(job.input.prompt_token_ids or ()) in range(1, d.block_size + 1):
+                return Placement(d)
             p = self.pick(job, prefill) if d is not None else None
             return Placement(d, p) if d is not None and p is not None else None
         both = [w for w in workers if w.role == "both"]

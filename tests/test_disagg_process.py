@@ -72,7 +72,7 @@ def test_prefill_and_decode_workers_match_one_worker(pool: tuple[Procs, int, int
     assert results == expected
     assert counters["disaggregated_dispatches"] == len(prompts)
     assert counters["prefills"] == len(prompts)
-    assert counters.get("prefills_failed", 0) == 0 and counters.get("kv_lost", 0) == 0
+    assert counters.get("prefills_without_kv", 0) == 0 and counters.get("kv_lost", 0) == 0
 
 
 def test_prefill_worker_killed_mid_transfer_loses_nothing(pool: tuple[Procs, int, int]) -> None:

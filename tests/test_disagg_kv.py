@@ -4,19 +4,25 @@ gives the second engine the prefix hit and the greedy output of one engine compu
 
 from __future__ import annotations
 
+import queue
 import random
+import time
 
 import msgpack
 import pytest
 import torch
+import zmq
 
+from tokenmill.protocol import wire as p
 from tokenmill.protocol.errors import ProtocolError
 from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.block_manager import BlockManager, extend_block_hashes, prefix_hashes
 from tokenmill.worker.config import CacheConfig, EngineConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.kv_transfer.blocks import as_buffer, from_buffer
+from tokenmill.worker.kv_transfer.channel import KVArrival, KVSender
 from tokenmill.worker.kv_transfer.frames import MAGIC, Geometry, KVHeader, check_payload, decode_header, encode_kv
+from tokenmill.worker.kv_transfer.roles import KVRoles
 from tokenmill.worker.request import Request
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -155,3 +161,71 @@ def test_imported_kv_under_other_tokens_is_never_used(engines: tuple[LLMEngine, 
     fresh = _engine()
     assert fresh.import_prefix_kv(ids, garbage) == len(ids) // 16
     assert fresh.generate([prompt], GREEDY)[0].token_ids != expected
+
+
+# ---- the engine loop's part (roles.py) and the channel, on 127.0.0.1 -----------------------------------
+
+
+def _job(job_id: str, prompt: list[int], **kw: object) -> p.WorkerSubmit:
+    return p.WorkerSubmit(job_id, 0, p.RequestInput(prompt_token_ids=prompt), {"max_tokens": 4},
+                          **kw)  # type: ignore[arg-type]
+
+
+def test_decode_role_waits_imports_and_falls_back(engines: tuple[LLMEngine, LLMEngine, LLMEngine]) -> None:
+    _, prefill, decode = engines
+    ctx = zmq.Context()
+    arrivals: queue.Queue[KVArrival] = queue.Queue()
+    roles = KVRoles(decode, "decode", lambda m: None, ctx, arrivals.put, "tcp://127.0.0.1:*", kv_timeout=0.3)
+    sender = KVSender(ctx)
+    try:
+        assert roles.address.startswith("tcp://127.0.0.1:")
+        prompt = list(range(40, 90))
+        prefill.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
+        exported = prefill.export_prefix_kv(prompt)
+        assert exported is not None
+        ids, kv = exported
+        geo = roles.geometry
+        assert geo is not None and geo == prefill.kv_geometry()
+        # KV that comes first is imported; its job then starts at once.
+        assert sender.send(roles.address, encode_kv(KVHeader("early", 0, ids, geo), as_buffer(kv)))
+        a = arrivals.get(timeout=10)
+        assert a.header.request_id == "early#0" and roles.arrived(a) is None
+        assert decode.blocks.cached_chain(prefix_hashes(ids, 16)) != []
+        assert not roles.park(_job("early", prompt, kv_wait=True))
+        # A job waits for its KV; unusable KV (another geometry) releases it at once, as KV_LOST does.
+        assert roles.park(_job("bad", prompt, kv_wait=True)) and roles.waiting
+        other = Geometry(geo.layers, geo.kv_heads, geo.head_dim, 32, geo.dtype)
+        one = as_buffer(kv[:, :, :1].contiguous())
+        assert sender.send(roles.address, encode_kv(KVHeader("bad", 0, ids[:32], other), one))
+        released = roles.arrived(arrivals.get(timeout=10))
+        assert released is not None and released.job_id == "bad" and not released.kv_wait
+        assert roles.counts["kv_unusable"] == 1
+        assert roles.park(_job("lost", prompt, kv_wait=True))
+        got = roles.lost(p.KvLost("lost", 0))
+        assert got is not None and got.job_id == "lost" and roles.lost(p.KvLost("lost", 0)) is None
+        # No KV within kv_timeout: the job starts and computes its prompt.
+        assert roles.park(_job("late", prompt, kv_wait=True))
+        assert roles.due(time.monotonic()) == []
+        late = roles.due(time.monotonic() + 0.31)
+        assert [j.job_id for j in late] == ["late"] and not late[0].kv_wait and roles.counts["kv_timeouts"] == 1
+        roles.check()
+    finally:
+        sender.close()
+        roles.close()
+        ctx.term()
+
+
+def test_prefill_role_turns_errors_into_prefilled_zero(engines: tuple[LLMEngine, LLMEngine, LLMEngine]) -> None:
+    _, prefill, _ = engines
+    pushed: list[p.Message] = []
+    ctx = zmq.Context()
+    roles = KVRoles(prefill, "prefill", pushed.append, ctx, lambda a: None, "", kv_timeout=1.0)
+    try:
+        msg = _job("j", [5, 6, 7], kv_send="tcp://127.0.0.1:1", resume_token_ids=[9, 9])
+        params = roles.prefill_params("j#0", msg, SamplingParams(max_tokens=50, min_tokens=20, stop=["x"]))
+        assert (params.max_tokens, params.min_tokens, params.stop) == (3, 0, ())
+        assert roles.converted(p.JobError("j", 0, "invalid", "bad")) == p.Prefilled("j", 0, 0)
+        assert roles.converted(p.JobError("j", 0, "invalid", "bad")) == p.JobError("j", 0, "invalid", "bad")
+    finally:
+        roles.close()
+        ctx.term()

@@ -75,6 +75,21 @@ def test_prefill_and_decode_workers_match_one_worker(pool: tuple[Procs, int, int
     assert counters.get("prefills_without_kv", 0) == 0 and counters.get("kv_lost", 0) == 0
 
 
+def test_kv_the_decode_worker_cannot_use_falls_back_to_computing_the_prompt(pool: tuple[Procs, int, int]) -> None:
+    ps, front, back = pool
+    ps.worker(back, "--role", "prefill", "--block-size", "32", name="pf", hb=HB)  # blocks of another size
+    ps.worker(back, "--role", "decode", name="dc", hb=HB)
+    prompts = _prompts(4, "geometry", 20)
+    expected = reference_greedy(prompts, 12)
+    with Client(addr(front)) as c:
+        wait_workers(c, 2)
+        results = [_tokens(h) for h in _submit(c, prompts, 12)]
+        counters = c.stats()["counters"]
+    assert results == expected
+    assert counters["prefills"] == len(prompts)  # sent, and refused by the decode worker
+    assert ps.logs[2].read_text().count("kv_unusable") == len(prompts)
+
+
 def test_prefill_worker_killed_mid_transfer_loses_nothing(pool: tuple[Procs, int, int]) -> None:
     ps, front, back = pool
     # A slow prefill side (2 jobs at a time, 32 tokens a step) so that the kill lands while prefills run.

@@ -38,7 +38,7 @@ def scatter_blocks(kv_caches: KVCaches, block_ids: Sequence[int], kv: Tensor) ->
     key = kv_caches[0][0]
     assert kv.shape[0] == len(kv_caches) and kv.shape[2] == len(block_ids) and kv.dtype == key.dtype
     idx = torch.tensor(list(block_ids), dtype=torch.long, device=key.device)
-    dev = kv.to(key.device, non_blocking=kv.is_pinned())
+    dev = kv.to(key.device, non_blocking=kv.is_pinned())  # pinned (stage_in): the engine loop does not wait
     for layer, (k, v) in enumerate(kv_caches):
         k.index_copy_(0, idx, dev[layer, 0])
         v.index_copy_(0, idx, dev[layer, 1])
@@ -48,6 +48,16 @@ def as_buffer(t: Tensor) -> memoryview:
     """The bytes of a C-contiguous host tensor, without a copy (the view keeps the tensor alive)."""
     assert t.device.type == "cpu" and t.is_contiguous()
     return memoryview(t.view(-1).view(torch.uint8).numpy().data)
+
+
+def stage_in(buf: Any, shape: Sequence[int], dtype: str, device: torch.device) -> Tensor:
+    """The host tensor scatter_blocks takes, from a received buffer: a view of it on CPU; on CUDA a copy in
+    pinned memory (made on the calling thread, the KV receiver's: the engine loop then only enqueues an
+    asynchronous host-to-device copy)."""
+    view = from_buffer(buf, shape, dtype)
+    if device.type == "cpu":
+        return view
+    return torch.empty(view.shape, dtype=view.dtype, pin_memory=True).copy_(view)
 
 
 def from_buffer(buf: Any, shape: Sequence[int], dtype: str) -> Tensor:

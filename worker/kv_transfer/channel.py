@@ -23,10 +23,13 @@ log = structlog.get_logger("tokenmill.kv_transfer")
 
 @dataclass(frozen=True)
 class KVArrival:
-    """One KV message as received: its header and payload buffer (a ZeroMQ frame's, not copied)."""
+    """One KV message as received: its header and payload buffer (a ZeroMQ frame's, not copied); once staged
+    for the cache (roles.py), `kv` holds the tensor to import, or `error` says why it cannot be."""
 
     header: KVHeader
     payload: Any
+    kv: Any = None
+    error: str | None = None
 
 
 class KVReceiver(threading.Thread):

@@ -24,7 +24,7 @@ import zmq
 
 from tokenmill.protocol import SamplingParams
 from tokenmill.protocol import wire as p
-from tokenmill.worker.kv_transfer.blocks import as_buffer, from_buffer
+from tokenmill.worker.kv_transfer.blocks import as_buffer, stage_in
 from tokenmill.worker.kv_transfer.channel import KVArrival, KVReceiver, KVSender
 from tokenmill.worker.kv_transfer.frames import KVHeader, check_payload, encode_kv
 
@@ -63,7 +63,8 @@ class KVRoles:
         if role == "decode":
             assert self.geometry is not None
             max_bytes = self.geometry.payload_bytes(engine.blocks.num_blocks) + (16 << 20)
-            self.receiver = KVReceiver(ctx, kv_bind, on_arrival, max_bytes)
+            device = engine.runner.device
+            self.receiver = KVReceiver(ctx, kv_bind, lambda a: on_arrival(self._staged(a, device)), max_bytes)
             self.receiver.start()
 
     @property
@@ -149,19 +150,28 @@ class KVRoles:
         self.waiting[rid] = (msg, time.monotonic() + self.kv_timeout)
         return True
 
-    def arrived(self, a: KVArrival) -> p.WorkerSubmit | None:
-        """Import a KV message; the job it was for, if that job waits for it (to submit now)."""
-        h = a.header
+    def _staged(self, a: KVArrival, device: Any) -> KVArrival:
+        """On the receiver's thread: the arrival checked against this cache and staged for import."""
         assert self.geometry is not None
-        why = check_payload(h, a.payload.nbytes, self.geometry)
-        if why is None:
-            kv = from_buffer(a.payload, self.geometry.payload_shape(h.blocks), self.geometry.dtype)
-            cached = self.engine.import_prefix_kv(h.token_ids, kv)
+        why = check_payload(a.header, a.payload.nbytes, self.geometry)
+        if why is not None:
+            return dataclasses.replace(a, error=why)
+        try:
+            kv = stage_in(a.payload, self.geometry.payload_shape(a.header.blocks), self.geometry.dtype, device)
+        except Exception as e:  # e.g. no pinned memory left: the decode worker computes the prompt
+            return dataclasses.replace(a, error=f"staging failed: {type(e).__name__}: {e}"[:300])
+        return dataclasses.replace(a, payload=None, kv=kv)
+
+    def arrived(self, a: KVArrival) -> p.WorkerSubmit | None:
+        """Import a staged KV message; the job it was for, if that job waits for it (to submit now)."""
+        h = a.header
+        if a.error is None:
+            cached = self.engine.import_prefix_kv(h.token_ids, a.kv)
             self.counts["kv_imported"] += 1
             log.debug("kv_imported", job=h.job_id, blocks=h.blocks, cached=cached)
         else:
             self.counts["kv_unusable"] += 1
-            log.warning("kv_unusable", job=h.job_id, reason=why)
+            log.warning("kv_unusable", job=h.job_id, reason=a.error)
         return self._release(h.request_id, early=True)
 
     def lost(self, msg: p.KvLost) -> p.WorkerSubmit | None:

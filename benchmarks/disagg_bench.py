@@ -45,6 +45,7 @@ from tokenmill.benchmarks.serving import (
     SPEC_ENV,
     Cluster,
     ServingConfig,
+    _wait_ready,
     free_port,
     rate_result,
     run_rate,
@@ -73,25 +74,10 @@ def pool(spec: ModelSpec, roles: tuple[str, ...], mem_fraction: float, ready_tim
                                     "--max-num-seqs", str(spec.max_num_seqs), "--prefix-caching",
                                     "--engine-factory", "tokenmill.benchmarks.serving:engine_from_env",
                                     "--name", f"{role}-{i}"], {**env, SPEC_ENV: json.dumps(share.describe())})
-            wait_workers(c, i + 1, ready_timeout)
+            _wait_ready(c, ready_timeout, workers=i + 1)
         yield c
     finally:
         c.stop()
-
-
-def wait_workers(c: Cluster, n: int, timeout: float) -> None:
-    from tokenmill.client import BrokerUnavailable, Client
-
-    deadline = time.monotonic() + timeout
-    with Client(c.frontend) as client:
-        while time.monotonic() < deadline:
-            if not c.alive():
-                raise RuntimeError(f"a process exited during start-up\n{c.tail()}")
-            with contextlib.suppress(BrokerUnavailable):
-                if len(client.stats(timeout=2.0)["workers"]) >= n:
-                    return
-            time.sleep(0.2)
-    raise TimeoutError(f"{n} workers did not register within {timeout}s\n{c.tail()}")
 
 
 def broker_counters(address: str) -> dict[str, Any]:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator, Sequence
+import subprocess
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,38 +57,56 @@ def pool(tmp_path: Path) -> Iterator[tuple[Procs, int, int]]:
         yield ps, front, back
 
 
-def test_prefill_and_decode_workers_match_one_worker(pool: tuple[Procs, int, int]) -> None:
-    ps, front, back = pool
-    ps.worker(back, "--role", "prefill", name="pf", hb=HB)
+def _serve(ps: Procs, front: int, back: int, prefill_args: Sequence[str], prompts: list[str], max_tokens: int,
+           decode_hits: int = 0) -> dict[str, Any]:
+    """Start a prefill and a decode worker, run the prompts, check them against one worker's greedy output;
+    the broker's counters (once the decode worker's heartbeat reports `decode_hits` prefix hits)."""
+    ps.worker(back, "--role", "prefill", *prefill_args, name="pf", hb=HB)
     ps.worker(back, "--role", "decode", name="dc", hb=HB)
-    prompts = _prompts(10, "same", 20)
-    expected = reference_greedy(prompts, 24)
+    expected = reference_greedy(prompts, max_tokens)
     with Client(addr(front)) as c:
         wait_workers(c, 2)
-        results = [_tokens(h) for h in _submit(c, prompts, 24)]
-        # The decode worker found the blocks it was sent: at least the full blocks of every prompt before its
-        # last token (the heartbeats carry the counter, so wait for the next one).
-        wait_until(lambda: _workers(c)["dc"]["prefix_hits"] >= len(prompts) * 4, 10, what="decode prefix hits")
-        counters = c.stats()["counters"]
+        results = [_tokens(h) for h in _submit(c, prompts, max_tokens)]
+        wait_until(lambda: _workers(c)["dc"]["prefix_hits"] >= decode_hits, 10, what="decode prefix hits")
+        counters: dict[str, Any] = c.stats()["counters"]
     assert results == expected
+    return counters
+
+
+def test_prefill_and_decode_workers_match_one_worker(pool: tuple[Procs, int, int]) -> None:
+    prompts = _prompts(10, "same", 20)
+    # The decode worker found the blocks it was sent: at least the full blocks of every prompt before its last
+    # token (> 64 tokens each).
+    counters = _serve(*pool, (), prompts, 24, decode_hits=len(prompts) * 4)
     assert counters["disaggregated_dispatches"] == len(prompts)
     assert counters["prefills"] == len(prompts)
     assert counters.get("prefills_without_kv", 0) == 0 and counters.get("kv_lost", 0) == 0
 
 
 def test_kv_the_decode_worker_cannot_use_falls_back_to_computing_the_prompt(pool: tuple[Procs, int, int]) -> None:
-    ps, front, back = pool
-    ps.worker(back, "--role", "prefill", "--block-size", "32", name="pf", hb=HB)  # blocks of another size
-    ps.worker(back, "--role", "decode", name="dc", hb=HB)
     prompts = _prompts(4, "geometry", 20)
-    expected = reference_greedy(prompts, 12)
-    with Client(addr(front)) as c:
-        wait_workers(c, 2)
-        results = [_tokens(h) for h in _submit(c, prompts, 12)]
-        counters = c.stats()["counters"]
-    assert results == expected
+    counters = _serve(*pool, ("--block-size", "32"), prompts, 12)  # KV blocks of another size
     assert counters["prefills"] == len(prompts)  # sent, and refused by the decode worker
-    assert ps.logs[2].read_text().count("kv_unusable") == len(prompts)
+    assert pool[0].logs[2].read_text().count("kv_unusable") == len(prompts)
+
+
+Heads = Callable[[Client, list[JobHandle]], list[list[StreamEvent]]]  # waits, returns events it read
+
+
+def _kill_mid_run(ps: Procs, front: int, workers: int, victim: subprocess.Popen[bytes], prompts: list[str],
+                  max_tokens: int, when: Heads) -> dict[str, Any]:
+    """Submit the prompts, SIGKILL `victim` once `when` returns (the events it read from each stream), check
+    every job against one worker's greedy output; the broker's counters."""
+    expected = reference_greedy(prompts, max_tokens)
+    with Client(addr(front)) as c:
+        wait_workers(c, workers)
+        handles = _submit(c, prompts, max_tokens)
+        heads = when(c, handles)
+        os.kill(victim.pid, signal.SIGKILL)
+        results = [_tokens(h, head) for h, head in zip(handles, heads)]
+        counters: dict[str, Any] = c.stats()["counters"]
+    assert results == expected
+    return counters
 
 
 def test_prefill_worker_killed_mid_transfer_loses_nothing(pool: tuple[Procs, int, int]) -> None:
@@ -96,22 +115,17 @@ def test_prefill_worker_killed_mid_transfer_loses_nothing(pool: tuple[Procs, int
     pf = ps.worker(back, "--role", "prefill", "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
                    name="pf", hb=HB)
     ps.worker(back, "--role", "decode", name="dc", hb=HB)
-    prompts = _prompts(8, "kill-prefill", 120)
-    expected = reference_greedy(prompts, 16)
-    with Client(addr(front)) as c:
-        wait_workers(c, 2)
-        handles = _submit(c, prompts, 16)
 
-        def mid_transfer() -> bool:
+    def mid_transfer(c: Client, handles: list[JobHandle]) -> list[list[StreamEvent]]:
+        def some_done_some_running() -> bool:
             st = c.stats()
             busy = {w["name"]: w["prefilling"] for w in st["workers"]}
             return st["counters"].get("prefills", 0) >= 1 and busy.get("pf", 0) > 0
 
-        wait_until(mid_transfer, 60, 0.01, "some prefills done, some running")
-        os.kill(pf.pid, signal.SIGKILL)
-        results = [_tokens(h) for h in handles]
-        counters = c.stats()["counters"]
-    assert results == expected
+        wait_until(some_done_some_running, 60, 0.01, "some prefills done, some running")
+        return [[] for _ in handles]
+
+    counters = _kill_mid_run(ps, front, 2, pf, _prompts(8, "kill-prefill", 120), 16, mid_transfer)
     assert counters["workers_lost"] == 1 and counters["prefills"] >= 1
     assert counters["kv_lost"] >= 1
     # The decode worker computed at least one prompt itself because its KV was lost.
@@ -125,17 +139,13 @@ def test_decode_worker_killed_mid_stream_loses_nothing(pool: tuple[Procs, int, i
     victim = ps.worker(back, "--role", "decode", name="dc1", hb=HB)
     ps.worker(back, "--role", "decode", name="dc2", hb=HB)
     prompts = _prompts(12, "kill-decode", 20)
-    expected = reference_greedy(prompts, 120)
-    with Client(addr(front)) as c:
-        wait_workers(c, 3)
-        handles = _submit(c, prompts, 120)
+
+    def mid_stream(c: Client, handles: list[JobHandle]) -> list[list[StreamEvent]]:
         wait_until(lambda: all(_workers(c)[n]["inflight"] > 0 for n in ("dc1", "dc2")), 30,
                    what="both decode workers streaming")
-        first = [next(iter(h.stream(timeout=60))) for h in handles]
-        os.kill(victim.pid, signal.SIGKILL)
-        results = [_tokens(h, [f]) for f, h in zip(first, handles)]
-        counters = c.stats()["counters"]
-    assert results == expected
+        return [[next(iter(h.stream(timeout=60)))] for h in handles]  # every stream has begun
+
+    counters = _kill_mid_run(ps, front, 3, victim, prompts, 120, mid_stream)
     assert counters["migrations"] >= 1
     # The migrated jobs were placed again on the prefill worker and the surviving decode worker.
     assert counters["disaggregated_dispatches"] > len(prompts)

@@ -637,9 +637,6 @@ class Broker:
 
     def _start(self, job: Job, placed: Placement) -> None:
         w = placed.worker
-        if placed.prefill is not None:
-            self._start_disaggregated(job, w, placed.prefill)
-            return
         job.state = JobState.RUNNING
         job.worker = w.ident
         job.dispatched_tokens = job.num_tokens
@@ -647,6 +644,9 @@ class Broker:
             job.dispatched_at = time.monotonic()
         w.assign(job.job_id)
         self.counters["dispatches"] += 1
+        if placed.prefill is not None:
+            self._start_disaggregated(job, w, placed.prefill)
+            return
         self._send_worker(w, p.WorkerSubmit(job.job_id, job.attempt, job.input, job.params, job.tokens,
                                             job.priority))
 
@@ -656,14 +656,9 @@ class Broker:
     # wrong on the prefill side ends in KV_LOST to the decode worker, which then computes the prompt itself.
 
     def _start_disaggregated(self, job: Job, w: WorkerInfo, pw: WorkerInfo) -> None:
-        job.state = JobState.RUNNING
-        job.worker, job.prefill = w.ident, pw.ident
-        job.dispatched_tokens = job.num_tokens
-        if job.dispatched_at is None:
-            job.dispatched_at = time.monotonic()
-        w.assign(job.job_id)
+        """Send the started job to its decode worker `w` (to wait for its KV) and its prefill worker `pw`."""
+        job.prefill = pw.ident
         pw.prefills.add(job.job_id)
-        self.counters["dispatches"] += 1
         self.counters["disaggregated_dispatches"] += 1
         tokens = job.tokens
         # The decode worker hears first, so it waits for the KV before any can come; a failed send to the

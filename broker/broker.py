@@ -669,14 +669,13 @@ class Broker:
                                                  job.priority, kv_send=w.kv_address))
 
     def _on_prefilled(self, pw: WorkerInfo, msg: p.Prefilled) -> None:
+        """A prefill is over (its slot is free); without blocks, the decode worker computes the prompt."""
         pw.prefills.discard(msg.job_id)
         self._need_dispatch = True
-        job = self.jobs.get(msg.job_id)
-        if job is None or job.prefill != pw.ident or job.attempt != msg.attempt or job.is_terminal:
-            self.counters["stale_messages_dropped"] += 1
-            return
         self.counters["prefills" if msg.blocks else "prefills_without_kv"] += 1
-        if not msg.blocks:
+        job = self.jobs.get(msg.job_id)
+        if (not msg.blocks and job is not None and job.prefill == pw.ident and job.attempt == msg.attempt
+                and not job.is_terminal):
             self._kv_lost(job)
 
     def _prefill_lost(self, pw: WorkerInfo) -> None:

@@ -45,6 +45,11 @@ def _submit(c: Client, prompts: list[str], max_tokens: int) -> list[JobHandle]:
     return [c.submit(pr, max_tokens=max_tokens, temperature=0.0, ignore_eos=True) for pr in prompts]
 
 
+def _prefills_over(c: Client) -> int:
+    k = c.stats()["counters"]
+    return int(k.get("prefills", 0) + k.get("prefills_without_kv", 0))
+
+
 def _workers(c: Client) -> dict[str, dict[str, Any]]:
     return {w["name"]: w for w in c.stats()["workers"]}
 
@@ -68,6 +73,7 @@ def _serve(ps: Procs, front: int, back: int, prefill_args: Sequence[str], prompt
         wait_workers(c, 2)
         results = [_tokens(h) for h in _submit(c, prompts, max_tokens)]
         wait_until(lambda: _workers(c)["dc"]["prefix_hits"] >= decode_hits, 10, what="decode prefix hits")
+        wait_until(lambda: _prefills_over(c) >= len(prompts), 10, what="every PREFILLED")  # (may trail DONE)
         counters: dict[str, Any] = c.stats()["counters"]
     assert results == expected
     return counters

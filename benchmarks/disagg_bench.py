@@ -152,13 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=int, default=h["requests"])
     ap.add_argument("--rate", type=float, default=h["rate"], help="requests/s (Poisson)")
     ap.add_argument("--max-input-len", type=int, default=h["max_input_len"])
-    ap.add_argument("--max-output-len", type=int, default=h["max_output_len"])
+    ap.add_argument("--max-output-len", type=int, default=None,
+                    help=f"default: {h['max_output_len']} (64 on the CPU: a smoke run)")
     ap.add_argument("--mem-fraction", type=float, default=h["mem_fraction"], help="of the GPU's memory per worker")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--ttft-slo-ms", type=float, default=1000.0)
     ap.add_argument("--tpot-slo-ms", type=float, default=50.0)
-    ap.add_argument("--time-limit-s", type=float, default=60.0, help="per configuration's measured run")
+    ap.add_argument("--time-limit-s", type=float, default=None,
+                    help="per configuration's measured run (default: 60 s; 180 s on the CPU)")
     ap.add_argument("--ready-timeout", type=float, default=300.0, help="per worker start")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/<cpu|h200>")
@@ -170,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.mem_fraction <= 0.475:
         raise SystemExit("--mem-fraction must be in (0, 0.475]: two workers share the device")
     device, dtype = resolved_device(args.device, args.dtype)
+    cpu = device == "cpu"
+    if args.max_output_len is None:
+        args.max_output_len = 64 if cpu else HEADLINE["max_output_len"]
+    if args.time_limit_s is None:
+        args.time_limit_s = 180.0 if cpu else 60.0
     spec = ModelSpec(model=args.model, load_format=args.load_format, dtype=dtype, device=device,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                      max_model_len=2048)
@@ -182,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     res = {name: run_config(name, spec, wl, args, cfg) for name in CONFIGS}
     rat = ratios(res)
-    out = args.out or Path("benchmarks/results") / ("cpu" if device == "cpu" else "h200")
+    out = args.out or Path("benchmarks/results") / ("cpu" if cpu else "h200")
     config = {k: getattr(args, k) for k in ("requests", "rate", "max_input_len", "max_output_len", "mem_fraction",
                                             "ttft_slo_ms", "tpot_slo_ms", "time_limit_s", "seed")}
     payload = {"benchmark": "disagg", "model": spec.describe(), "length_tokenizer": tok_name, "config": config,

@@ -15,6 +15,9 @@ Two threads, two DEALER sockets to the broker's backend:
   step's Python holds it (measured: benchmarks/results/cpu/broker_relay_realworker*.md).
 
 A request is `"{job_id}#{attempt}"` inside the engine, so a stale attempt never collides with a new one.
+A worker started with a role (`WorkerOptions.role`: disaggregated prefill and decode) hands prefill jobs'
+KV blocks to decode workers and takes them in through `KVRoles` (worker/kv_transfer/roles.py), which the
+engine loop calls at a few points (submit, add, emit, cancel, reset) and which never blocks it.
 A malformed or invalid job is answered with ERROR for that job alone; a prompt that cannot fit the
 context is refused from its length before it is tokenized, and a long text prompt is tokenized off the
 engine loop (worker/prompt_guard.py), so no prompt stalls the loop or the heartbeats. An exception in

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import structlog
 from broker_fakes import FakeRouter
 
 from tokenmill.broker import Broker, BrokerConfig
@@ -16,6 +17,13 @@ from tokenmill.broker.jobs import JobState
 from tokenmill.protocol import wire as p
 
 P, D, D2, B = b"pf", b"dc", b"dc2", b"both"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_logging() -> None:
+    """structlog as it is by default: an earlier in-process CLI test may have pointed it at a stream that is
+    closed now (cli/serve.py configure_logging), and these tests log from this process."""
+    structlog.reset_defaults()
 
 
 class Harness:

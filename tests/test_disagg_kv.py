@@ -10,6 +10,7 @@ import time
 
 import msgpack
 import pytest
+import structlog
 import torch
 import zmq
 
@@ -24,6 +25,14 @@ from tokenmill.worker.kv_transfer.channel import KVArrival, KVSender
 from tokenmill.worker.kv_transfer.frames import MAGIC, Geometry, KVHeader, check_payload, decode_header, encode_kv
 from tokenmill.worker.kv_transfer.roles import KVRoles
 from tokenmill.worker.request import Request
+
+
+@pytest.fixture(autouse=True)
+def _fresh_logging() -> None:
+    """structlog as it is by default: an earlier in-process CLI test may have pointed it at a stream that is
+    closed now (cli/serve.py configure_logging), and these tests log from this process."""
+    structlog.reset_defaults()
+
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 

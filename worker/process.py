@@ -262,7 +262,8 @@ class EngineLoop:
         self.generation = 0
         tokenize = getattr(engine, "tokenize_prompt", None)
         self.tokenizer = TokenizerThread(tokenize, self.io.inbound.put) if tokenize is not None else None
-        self.kv = KVRoles(engine, opts.role, self._push, ctx, self.io.inbound.put, opts.kv_address, opts.kv_timeout)
+        self.kv = KVRoles(engine, opts.role, self._push, ctx, lambda arrival: self.io.inbound.put(arrival),
+                          opts.kv_address, opts.kv_timeout)
         self.ready = dataclasses.replace(ready, role=opts.role, kv_address=self.kv.address)
 
     def run(self) -> None:

@@ -131,7 +131,8 @@ def cluster(spec: ModelSpec, prefix_caching: bool = True, ready_timeout: float =
         c.stop()
 
 
-def _wait_ready(c: Cluster, timeout: float) -> None:
+def _wait_ready(c: Cluster, timeout: float, workers: int = 1) -> None:
+    """Until `workers` workers have registered (RuntimeError if a process exits, TimeoutError)."""
     from tokenmill.client import BrokerUnavailable, Client
 
     deadline = time.monotonic() + timeout
@@ -140,10 +141,10 @@ def _wait_ready(c: Cluster, timeout: float) -> None:
             if not c.alive():
                 raise RuntimeError(f"the broker or worker exited during start-up\n{c.tail()}")
             with contextlib.suppress(BrokerUnavailable):
-                if client.stats(timeout=2.0)["workers"]:
+                if len(client.stats(timeout=2.0)["workers"]) >= workers:
                     return
-            time.sleep(0.5)
-    raise TimeoutError(f"no worker registered within {timeout}s\n{c.tail()}")
+            time.sleep(0.5 if workers == 1 else 0.2)
+    raise TimeoutError(f"{workers} worker(s) not registered within {timeout}s\n{c.tail()}")
 
 
 # -- one request rate ----------------------------------------------------------------------------------------

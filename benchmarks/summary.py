@@ -63,6 +63,10 @@ KEYS: dict[str, str] = {
     "eagle_b32_speedup": "x",
     "eagle_b128_speedup": "x",
     "eagle_tau_k4": "tokens/step",
+    "disagg_ttft_p99_ms": "ms",
+    "disagg_tpot_p99_ms": "ms",
+    "agg2_ttft_p99_ms": "ms",
+    "agg2_tpot_p99_ms": "ms",
 }
 
 # The suite section each suite figure comes from (a merged suite takes sections from several runs).
@@ -278,12 +282,16 @@ def tp_figures(r: Mapping[str, Any]) -> dict[str, float]:
     if (wl["input_len"], wl["output_len"], fx["completed"], fx["failed"]) == (1000, 1000, 1000, 0):
         out["tp2_fixed_1000x1000_out_tok_s"] = fx["output_tok_s"]
     return out
+
+
 def gateway_figures(r: Mapping[str, Any]) -> dict[str, float]:
     """gateway_bench.py in its headline configuration: 64 streams x 200 tokens at 50 steps/s (busy 0.3), one
     gateway process, the lean SSE reader; the figure is the median over rounds of each round's p50 added."""
     headline = ((r.get("streams"), r.get("tokens_per_stream"), r.get("step_rate"), r.get("busy"),
                  r.get("gateway_workers", 1)) == (64, 200, 50.0, 0.3, 1) and "sse" in (r.get("added_ms") or {}))
     return {"gateway_added_p50_ms": r["added_ms"]["sse"]["p50_median_of_rounds"]} if headline else {}
+
+
 def spec_gpu_figures(r: Mapping[str, Any]) -> dict[str, float]:
     """spec_gpu.py in its headline configuration (not --smoke): k = 4, up to 256 tokens, prompts <= 512."""
     c = r["config"]
@@ -293,6 +301,15 @@ def spec_gpu_figures(r: Mapping[str, Any]) -> dict[str, float]:
            if str(b) in r["throughput"]}
     tau = r["tau"].get("4", {}).get("tau")
     return out | ({"eagle_tau_k4": tau} if tau is not None else {})
+
+def disagg_figures(r: Mapping[str, Any]) -> dict[str, float]:
+    """disagg_bench.py in its headline configuration (the file's `headline`: its defaults on CUDA, every
+    request of both configurations completed)."""
+    if not r.get("headline"):
+        return {}
+    res = r["results"]
+    return {f"{name}_{m}_p99_ms": res[name]["latency"][f"{m}_ms"]["p99"] for name in ("disagg", "agg2")
+            for m in ("ttft", "tpot")}
 
 
 def figures_of(result: Mapping[str, Any]) -> dict[str, float]:
@@ -305,6 +322,7 @@ def figures_of(result: Mapping[str, Any]) -> dict[str, float]:
         tp_figures if result.get("benchmark") == "gpu_tp" else
         gateway_figures if result.get("benchmark") == "gateway" else
         spec_gpu_figures if result.get("benchmark") == "spec_gpu" else
+        disagg_figures if result.get("benchmark") == "disagg" else
         suite_figures if "sections_s" in result else
         e2e_figures if "latency_b8_in32_out128_s" in result else None)
     return kind(result) if kind else {}

@@ -14,7 +14,8 @@ The parts, each with its own invariants (and tests without sockets):
     jobs.JobTable / Job    every job by id, its token log, retention
     queues.JobQueues       per-model FIFO of jobs waiting for a worker
     timers.Timers          deadlines and queue timeouts
-    dispatch.Dispatcher    the routing policy (replaceable; AffinityDispatcher by default)
+    dispatch.Dispatcher    the routing policy (replaceable; AffinityDispatcher by default), and the placement of a
+                           job on a prefill and a decode worker (disaggregated serving: Dispatcher.place)
     fanout.Fanout          the one path of a TOKENS batch to the logs and the subscribers
     counters.Counters      what STATS counts
     gcpacer.GcPacer        full GC collections at idle moments
@@ -48,7 +49,7 @@ from tokenmill.broker.blame import charged, migration_refusal
 from tokenmill.broker.budget import Budget, BudgetConfig, ReplyKind
 from tokenmill.broker.clients import ClientTable
 from tokenmill.broker.counters import Counters
-from tokenmill.broker.dispatch import AffinityDispatcher, Dispatcher, prefix_hashes
+from tokenmill.broker.dispatch import AffinityDispatcher, Dispatcher, Placement, prefix_hashes
 from tokenmill.broker.fanout import Fanout
 from tokenmill.broker.gcpacer import GcPacer
 from tokenmill.broker.jobs import Job, JobState, JobTable
@@ -531,6 +532,8 @@ class Broker:
             w.load = msg
         elif isinstance(msg, p.WorkerDisconnect):
             self._worker_dead(w, "disconnected")
+        elif isinstance(msg, p.Prefilled):
+            self._on_prefilled(w, msg)
 
     def _current(self, w: WorkerInfo, job_id: str, attempt: int) -> Job | None:
         """The job if `w` runs its current attempt `attempt`; else None (stale output: dropped)."""
@@ -587,6 +590,7 @@ class Broker:
         blamed = charged(jobs)
         for job in jobs:
             self._migrate(job, job.job_id in blamed)
+        self._prefill_lost(w)
         self._need_dispatch = True
 
     # ---- a job's life: queue, dispatch, migrate, finish ---------------------------------------------
@@ -594,6 +598,7 @@ class Broker:
     def _migrate(self, job: Job, blamed: bool) -> None:
         """Queue `job` again after its worker died (`blamed`: the death is charged to it, blame.py), or
         fail it at the migration bounds."""
+        self._drop_prefill(job)
         job.worker = None
         job.failures += blamed
         self.counters["migrations_uncharged"] += not blamed
@@ -619,18 +624,20 @@ class Broker:
         self._need_dispatch = False
         self.queues.dispatch(self._pick, self._start)
 
-    def _pick(self, job: Job) -> WorkerInfo | None:
-        """The dispatcher's pick among the workers that serve the job's model and that it fits; a job that
-        fits none of them (those it fitted are gone) fails here, invalid (the rest of its queue: next turn)."""
+    def _pick(self, job: Job) -> Placement | None:
+        """The dispatcher's placement among the workers that serve the job's model and that it fits; a job
+        that fits none of them (those it fitted are gone) fails here, invalid (the rest of its queue: next
+        turn)."""
         serving = self.workers.serving(job.model)
-        w = self.dispatcher.pick(job, [w for w in serving if fits(w, job.input, job.max_tokens)])
-        if w is None and (why := fit_refusal(serving, job.input, job.max_tokens)) is not None:
+        placed = self.dispatcher.place(job, [w for w in serving if fits(w, job.input, job.max_tokens)])
+        if placed is None and (why := fit_refusal(serving, job.input, job.max_tokens)) is not None:
             self.counters["rejected_unfit"] += 1
             self._finish(job, p.Fail(job.job_id, "invalid", why))
             self._need_dispatch = True
-        return w
+        return placed
 
-    def _start(self, job: Job, w: WorkerInfo) -> None:
+    def _start(self, job: Job, placed: Placement) -> None:
+        w = placed.worker
         job.state = JobState.RUNNING
         job.worker = w.ident
         job.dispatched_tokens = job.num_tokens
@@ -639,8 +646,63 @@ class Broker:
         w.assign(job.job_id)
         self.counters["dispatches"] += 1
         log.debug("job_dispatched", job_id=job.job_id, attempt=job.attempt, worker=w.name)
+        if placed.prefill is not None:
+            self._start_disaggregated(job, w, placed.prefill)
+            return
         self._send_worker(w, p.WorkerSubmit(job.job_id, job.attempt, job.input, job.params, job.tokens,
                                             job.priority))
+
+    # ---- disaggregated prefill and decode (worker/kv_transfer/) -----------------------------------------
+    # The decode worker runs the job (job.worker: its tokens, FINISHED, migration as for any job) and first
+    # waits for the KV blocks the prefill worker (job.prefill) computes and sends it directly. Whatever goes
+    # wrong on the prefill side ends in KV_LOST to the decode worker, which then computes the prompt itself.
+
+    def _start_disaggregated(self, job: Job, w: WorkerInfo, pw: WorkerInfo) -> None:
+        """Send the started job to its decode worker `w` (to wait for its KV) and its prefill worker `pw`."""
+        job.prefill = pw.ident
+        pw.prefills.add(job.job_id)
+        self.counters["disaggregated_dispatches"] += 1
+        tokens = job.tokens
+        # The decode worker hears first, so it waits for the KV before any can come; a failed send to the
+        # prefill worker declares it dead, which sends KV_LOST.
+        if self._send_worker(w, p.WorkerSubmit(job.job_id, job.attempt, job.input, job.params, tokens,
+                                               job.priority, kv_wait=True)):
+            self._send_worker(pw, p.WorkerSubmit(job.job_id, job.attempt, job.input, job.params, tokens,
+                                                 job.priority, kv_send=w.kv_address))
+
+    def _on_prefilled(self, pw: WorkerInfo, msg: p.Prefilled) -> None:
+        """A prefill is over (its slot is free); without blocks, the decode worker computes the prompt."""
+        pw.prefills.discard(msg.job_id)
+        self._need_dispatch = True
+        self.counters["prefills" if msg.blocks else "prefills_without_kv"] += 1
+        job = self.jobs.get(msg.job_id)
+        if (not msg.blocks and job is not None and job.prefill == pw.ident and job.attempt == msg.attempt
+                and not job.is_terminal):
+            self._kv_lost(job)
+
+    def _prefill_lost(self, pw: WorkerInfo) -> None:
+        """A prefill worker is gone: the decode workers of the jobs it prefilled compute their prompts (a
+        decode worker that already has the KV ignores KV_LOST; ZeroMQ delivers a KV message whole or not at
+        all, so one cut off by the death never arrives)."""
+        pw.prefills.clear()
+        for job in self.jobs.unfinished():
+            if job.prefill == pw.ident and job.state is JobState.RUNNING:
+                self._kv_lost(job)
+
+    def _kv_lost(self, job: Job) -> None:
+        job.prefill = None
+        if job.worker is not None and (w := self.workers.get(job.worker)) is not None:
+            self.counters["kv_lost"] += 1
+            self._send_worker(w, p.KvLost(job.job_id, job.attempt))
+
+    def _drop_prefill(self, job: Job) -> None:
+        """The job's attempt ends: its prefill, if one still runs, is cancelled."""
+        pw = self.workers.get(job.prefill) if job.prefill is not None else None
+        if pw is not None and job.job_id in pw.prefills:
+            pw.prefills.discard(job.job_id)
+            self._send_worker(pw, p.WorkerCancel(job.job_id, job.attempt), on_fail_dead=False)
+            self._need_dispatch = True
+        job.prefill = None
 
     def _finish(self, job: Job, terminal: p.Done | p.Fail, cancel_worker: bool = False) -> None:
         """Make `terminal` the job's one terminal reply; release its queue slot or worker slot."""
@@ -651,6 +713,7 @@ class Broker:
             if cancel_worker:
                 self._send_worker(w, p.WorkerCancel(job.job_id, job.attempt), on_fail_dead=False)
             self._need_dispatch = True
+        self._drop_prefill(job)
         now = time.monotonic()
         if isinstance(terminal, p.Done):
             log.debug("job_finished", job_id=job.job_id, finish_reason=terminal.finish_reason, tokens=job.num_tokens)

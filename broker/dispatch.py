@@ -8,6 +8,13 @@ worker last served each h_k (LRU-bounded). A job goes to the worker with the lon
 while that worker's load is within `slack` of the least-loaded candidate; otherwise to the least loaded
 one (whose KV cache then learns the prefix). This is the cache-aware idea of SGLang's router / llm-d's
 prefix scorer, approximated on text because the broker has no tokenizer.
+
+Disaggregated prefill and decode (`Dispatcher.place`, the same for every policy unless one overrides it):
+when the workers that serve a job's model include a "prefill" and a "decode" worker (Ready.role), a new job
+is placed on both: `pick` chooses the prefill worker (so prefix affinity follows the prompt's KV cache) and
+the least-loaded decode worker streams the tokens (a prompt of token ids too short to fill one KV block has
+nothing to hand over: it runs whole on that decode worker). Otherwise the job goes to one worker as before: a "both"
+worker, or, when no worker of that role serves the model, any worker (every role can run a whole job).
 """
 
 from __future__ import annotations
@@ -16,9 +23,18 @@ import abc
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from tokenmill.broker.jobs import Job
 from tokenmill.broker.workers import WorkerInfo
+
+
+class Placement(NamedTuple):
+    """Where a job's attempt runs: `worker` runs it and streams its tokens; `prefill`, if set, computes its
+    prompt's KV blocks first and hands them to `worker` (disaggregated prefill and decode)."""
+
+    worker: WorkerInfo
+    prefill: WorkerInfo | None = None
 
 
 class Dispatcher(abc.ABC):
@@ -30,6 +46,22 @@ class Dispatcher(abc.ABC):
     def pick(self, job: Job, workers: Sequence[WorkerInfo]) -> WorkerInfo | None:
         """The worker to start `job` on, among `workers` (the registered workers that serve its model,
         with room or not), or None."""
+
+    def place(self, job: Job, workers: Sequence[WorkerInfo]) -> Placement | None:
+        """Where to start `job` among `workers` (as for `pick`), with a prefill worker when the pool is
+        disaggregated (module docstring); None: no worker can take it now."""
+        prefill = [w for w in workers if w.role == "prefill"]
+        decode = [w for w in workers if w.role == "decode" and w.kv_address]
+        if prefill and decode:  # disaggregated: wait for room on both sides
+            room = [w for w in decode if w.has_room()]
+            d = min(room, key=lambda w: (w.load_score(), w.dispatched)) if room else None
+            if d is not None and len(job.input.prompt_token_ids or ()) in range(1, d.block_size + 1):
+                return Placement(d)
+            p = self.pick(job, prefill) if d is not None else None
+            return Placement(d, p) if d is not None and p is not None else None
+        both = [w for w in workers if w.role == "both"]
+        w = self.pick(job, both or workers)
+        return Placement(w) if w is not None else None
 
     def stats(self) -> dict[str, object]:
         """What the policy adds to the broker's STATS reply (top-level keys)."""

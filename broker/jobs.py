@@ -65,6 +65,7 @@ class Job:
     terminal: Done | Fail | None = None
     finished_at: float = 0.0
     relay_batch: int = 0  # number of the last TOKENS batch Fanout.relay saw this job in (a job twice in one)
+    prefill: bytes | None = None  # the worker computing the current attempt's prompt for `worker` (disaggregated)
 
     @property
     def is_terminal(self) -> bool:

@@ -37,24 +37,27 @@ class WorkerInfo:
     dispatched: int = 0
     data_ident: bytes = b""
     max_prompt_chars: int = 0  # Ready.max_prompt_chars: longer text never fits (0: no bound known)
+    role: str = "both"  # Ready.role: "prefill" / "decode" workers serve jobs disaggregated (dispatch.py)
+    kv_address: str = ""  # Ready.kv_address: where a decode worker receives KV blocks
+    prefills: set[str] = field(default_factory=set)  # job ids whose prompt it computes for another worker
 
     @classmethod
     def from_ready(cls, ident: bytes, msg: Ready, now: float) -> WorkerInfo:
         return cls(ident, msg.name, frozenset(msg.models), msg.capacity, msg.kv_blocks, msg.block_size,
                    msg.max_model_len, msg.heartbeat_interval, now, now + msg.heartbeat_interval,
                    load=WorkerHeartbeat(0, 0, msg.kv_blocks, 0), data_ident=msg.data_id.encode(),
-                   max_prompt_chars=msg.max_prompt_chars)
+                   max_prompt_chars=msg.max_prompt_chars, role=msg.role, kv_address=msg.kv_address)
 
     def serves(self, model: str) -> bool:
         """An empty model name means "any model"."""
         return not model or model in self.models
 
     def has_room(self) -> bool:
-        return len(self.jobs) < self.capacity
+        return len(self.jobs) + len(self.prefills) < self.capacity
 
     def load_score(self) -> float:
         """Lower is better: share of capacity in use, plus KV pressure from the last heartbeat."""
-        busy = len(self.jobs) / self.capacity
+        busy = (len(self.jobs) + len(self.prefills)) / self.capacity
         if self.kv_blocks > 0:
             free = (self.load.free_blocks + self.load.cached_blocks) / self.kv_blocks
             busy += 0.5 * max(0.0, 1.0 - free)
@@ -74,7 +77,8 @@ class WorkerInfo:
                 "dispatched": self.dispatched, "last_seen_ago": round(now - self.last_seen, 3),
                 # cumulative counters from the worker's heartbeat (the gateway's /health and /metrics)
                 "steps": self.load.steps, "prefix_queries": self.load.prefix_queries,
-                "prefix_hits": self.load.prefix_hits, "preemptions": self.load.preemptions}
+                "prefix_hits": self.load.prefix_hits, "preemptions": self.load.preemptions,
+                "role": self.role, "prefilling": len(self.prefills)}
 
 
 class WorkerTable:

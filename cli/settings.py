@@ -214,6 +214,13 @@ SETTINGS: tuple[Setting, ...] = (
        "WorkerOptions.heartbeat_interval"),
     _s("curve_server_key", TEXT, None, "worker, gateway: the broker's public key (a file or z85 text)",
        (WORKER, GATEWAY)),
+    _s("role", choice("both", "prefill", "decode"), "both", "disaggregated serving: a prefill worker computes prompts "
+       "and hands their KV blocks to a decode worker, which streams the tokens (both: whole jobs; the broker uses "
+       "prefill + decode workers when it has both kinds)", _W, "WorkerOptions.role"),
+    _s("kv_address", TEXT, "tcp://127.0.0.1:*", "decode worker: where it receives KV blocks (* = a free port); "
+       "prefill workers connect to it", _W, "WorkerOptions.kv_address"),
+    _s("kv_timeout", number(0, low_open=True), 30.0, "decode worker: seconds to wait for a job's KV blocks before "
+       "computing its prompt itself", _W, "WorkerOptions.kv_timeout"),
     _s("engine_factory", TEXT, None, "module:callable building the engine from the parsed arguments (tests, "
        "benchmarks)", _W, hidden=True),
     # -- engine

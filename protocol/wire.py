@@ -44,6 +44,10 @@ MAX_TOKEN_BYTES = 256  # bytes of one token in a logprobs entry
 # The roles a chat message may have (OpenAI's, plus Llama 3's "ipython" for tool output).
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "ipython"})
 
+# A worker's role (Ready.role): "both" runs whole jobs; with disaggregated serving the broker sends a new job's
+# prompt to a "prefill" worker, which hands its KV blocks to the "decode" worker that streams the tokens.
+WORKER_ROLES = ("both", "prefill", "decode")
+
 FINISH_REASONS = frozenset({"stop", "length", "abort", "error"})
 
 # Codes of a FAIL reply; each maps to one exception class of tokenmill.protocol.errors.
@@ -77,19 +81,21 @@ class Cmd(IntEnum):
     W_FINISHED = 0x24
     W_ERROR = 0x25
     W_DISCONNECT = 0x26
+    W_PREFILLED = 0x27
     # broker -> worker
     B_SUBMIT = 0x31
     B_CANCEL = 0x32
     B_HEARTBEAT = 0x33
     B_DISCONNECT = 0x34
+    B_KV_LOST = 0x35
 
 
 CLIENT_TO_BROKER = frozenset({Cmd.SUBMIT, Cmd.CANCEL, Cmd.SUBSCRIBE, Cmd.PING, Cmd.BYE, Cmd.STATS})
 BROKER_TO_CLIENT = frozenset({Cmd.ACK, Cmd.STREAM, Cmd.DONE, Cmd.FAIL, Cmd.PONG, Cmd.STATS_REPLY})
 WORKER_TO_BROKER = frozenset(
-    {Cmd.W_READY, Cmd.W_HEARTBEAT, Cmd.W_TOKENS, Cmd.W_FINISHED, Cmd.W_ERROR, Cmd.W_DISCONNECT}
+    {Cmd.W_READY, Cmd.W_HEARTBEAT, Cmd.W_TOKENS, Cmd.W_FINISHED, Cmd.W_ERROR, Cmd.W_DISCONNECT, Cmd.W_PREFILLED}
 )
-BROKER_TO_WORKER = frozenset({Cmd.B_SUBMIT, Cmd.B_CANCEL, Cmd.B_HEARTBEAT, Cmd.B_DISCONNECT})
+BROKER_TO_WORKER = frozenset({Cmd.B_SUBMIT, Cmd.B_CANCEL, Cmd.B_HEARTBEAT, Cmd.B_DISCONNECT, Cmd.B_KV_LOST})
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -705,7 +711,8 @@ class Ready(Message):
     of the worker's second DEALER (its engine loop's, carrying TOKENS / FINISHED / ERROR straight from the
     engine thread); "" when everything comes over the socket that sent this READY. `max_prompt_chars`: a
     text prompt (or chat contents) longer than this many characters can never fit `max_model_len` on this
-    worker (0: no bound known); the broker refuses such a job before it costs the worker anything."""
+    worker (0: no bound known); the broker refuses such a job before it costs the worker anything. `role`: one
+    of WORKER_ROLES; `kv_address`: where a decode worker receives KV blocks (worker/kv_transfer/), "" if none."""
 
     CMD: ClassVar[Cmd] = Cmd.W_READY
     name: str
@@ -717,6 +724,8 @@ class Ready(Message):
     heartbeat_interval: float
     data_id: str = ""
     max_prompt_chars: int = 0
+    role: str = "both"
+    kv_address: str = ""
 
     def to_wire(self) -> Any:
         d = {"name": self.name, "models": self.models, "capacity": self.capacity, "kv_blocks": self.kv_blocks,
@@ -726,13 +735,20 @@ class Ready(Message):
             d["data_id"] = self.data_id
         if self.max_prompt_chars:
             d["max_prompt_chars"] = self.max_prompt_chars
+        if self.role != "both":
+            d["role"] = self.role
+        if self.kv_address:
+            d["kv_address"] = self.kv_address
         return d
 
     @classmethod
     def from_wire(cls, obj: Any) -> Ready:
         d = _map(obj, "ready")
         _keys(d, "ready", ("name", "models", "capacity", "kv_blocks", "block_size", "max_model_len",
-                           "heartbeat_interval"), ("data_id", "max_prompt_chars"))
+                           "heartbeat_interval"), ("data_id", "max_prompt_chars", "role", "kv_address"))
+        role = d.get("role", "both")
+        if role not in WORKER_ROLES:
+            raise _fail(f"ready.role: {str(role)[:64]!r} is not one of {list(WORKER_ROLES)}")
         models = [_str(m, "models[]", 512, 1) for m in _list(d["models"], "models", 16)]
         if not models:
             raise _fail("ready.models: empty")
@@ -741,7 +757,8 @@ class Ready(Message):
                    _int(d["max_model_len"], "max_model_len", 1),
                    _float(d["heartbeat_interval"], "heartbeat_interval", 0.01, 60.0),
                    _ident(d["data_id"], "data_id") if "data_id" in d else "",
-                   _int(d.get("max_prompt_chars", 0), "max_prompt_chars"))
+                   _int(d.get("max_prompt_chars", 0), "max_prompt_chars"), role,
+                   _str(d.get("kv_address", ""), "kv_address", 512))
 
 
 @dataclass(frozen=True, slots=True)
@@ -893,13 +910,37 @@ class WorkerDisconnect(_Empty):
     CMD: ClassVar[Cmd] = Cmd.W_DISCONNECT
 
 
+@dataclass(frozen=True, slots=True)
+class Prefilled(Message):
+    """A prefill worker is done with a job's attempt (WorkerSubmit.kv_send): `blocks` KV blocks went to the
+    decode worker (0: none could be sent; the broker then tells the decode worker, KV_LOST)."""
+
+    CMD: ClassVar[Cmd] = Cmd.W_PREFILLED
+    job_id: str
+    attempt: int
+    blocks: int
+
+    def to_wire(self) -> Any:
+        return [self.job_id, self.attempt, self.blocks]
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Prefilled:
+        job_id, attempt, blocks = _tuple(obj, "prefilled", 3)
+        return cls(_ident(job_id, "job_id"), _int(attempt, "attempt", 0, MAX_ATTEMPT), _int(blocks, "blocks"))
+
+
 # ---- broker -> worker ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerSubmit(Message):
     """Run attempt `attempt` of a job. `resume_token_ids`: output tokens earlier attempts delivered
-    (they count toward max_tokens; output continues at seq len(resume_token_ids))."""
+    (they count toward max_tokens; output continues at seq len(resume_token_ids)).
+
+    Disaggregated serving: `kv_send` (to a prefill worker) = compute the prompt's KV blocks, send them to
+    this KV address (the decode worker's Ready.kv_address), answer PREFILLED, emit no tokens; `kv_wait` (to
+    the decode worker) = wait for those blocks before computing the prompt (KV_LOST, or no blocks in time:
+    compute it all)."""
 
     CMD: ClassVar[Cmd] = Cmd.B_SUBMIT
     job_id: str
@@ -908,21 +949,29 @@ class WorkerSubmit(Message):
     params: dict[str, Any]
     resume_token_ids: list[int] = field(default_factory=list)
     priority: int = 0
+    kv_send: str = ""
+    kv_wait: bool = False
 
     def to_wire(self) -> Any:
         d: dict[str, Any] = {"job_id": self.job_id, "attempt": self.attempt, "params": self.params,
                              "resume_token_ids": self.resume_token_ids, "priority": self.priority}
+        if self.kv_send:
+            d["kv_send"] = self.kv_send
+        if self.kv_wait:
+            d["kv_wait"] = True
         self.input.to_wire(d)
         return d
 
     @classmethod
     def from_wire(cls, obj: Any) -> WorkerSubmit:
         d = _map(obj, "worker submit")
-        _keys(d, "worker submit", ("job_id", "attempt", "params"), ("resume_token_ids", "priority", *_INPUT_KEYS))
+        _keys(d, "worker submit", ("job_id", "attempt", "params"),
+              ("resume_token_ids", "priority", "kv_send", "kv_wait", *_INPUT_KEYS))
         return cls(_ident(d["job_id"], "job_id"), _int(d["attempt"], "attempt", 0, MAX_ATTEMPT),
                    RequestInput.from_wire(d), _params(d["params"]),
                    _token_ids(d.get("resume_token_ids", []), "resume_token_ids"),
-                   _int(d.get("priority", 0), "priority", -(1 << 31), 1 << 31))
+                   _int(d.get("priority", 0), "priority", -(1 << 31), 1 << 31),
+                   _str(d.get("kv_send", ""), "kv_send", 512), _bool(d.get("kv_wait", False), "kv_wait"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -967,11 +1016,29 @@ class BrokerDisconnect(Message):
         return cls(_str(d.get("reason", "reregister"), "reason", 256))
 
 
+@dataclass(frozen=True, slots=True)
+class KvLost(Message):
+    """To a decode worker waiting for a job's KV blocks (WorkerSubmit.kv_wait): they will not come (the
+    prefill worker died or could not send them); compute the prompt itself."""
+
+    CMD: ClassVar[Cmd] = Cmd.B_KV_LOST
+    job_id: str
+    attempt: int
+
+    def to_wire(self) -> Any:
+        return [self.job_id, self.attempt]
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> KvLost:
+        job_id, attempt = _tuple(obj, "kv lost", 2)
+        return cls(_ident(job_id, "job_id"), _int(attempt, "attempt", 0, MAX_ATTEMPT))
+
+
 MESSAGE_TYPES: dict[Cmd, type[Message]] = {
     cls.CMD: cls
     for cls in (Submit, Cancel, Subscribe, Ping, Bye, StatsRequest, Ack, Stream, Done, Fail, Pong, StatsReply,
-                Ready, WorkerHeartbeat, Tokens, Finished, JobError, WorkerDisconnect, WorkerSubmit,
-                WorkerCancel, BrokerHeartbeat, BrokerDisconnect)
+                Ready, WorkerHeartbeat, Tokens, Finished, JobError, WorkerDisconnect, Prefilled, WorkerSubmit,
+                WorkerCancel, BrokerHeartbeat, BrokerDisconnect, KvLost)
 }
 assert len(MESSAGE_TYPES) == len(Cmd), "every command has exactly one message type"
 

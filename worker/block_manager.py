@@ -41,6 +41,14 @@ def extend_block_hashes(req: Request, block_size: int, extra: bytes = b"") -> No
         req.block_hashes.append(hash_block(parent, tokens, extra))
 
 
+def prefix_hashes(tokens: Sequence[int], block_size: int, extra: bytes = b"") -> list[bytes]:
+    """The chained hashes of the full blocks of `tokens` (as extend_block_hashes gives a request)."""
+    out: list[bytes] = []
+    for i in range(len(tokens) // block_size):
+        out.append(hash_block(out[-1] if out else ROOT_HASH, tokens[i * block_size : (i + 1) * block_size], extra))
+    return out
+
+
 @dataclass
 class _Block:
     ref_count: int = 0
@@ -97,6 +105,40 @@ class BlockManager:
         self.counters.prefix_cache_queries += min(max_blocks, len(req.block_hashes))
         self.counters.prefix_cache_hits += len(hits)
         return hits
+
+    # -- KV blocks moved between workers (worker/kv_transfer/) ------------------------------------
+    def cached_chain(self, hashes: Sequence[bytes]) -> list[int]:
+        """Blocks holding the longest cached prefix of the hash chain `hashes` (no counters, no reference)."""
+        out: list[int] = []
+        for h in hashes:
+            b = self._by_hash.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def import_chain(self, hashes: Sequence[bytes]) -> list[tuple[int, int]]:
+        """Make the longest possible prefix of the hash chain `hashes` cached here: blocks already cached are
+        kept, each missing one gets a fresh block (hashed, ref 0, most recently used). Returns (chain index,
+        block id) of the fresh blocks, whose contents the caller must write before the next step reads them.
+        Stops at the first block none is available for. Invariants hold throughout (check_integrity)."""
+        held: list[int] = []  # referenced while importing: nothing of the chain is evicted meanwhile
+        fresh: list[tuple[int, int]] = []
+        for i, h in enumerate(hashes):
+            b = self._by_hash.get(h)
+            if b is None:
+                if self.num_available == 0:
+                    break
+                b = self._pop_block()
+                self._blocks[b].hash = h
+                self._by_hash[h] = b
+                fresh.append((i, b))
+            else:
+                self._take_ref(b)
+            held.append(b)
+        for b in reversed(held):  # the chain's tail becomes evictable first, as in free()
+            self._drop_ref(b)
+        return fresh
 
     # -- allocation -----------------------------------------------------------------------------
     def allocate(self, req: Request, num_tokens: int, cached_prefix: Sequence[int] = ()) -> bool:

@@ -17,9 +17,11 @@ from typing import Any, NamedTuple
 
 from tokenmill.protocol import InvalidRequest, SamplingParams
 from tokenmill.protocol.wire import max_tokens_error
-from tokenmill.worker.block_manager import BlockManager
+from tokenmill.worker.block_manager import BlockManager, prefix_hashes
 from tokenmill.worker.config import EngineConfig
 from tokenmill.worker.detokenizer import IncrementalDetokenizer
+from tokenmill.worker.kv_transfer.blocks import dtype_name, gather_blocks, scatter_blocks
+from tokenmill.worker.kv_transfer.frames import Geometry
 from tokenmill.worker.loader import ModelLoadError, ModelSource, resolve_model
 from tokenmill.worker.metrics import EngineCounters, EngineStats
 from tokenmill.worker.model_runner import ModelRunner, PendingStep
@@ -463,6 +465,40 @@ class LLMEngine:
         """Stop what the engine started beside this process (tensor-parallel ranks); the engine is unusable
         afterwards. Also done at interpreter exit."""
         self.runner.close()
+
+    # -- KV blocks handed between workers (disaggregated prefill and decode: worker/kv_transfer/) --------
+    def request_token_ids(self, request_id: str) -> list[int]:
+        """The known tokens (prompt, then output) of a live request."""
+        return list(self._live[request_id].req.token_ids)
+
+    def kv_geometry(self) -> Geometry:
+        key = self.runner.kv_caches[0][0]  # [num_blocks, block_size, kv_heads, head_dim]
+        return Geometry(len(self.runner.kv_caches), key.shape[2], key.shape[3], self.blocks.block_size,
+                        dtype_name(key))
+
+    def export_prefix_kv(self, token_ids: Sequence[int]) -> tuple[list[int], Any] | None:
+        """The KV of the cached prefix of `token_ids` in whole blocks, never covering the last token (what a
+        prefix hit of these tokens uses): (the token ids it covers, a host tensor [layers, 2, blocks,
+        block_size, kv_heads, head_dim]), or None when no block of it is cached."""
+        bs = self.blocks.block_size
+        ids = self.blocks.cached_chain(prefix_hashes(token_ids[: len(token_ids) - 1], bs))
+        if not ids:
+            return None
+        return list(token_ids[: len(ids) * bs]), gather_blocks(self.runner.kv_caches, ids)
+
+    def import_prefix_kv(self, token_ids: Sequence[int], kv: Any) -> int:
+        """Cache KV computed elsewhere for `token_ids` (whole blocks; `kv` as export_prefix_kv gives it), where
+        a request with the same leading tokens finds it as a prefix hit. Returns how many blocks of the chain
+        are cached now (fewer when the cache has no room; 0 with prefix caching off)."""
+        if not self.blocks.enable_prefix_caching:
+            return 0
+        hashes = prefix_hashes(token_ids, self.blocks.block_size)
+        fresh = self.blocks.import_chain(hashes)
+        if fresh:
+            rows = [i for i, _ in fresh]
+            part = kv[:, :, : len(rows)] if rows == list(range(len(rows))) else kv[:, :, rows]
+            scatter_blocks(self.runner.kv_caches, [b for _, b in fresh], part)
+        return len(self.blocks.cached_chain(hashes))
 
     def stats(self) -> EngineStats:
         b = self.blocks

@@ -15,6 +15,9 @@ Two threads, two DEALER sockets to the broker's backend:
   step's Python holds it (measured: benchmarks/results/cpu/broker_relay_realworker*.md).
 
 A request is `"{job_id}#{attempt}"` inside the engine, so a stale attempt never collides with a new one.
+A worker started with a role (`WorkerOptions.role`: disaggregated prefill and decode) hands prefill jobs'
+KV blocks to decode workers and takes them in through `KVRoles` (worker/kv_transfer/roles.py), which the
+engine loop calls at a few points (submit, add, emit, cancel, reset) and which never blocks it.
 A malformed or invalid job is answered with ERROR for that job alone; a prompt that cannot fit the
 context is refused from its length before it is tokenized, and a long text prompt is tokenized off the
 engine loop (worker/prompt_guard.py), so no prompt stalls the loop or the heartbeats. An exception in
@@ -41,6 +44,8 @@ from tokenmill.protocol import InvalidRequest, SamplingParams
 from tokenmill.protocol import wire as p
 from tokenmill.protocol.errors import ProtocolError
 from tokenmill.protocol.keys import apply_client_curve
+from tokenmill.worker.kv_transfer.channel import KVArrival
+from tokenmill.worker.kv_transfer.roles import KVRoles
 from tokenmill.worker.prompt_guard import INLINE_TOKENIZE_CHARS, Tokenized, TokenizerThread
 
 log = structlog.get_logger("tokenmill.worker")
@@ -77,10 +82,15 @@ class WorkerOptions:
     curve_server_key: bytes | None = None
     curve_keypair: tuple[bytes, bytes] | None = None
     idle_wait: float = 0.05  # the loop's longest sleep when it has nothing to run
+    role: str = "both"  # p.WORKER_ROLES: disaggregated prefill and decode (worker/kv_transfer/)
+    kv_address: str = "tcp://127.0.0.1:*"  # a decode worker receives KV blocks here (*: a free port)
+    kv_timeout: float = 30.0  # a decode worker computes the prompt itself if its KV has not come by then
 
     def __post_init__(self) -> None:
-        if not self.heartbeat_interval > 0 or not self.idle_wait > 0:
-            raise ValueError("heartbeat_interval and idle_wait must be positive")
+        if not self.heartbeat_interval > 0 or not self.idle_wait > 0 or not self.kv_timeout > 0:
+            raise ValueError("heartbeat_interval, idle_wait and kv_timeout must be positive")
+        if self.role not in p.WORKER_ROLES:
+            raise ValueError(f"role must be one of {', '.join(p.WORKER_ROLES)}, got {self.role!r}")
         if self.liveness < 1 or self.capacity < 0:
             raise ValueError(f"liveness must be >= 1 and capacity >= 0, got {self.liveness} and {self.capacity}")
 
@@ -224,7 +234,7 @@ class IOThread(threading.Thread):
                 self._request_reset()
         elif isinstance(msg, p.WorkerSubmit):
             self.inbound.put(_Submitted(msg, time.monotonic()))
-        elif isinstance(msg, p.WorkerCancel):
+        elif isinstance(msg, p.WorkerCancel | p.KvLost):
             self.inbound.put(msg)
 
     def _answer_malformed(self, frames: list[bytes], err: ProtocolError) -> None:
@@ -264,6 +274,9 @@ class EngineLoop:
         self.received: dict[str, float] = {}
         tokenize = getattr(engine, "tokenize_prompt", None)
         self.tokenizer = TokenizerThread(tokenize, self.io.inbound.put) if tokenize is not None else None
+        self.kv = KVRoles(engine, opts.role, self._push, ctx, lambda arrival: self.io.inbound.put(arrival),
+                          opts.kv_address, opts.kv_timeout)
+        self.ready = dataclasses.replace(ready, role=opts.role, kv_address=self.kv.address)
 
     def run(self) -> None:
         while not self.stopping.is_set():
@@ -271,6 +284,10 @@ class EngineLoop:
                 raise RuntimeError("worker IO thread failed") from self.io.error
             if not self.io.is_alive():
                 raise RuntimeError("worker IO thread exited")
+            self.kv.check()
+            if self.kv.waiting:
+                for job in self.kv.due(time.monotonic()):
+                    self._submit(job)
             self._drain_inbound(block=not self.engine.has_unfinished_requests())
             if self.engine.has_unfinished_requests():
                 self._emit(self.engine.step())
@@ -299,11 +316,16 @@ class EngineLoop:
             rid = f"{item.job_id}#{item.attempt}"
             self.received.pop(rid, None)
             self.tokenizing.pop(rid, None)
+            self.kv.forget(rid)
             if self.active.pop(rid, None) is not None:
                 self.engine.abort_request(rid)
                 log.debug("job_aborted", job_id=item.job_id, attempt=item.attempt)
         elif isinstance(item, Tokenized):
             self._tokenized(item)
+        elif isinstance(item, KVArrival | p.KvLost):
+            job = self.kv.arrived(item) if isinstance(item, KVArrival) else self.kv.lost(item)
+            if job is not None:
+                self._submit(job)
 
     def _reset(self) -> None:
         for rid in list(self.active):
@@ -312,6 +334,7 @@ class EngineLoop:
         self.active.clear()
         self.tokenizing.clear()
         self.received.clear()
+        self.kv.reset()
         self.generation += 1
         if n:
             log.info("worker_reset", aborted=n)
@@ -336,8 +359,12 @@ class EngineLoop:
 
     def _submit(self, msg: p.WorkerSubmit) -> None:
         rid = f"{msg.job_id}#{msg.attempt}"
+        if self.kv.park(msg):
+            return  # waits for its KV blocks (worker/kv_transfer/roles.py)
         try:
             params = SamplingParams.from_dict(msg.params)
+            if msg.kv_send:
+                params = self.kv.prefill_params(rid, msg, params)
         except InvalidRequest as e:
             self._job_error(msg.job_id, msg.attempt, "invalid", str(e)[:1000])
             return
@@ -372,6 +399,7 @@ class EngineLoop:
             return
         self.active[rid] = (msg.job_id, msg.attempt)
         log.debug("job_admitted", job_id=msg.job_id, attempt=msg.attempt)
+        self.kv.added(rid)
 
     def _emit(self, outputs: list[Any]) -> None:
         """One TOKENS message for the step, then FINISHED and ERRORs (after the tokens they follow), on the
@@ -381,6 +409,11 @@ class EngineLoop:
         finished: list[p.FinishedJob] = []
         errors: list[p.JobError] = []
         active = self.active
+        if self.kv.prefills:
+            for out in outputs:  # a prefill's end is PREFILLED, not FINISHED: no timeline goes out for it
+                if out.finished and out.request_id in self.kv.prefills:
+                    self.received.pop(out.request_id, None)
+            outputs = self.kv.take_outputs(outputs, active)
         for out in outputs:
             job = active.get(out.request_id)
             if job is None:
@@ -425,7 +458,8 @@ class EngineLoop:
 
     def _publish_load(self) -> None:
         s = self.engine.stats()
-        self.io.load = p.WorkerHeartbeat(s.num_running, s.num_waiting, s.num_free_blocks, s.num_cached_blocks,
+        waiting = s.num_waiting + len(self.kv.waiting)  # (jobs waiting for their KV blocks, too)
+        self.io.load = p.WorkerHeartbeat(s.num_running, waiting, s.num_free_blocks, s.num_cached_blocks,
                                          self.steps, getattr(s, "prefix_cache_queries", 0),
                                          getattr(s, "prefix_cache_hits", 0), getattr(s, "num_preemptions", 0))
 
@@ -436,7 +470,7 @@ class EngineLoop:
         return self._byte_table(token_id)
 
     def _push(self, msg: p.Message) -> None:
-        self._send(p.encode(msg))
+        self._send(p.encode(self.kv.converted(msg) if self.kv.prefills else msg))
 
     def _send(self, frames: list[bytes]) -> None:
         assert self.data is not None, "the IO thread's first reset opens the data socket before any SUBMIT"
@@ -497,6 +531,7 @@ def run_worker(engine: EngineLike, opts: WorkerOptions, stop: threading.Event | 
         # Output, then DISCONNECT, in order on one socket: the broker must not migrate a job whose FINISHED
         # is still on the way.
         io.say_goodbye = not loop.close(goodbye=True)
+        loop.kv.close()
         if loop.tokenizer is not None:
             loop.tokenizer.stop()
         io.stop()

@@ -302,6 +302,7 @@ def spec_gpu_figures(r: Mapping[str, Any]) -> dict[str, float]:
     tau = r["tau"].get("4", {}).get("tau")
     return out | ({"eagle_tau_k4": tau} if tau is not None else {})
 
+
 def disagg_figures(r: Mapping[str, Any]) -> dict[str, float]:
     """disagg_bench.py in its headline configuration (the file's `headline`: its defaults on CUDA, every
     request of both configurations completed)."""

@@ -12,6 +12,7 @@ from tokenmill.protocol.sampling import MAX_SPECULATIVE_TOKENS
 LoadFormat = Literal["auto", "hf", "gguf", "dummy"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 Quantization = Literal["auto", "int8", "int4", "fp8"]
+GgufNative = Literal["auto", "on", "off"]
 KVCacheDType = Literal["auto", "fp8"]
 
 
@@ -167,6 +168,9 @@ class EngineConfig:
     # int8 / int4 / fp8 quantize a dense checkpoint on load (worker/quant/)
     quantization: Quantization = "auto"
     kv_cache_dtype: KVCacheDType = "auto"  # "auto": the model dtype; "fp8": e4m3 (needs an FP8 GPU)
+    # GGUF Q8_0 / Q4_0 / Q4_1 projections run from their blocks (worker/quant/gguf.py) or are dequantized on
+    # load: "auto" = native on CUDA, dequantized on the CPU
+    gguf_native: GgufNative = "auto"
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "hf", "gguf", "dummy"):
@@ -181,3 +185,5 @@ class EngineConfig:
             raise ValueError(f"unknown quantization {self.quantization!r}; use auto, int8, int4 or fp8")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use auto or fp8")
+        if self.gguf_native not in ("auto", "on", "off"):
+            raise ValueError(f"unknown gguf_native {self.gguf_native!r}; use auto, on or off")

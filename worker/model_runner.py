@@ -124,7 +124,8 @@ class ModelRunner:
         self.backend = make_backend(config.attention_backend, self.device, config.decode_rope_in_attention)
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
-        self.model = build_model(source, self.backend, self.device, self.dtype, config.quantization)
+        self.model = build_model(source, self.backend, self.device, self.dtype, config.quantization,
+                                 gguf_native=config.gguf_native)
         self.sampler = Sampler()
         self.sampler.warm_up(self.arch.vocab_size, self.device)
         self._wants_piecewise = (self.device.type == "cuda" and config.cuda_graphs and config.piecewise_graphs

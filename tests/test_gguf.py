@@ -189,3 +189,21 @@ def test_q4_k_block_follows_the_ggml_spec() -> None:
     byte = 32 * c + j % 32
     q = np.where(j < 32, byte % 16, 15 - byte % 16)
     np.testing.assert_array_equal(got, q.astype(np.float32) - 1.0)  # 1 * 1 * q - 0.5 * 2
+
+
+@pytest.mark.slow
+def test_embedded_model_native_generates_what_the_dequantized_one_does() -> None:
+    """The engine path (EngineConfig.gguf_native -> the runner's build_model) on the real Q4_1 file: the native
+    engine holds the file's blocks and its greedy tokens equal those of the dequantized one (fp32 CPU)."""
+    from tokenmill.protocol import SamplingParams
+    from tokenmill.worker.engine import LLMEngine
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = ["The capital of France is"]
+    tokens = {}
+    for mode in ("on", "off"):
+        engine = LLMEngine(EngineConfig(model="embedded", device="cpu", dtype="float32", gguf_native=mode))
+        methods = {type(m.method).__name__ for m in projection_layers(engine.runner.model)}
+        assert methods == {"GgufLinearMethod" if mode == "on" else "UnquantizedLinearMethod"}
+        tokens[mode] = [o.token_ids for o in engine.generate(prompts, params)]
+    assert tokens["on"] == tokens["off"] and all(len(t) == 4 for t in tokens["on"])

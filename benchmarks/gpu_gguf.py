@@ -15,6 +15,7 @@ kernels' speed does not depend on the values, and the reference checks whatever 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,45 +59,48 @@ def gguf_layers(n: int, k: int, dev: torch.device) -> dict[str, Any]:
     return layers
 
 
+def each_shape(dev: torch.device) -> Iterator[tuple[str, int, int, dict[str, Any]]]:
+    """(projection, N, K, a layer of each format) for the Llama-3-8B shapes, one shape in memory at a time."""
+    for proj, (n, k) in SHAPES.items():
+        layers = gguf_layers(n, k, dev)
+        yield proj, n, k, layers
+        del layers
+        torch.cuda.empty_cache()
+
+
 def check_kernels(dev: torch.device) -> dict[str, dict[str, float]]:
     from tokenmill.kernels.quant_weight import quant_matmul_ref
 
     errors: dict[str, dict[str, float]] = {}
-    for proj, (n, k) in SHAPES.items():
-        layers = gguf_layers(n, k, dev)
+    for proj, _, k, layers in each_shape(dev):
         for m in (1, 16, 128):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             for qtype, layer in layers.items():
-                got = layer(x).float()
                 ref = quant_matmul_ref(x.float(), layer.method.packed(layer))
-                err = float((got - ref).norm() / ref.norm())
+                err = float((layer(x).float() - ref).norm() / ref.norm())
                 errors.setdefault(qtype, {})[f"{proj}_m{m}"] = err
                 if err > 2e-2:
                     raise AssertionError(f"{qtype} {proj} M={m}: relative error {err:.3e} vs the reference")
-        del layers
-        torch.cuda.empty_cache()
     return errors
 
 
 def kernel_table(dev: torch.device) -> list[dict[str, Any]]:
+    """Median ms of bf16 F.linear (a random dense weight of the shape) and of each format's layer, per M."""
     from triton.testing import do_bench
 
+    def ms(fn: Callable[..., Any], *args: Any) -> float:
+        return float(do_bench(lambda: fn(*args), return_mode="median"))
+
     rows = []
-    for proj, (n, k) in SHAPES.items():
+    for proj, n, k, layers in each_shape(dev):
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
-        layers = gguf_layers(n, k, dev)
         for m in ROWS:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            row: dict[str, Any] = {"proj": proj, "m": m, "n": n, "k": k}
-            row["bf16_ms"] = float(do_bench(lambda x=x, w=w: F.linear(x, w), return_mode="median"))
-            for qtype, layer in layers.items():
-                ms = float(do_bench(lambda x=x, layer=layer: layer(x), return_mode="median"))
-                row[f"{qtype}_ms"] = ms
-                row[f"{qtype}_speedup"] = row["bf16_ms"] / ms
+            row: dict[str, Any] = {"proj": proj, "m": m, "n": n, "k": k, "bf16_ms": ms(F.linear, x, w)}
+            row |= {f"{q}_ms": ms(layer, x) for q, layer in layers.items()}
+            row |= {f"{q}_speedup": row["bf16_ms"] / row[f"{q}_ms"] for q in layers}
             rows.append(row)
             print(row, flush=True)
-        del w, layers
-        torch.cuda.empty_cache()
     return rows
 
 

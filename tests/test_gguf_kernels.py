@@ -18,38 +18,25 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from typing import Any
-
 import gguf.quants
 import numpy as np
 import pytest
+from test_quant_kernels import DEV, DTYPES, _tol, _x
 
+import tokenmill.kernels.quant_gemv as qv
 from tokenmill.kernels.gemv import SkinnyConfig
 from tokenmill.kernels.quant_gemm import GemmConfig, quant_matmul
-from tokenmill.kernels.quant_gemv import (
-    quant_add_rmsnorm_matmul,
-    quant_add_rmsnorm_matmul_ref,
-    quant_silu_mul_matmul,
-    quant_silu_mul_matmul_ref,
-    quant_skinny_matmul,
-)
 from tokenmill.kernels.quant_weight import PackedWeight, check_packed, dequantize_packed, quant_matmul_ref
 from tokenmill.worker.models.layers import Linear
 from tokenmill.worker.quant.gguf import BLOCK_BYTES, NATIVE_TYPES, GgufLinearMethod, repack_blocks
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 QTYPES = sorted(NATIVE_TYPES)
-DTYPES = [torch.float32, torch.float16]
 DOT = SkinnyConfig(block_n=16, block_k=64, num_warps=4, num_stages=2)
 FMA = SkinnyConfig(block_n=8, block_k=64, num_warps=4, num_stages=2, use_dot=False)
 EVEN = SkinnyConfig(block_n=16, block_k=32, num_warps=4, num_stages=2)  # K = 160 = 5 x 32: no masks
 TILE = GemmConfig(block_m=16, block_n=16, block_k=32, group_m=2)
 K, N = 160, 40
-
-
-def _tol(dtype: torch.dtype) -> dict[str, Any]:
-    return {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2e-3}
 
 
 def dense(n: int, k: int, seed: int) -> np.ndarray:
@@ -71,10 +58,6 @@ def packed(layer: Linear) -> PackedWeight:
     w = layer.method.packed(layer)  # type: ignore[attr-defined]
     assert isinstance(w, PackedWeight)
     return w
-
-
-def _x(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEV)
 
 
 def _poisoned(m: int, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -103,8 +86,8 @@ def test_hand_packed_q4_1_block_reaches_the_kernel_in_order() -> None:
     for name, t in repack_blocks(torch.from_numpy(raw[None]).to(DEV), "q4_1").items():
         layer.method.load_weight(layer, name, t, None)
     eye = torch.eye(32, device=DEV)  # two launches of 16 rows (the skinny kernel's most)
-    got = torch.cat([quant_skinny_matmul(eye[:16], packed(layer), config=DOT),
-                     quant_skinny_matmul(eye[16:], packed(layer), config=DOT)])
+    got = torch.cat([qv.quant_skinny_matmul(eye[:16], packed(layer), config=DOT),
+                     qv.quant_skinny_matmul(eye[16:], packed(layer), config=DOT)])
     expected = 2.0 * np.concatenate([lo, hi]).astype(np.float32) - 3.0
     torch.testing.assert_close(got[:, 0].cpu(), torch.from_numpy(expected), atol=0, rtol=0)
 
@@ -118,7 +101,7 @@ def test_skinny_matches_reference(qtype: str, dtype: torch.dtype, m: int) -> Non
     ref = quant_matmul_ref(x, w)
     configs = [DOT, EVEN] + ([FMA] if m == 1 else [])
     for cfg in configs:
-        got = quant_skinny_matmul(x, w, out=_poisoned(m, N, dtype), config=cfg)
+        got = qv.quant_skinny_matmul(x, w, out=_poisoned(m, N, dtype), config=cfg)
         torch.testing.assert_close(got, ref, **_tol(dtype), msg=f"{cfg}")
     torch.testing.assert_close(layer.method.apply(layer, x), ref, **_tol(dtype))
 
@@ -132,19 +115,19 @@ def test_fused_decode_prologues_match_reference(qtype: str, dtype: torch.dtype) 
     h, res = _x((m, K), dtype, 1), _x((m, K), dtype, 2)
     norm_w = (1 + 0.1 * torch.randn(K, generator=torch.Generator().manual_seed(4))).to(dtype).to(DEV)
     y, r = layer.method.apply_add_rmsnorm(layer, h, res, norm_w, 1e-6)  # type: ignore[misc]
-    y_ref, r_ref = quant_add_rmsnorm_matmul_ref(h, res, norm_w, 1e-6, w)
+    y_ref, r_ref = qv.quant_add_rmsnorm_matmul_ref(h, res, norm_w, 1e-6, w)
     torch.testing.assert_close(y, y_ref, **_tol(dtype))
     torch.testing.assert_close(r, r_ref, atol=0, rtol=0)
-    y2, _ = quant_add_rmsnorm_matmul(h, None, norm_w, 1e-6, w, config=DOT)
-    torch.testing.assert_close(y2, quant_add_rmsnorm_matmul_ref(h, None, norm_w, 1e-6, w)[0], **_tol(dtype))
+    y2, _ = qv.quant_add_rmsnorm_matmul(h, None, norm_w, 1e-6, w, config=DOT)
+    torch.testing.assert_close(y2, qv.quant_add_rmsnorm_matmul_ref(h, None, norm_w, 1e-6, w)[0], **_tol(dtype))
 
     down, _ = gguf_layer(qtype, N, K, dtype, seed=5)
     gu = _x((m, 2 * K), dtype, 6)
     got = down.method.apply_silu_mul(down, gu)
     assert got is not None
-    torch.testing.assert_close(got, quant_silu_mul_matmul_ref(gu, packed(down)), **_tol(dtype))
-    got = quant_silu_mul_matmul(gu, packed(down), out=_poisoned(m, N, dtype), config=DOT)
-    torch.testing.assert_close(got, quant_silu_mul_matmul_ref(gu, packed(down)), **_tol(dtype))
+    torch.testing.assert_close(got, qv.quant_silu_mul_matmul_ref(gu, packed(down)), **_tol(dtype))
+    got = qv.quant_silu_mul_matmul(gu, packed(down), out=_poisoned(m, N, dtype), config=DOT)
+    torch.testing.assert_close(got, qv.quant_silu_mul_matmul_ref(gu, packed(down)), **_tol(dtype))
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -177,7 +160,7 @@ def test_bad_blocks_and_tensors_are_refused() -> None:
     }
     for pw in bad.values():
         with pytest.raises(ValueError, match="mins"):
-            quant_skinny_matmul(x, pw)
+            qv.quant_skinny_matmul(x, pw)
         with pytest.raises(ValueError, match="mins"):
             quant_matmul(x, pw)
     with pytest.raises(ValueError, match=r"dtype torch.float32, the gguf format stores torch.int32"):

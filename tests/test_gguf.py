@@ -9,13 +9,19 @@ to rounding here.
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before the kernels are imported (tests/test_gguf_kernels.py runs them)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from pathlib import Path
 from typing import Any
 
 import gguf.quants
 import numpy as np
 import pytest
-import torch
 from gguf import GGMLQuantizationType as Q
 from test_loader import (
     CPU,

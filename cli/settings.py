@@ -228,6 +228,9 @@ SETTINGS: tuple[Setting, ...] = (
        ENGINE_CMDS, "EngineConfig.model"),
     _s("load_format", choice("auto", "hf", "gguf", "dummy"), "auto", "how to read --model", ENGINE_CMDS,
        "EngineConfig.load_format"),
+    _s("gguf_native", choice("auto", "on", "off"), "auto", "GGUF Q8_0 / Q4_0 / Q4_1 projections: run from their "
+       "blocks (on), or dequantize on load (off); auto: native on CUDA when all projections share one of these "
+       "types, dequantized on the CPU (faster there)", ENGINE_CMDS, "EngineConfig.gguf_native"),
     _s("dtype", choice("auto", "float32", "float16", "bfloat16"), "auto", "weights and activations (auto: "
        "bfloat16 on CUDA, float32 on CPU)", ENGINE_CMDS, "EngineConfig.dtype"),
     _s("device", TEXT, "auto", "torch device (auto: cuda if available, else cpu)", ENGINE_CMDS, "EngineConfig.device"),

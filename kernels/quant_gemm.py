@@ -63,12 +63,12 @@ def default_gemm_config(m: int, n: int, k: int) -> GemmConfig:
 @triton.jit
 def _quant_gemm_kernel(
     x_ptr,  # [M, K], row stride stride_xm
-    q_ptr, s_ptr, z_ptr, perm_ptr,  # the PackedWeight's tensors (z / perm unused without HAS_ZEROS / HAS_PERM)
+    q_ptr, s_ptr, z_ptr, m_ptr, perm_ptr,  # the PackedWeight's tensors (z / m / perm: HAS_ZEROS / HAS_MINS / HAS_PERM)
     b_ptr,  # [N] (HAS_BIAS)
     y_ptr,  # [M, N], row stride stride_ym
     M, N, K, G, stride_xm, stride_ym,
     HAS_BIAS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
-    HAS_PERM: tl.constexpr, SCALE_LATER: tl.constexpr,
+    HAS_MINS: tl.constexpr, HAS_PERM: tl.constexpr, SCALE_LATER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -90,6 +90,7 @@ def _quant_gemm_kernel(
     q_rows = q_ptr + rn[:, None] * (K // 8 if BITS == 4 else K)  # [BLOCK_N, 1]
     s_rows = s_ptr + rn[:, None] * G
     z_rows = z_ptr + rn[:, None] * G
+    m_rows = m_ptr + rn[:, None] * G
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -103,8 +104,8 @@ def _quant_gemm_kernel(
             x = tl.load(x_rows + cols[None, :])
         else:
             x = tl.load(x_rows + cols[None, :], mask=(offs_k < K)[None, :], other=0.0)
-        w = dequant_tile(q_rows, s_rows, z_rows, k0, K, dtype, BITS, GROUP, HAS_ZEROS, SCALE_LATER, BLOCK_K,
-                         EVEN_K)  # [BLOCK_N, BLOCK_K]
+        w = dequant_tile(q_rows, s_rows, z_rows, m_rows, k0, K, dtype, BITS, GROUP, HAS_ZEROS, HAS_MINS,
+                         SCALE_LATER, BLOCK_K, EVEN_K)  # [BLOCK_N, BLOCK_K]
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if SCALE_LATER:
         acc *= tl.load(s_ptr + rn * G).to(tl.float32)[None, :]
@@ -137,11 +138,12 @@ def quant_matmul(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = N
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     q = w.qweight
     _quant_gemm_kernel[grid](
-        x, q, w.scales, w.zeros if w.zeros is not None else q, w.perm if w.perm is not None else q,
+        x, q, w.scales, w.zeros if w.zeros is not None else q, w.mins if w.mins is not None else w.scales,
+        w.perm if w.perm is not None else q,
         bias if bias is not None else x, out, m, n, k, w.num_groups, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BITS=w.bits, GROUP=w.group_size, HAS_ZEROS=w.zeros is not None,
-        HAS_PERM=w.perm is not None, SCALE_LATER=scale_later(w), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0,
+        HAS_MINS=w.mins is not None, HAS_PERM=w.perm is not None, SCALE_LATER=scale_later(w),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

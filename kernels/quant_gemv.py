@@ -7,10 +7,11 @@ kernels/quant_weight.py), with the input producers of kernels/gemv.py fused in f
 
 Numerics, arguments, outputs and launch shapes as in kernels/gemv.py (its prologue helpers and SkinnyConfig
 rule are used as they are); the only change is the weight tile: each program streams BLOCK_N packed rows
-once (int8: 1 byte per weight, int4: 4 bits + a scale (+ zero) per group) and dequantizes them in registers
-to the activations' dtype (`dequant_tile`) before the same tl.dot / FMA products. Per-channel symmetric
-weights sum q * x and scale each output once in the epilogue. Act-order weights (perm) gather the activation
-columns through perm; the RMSNorm statistics and the new residual stay in natural column order.
+once (int8: 1 byte per weight, int4: 4 bits + a scale (+ zero or min) per group) and dequantizes them in
+registers to the activations' dtype (`dequant_tile`) before the same tl.dot / FMA products. Per-channel
+symmetric weights sum q * x and scale each output once in the epilogue. Weights with mins (GGUF Q4_1) are
+q * s + m. Act-order weights (perm) gather the activation columns through perm; the RMSNorm statistics and
+the new residual stay in natural column order.
 
 The references are the unfused sequences with the weight dequantized in fp32 and rounded once to the
 activations' dtype (quant_weight.quant_matmul_ref).
@@ -53,12 +54,14 @@ def dequant_tile(
     q_rows,  # [BLOCK_N, 1] pointers to the packed rows (int8 [K] or int32 [K // 8] per row)
     s_rows,  # [BLOCK_N, 1] pointers to the rows of scales [groups]
     z_rows,  # [BLOCK_N, 1] pointers to the rows of zeros [groups] (HAS_ZEROS)
+    m_rows,  # [BLOCK_N, 1] pointers to the rows of mins [groups] (HAS_MINS)
     k0,  # first column of the tile (a multiple of BLOCK_K)
     K,
     dtype: tl.constexpr,  # the activations' dtype: the tile's
     BITS: tl.constexpr,
     GROUP: tl.constexpr,  # group size (per-channel: unused, SCALE_LATER)
     HAS_ZEROS: tl.constexpr,
+    HAS_MINS: tl.constexpr,  # W = q * s + m (GGUF Q4_1): no zero point
     SCALE_LATER: tl.constexpr,  # per-channel symmetric: return (q - z) unscaled, the caller scales the sums
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks
@@ -81,6 +84,15 @@ def dequant_tile(
             q = tl.load(q_rows + offs_k[None, :]).to(tl.float32)
         else:
             q = tl.load(q_rows + offs_k[None, :], mask=k_mask, other=0).to(tl.float32)
+    if HAS_MINS:
+        g = (offs_k // GROUP)[None, :]
+        if EVEN_K:
+            s = tl.load(s_rows + g).to(tl.float32)
+            mn = tl.load(m_rows + g).to(tl.float32)
+        else:
+            s = tl.load(s_rows + g, mask=k_mask, other=0.0).to(tl.float32)
+            mn = tl.load(m_rows + g, mask=k_mask, other=0.0).to(tl.float32)
+        return (q * s + mn).to(dtype)
     if HAS_ZEROS:
         g = (offs_k // GROUP)[None, :]
         if EVEN_K:
@@ -109,6 +121,7 @@ def _quant_skinny_kernel(
     q_ptr,  # packed weight: int8 [N, K] or int32 [N, K // 8]
     s_ptr,  # [N, G] scales
     z_ptr,  # [N, G] uint8 zero points (HAS_ZEROS)
+    m_ptr,  # [N, G] mins (HAS_MINS)
     perm_ptr,  # [K] int32 activation column of each packed column (HAS_PERM)
     b_ptr,  # [N] bias (HAS_BIAS)
     y_ptr,  # [M, N] output, row stride stride_ym
@@ -116,8 +129,8 @@ def _quant_skinny_kernel(
     M, N, K, G,  # G: groups per row (columns of scales / zeros)
     stride_xm, stride_rm, stride_ym, stride_om, eps,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
-    SCALE_LATER: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr,
+    HAS_PERM: tl.constexpr, SCALE_LATER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     STATS_BLOCK: tl.constexpr, EVEN_KS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
@@ -132,6 +145,7 @@ def _quant_skinny_kernel(
     q_rows = q_ptr + rn[:, None] * (K // 8 if BITS == 4 else K)  # [BLOCK_N, 1]
     s_rows = s_ptr + rn[:, None] * G
     z_rows = z_ptr + rn[:, None] * G
+    m_rows = m_ptr + rn[:, None] * G
     x_rows = x_ptr + rm[:, None] * stride_xm  # [BLOCK_M, 1]
     r_rows = res_ptr + rm[:, None] * stride_rm
     pdl_wait(PDL)
@@ -157,8 +171,8 @@ def _quant_skinny_kernel(
             else:
                 cols = tl.load(perm_ptr + offs_k, mask=offs_k < K, other=0)
         x = _x_tile(x_rows, r_rows, nw_ptr, rstd, cols, k_mask, K, dtype, PROLOGUE, HAS_RESIDUAL, EVEN_K)
-        w = dequant_tile(q_rows, s_rows, z_rows, k0, K, dtype, BITS, GROUP, HAS_ZEROS, SCALE_LATER, BLOCK_K,
-                         EVEN_K)  # [BLOCK_N, BLOCK_K]
+        w = dequant_tile(q_rows, s_rows, z_rows, m_rows, k0, K, dtype, BITS, GROUP, HAS_ZEROS, HAS_MINS,
+                         SCALE_LATER, BLOCK_K, EVEN_K)  # [BLOCK_N, BLOCK_K]
         if USE_DOT:
             acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
         else:
@@ -218,12 +232,13 @@ def _launch(prologue: int, x: torch.Tensor, residual: torch.Tensor | None, norm_
     q = w.qweight
     _quant_skinny_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, r_arg, norm_weight if norm_weight is not None else x, q, w.scales,
-        w.zeros if w.zeros is not None else q, w.perm if w.perm is not None else q,
+        w.zeros if w.zeros is not None else q, w.mins if w.mins is not None else w.scales,
+        w.perm if w.perm is not None else q,
         bias if bias is not None else x, out, ro_arg,
         m, n, k, w.num_groups, x.stride(0), r_arg.stride(0), out.stride(0), ro_arg.stride(0), float(eps),
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-        BITS=w.bits, GROUP=w.group_size, HAS_ZEROS=w.zeros is not None, HAS_PERM=w.perm is not None,
-        SCALE_LATER=scale_later(w),
+        BITS=w.bits, GROUP=w.group_size, HAS_ZEROS=w.zeros is not None, HAS_MINS=w.mins is not None,
+        HAS_PERM=w.perm is not None, SCALE_LATER=scale_later(w),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
         STATS_BLOCK=stats_block, EVEN_KS=k % stats_block == 0, USE_DOT=cfg.use_dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", NUM_STAGES=cfg.num_stages,

@@ -6,11 +6,14 @@ A `PackedWeight` stands for a [N, K] matrix (nn.Linear layout: N outputs, K inpu
 that the rows of fused projections (qkv, gate_up) are row ranges of every tensor:
 
     W[n, perm[k]] = (q[n, k] - z[n, k // group_size]) * s[n, k // group_size]     (perm = identity if None)
+    W[n, k] = q[n, k] * s[n, k // group_size] + m[n, k // group_size]                 (with mins: GGUF Q4_1)
 
     qweight  bits 8: int8 [N, K], q = the value itself (symmetric: z = 0)
              bits 4: int32 [N, K // 8]; element k is bits 4j..4j+3 of word k // 8 with j = k % 8, q in 0..15
     scales   [N, ceil(K / group_size)] float16 / bfloat16 / float32 (per-channel: group_size = K, one column)
     zeros    bits 4 only: uint8 [N, ceil(K / group_size)] in 0..15 (asymmetric), or None: z = 8 (symmetric)
+    mins     bits 4 only: [N, ceil(K / group_size)] in a scale dtype, or None: the additive offset of each group
+             (llama.cpp's Q4_1 min; exclusive with zeros and perm)
     perm     int32 [K] or None: act-order (GPTQ desc_act) checkpoints store the columns sorted by group, so that
              each group is a contiguous run of packed columns; y = x[:, perm] @ Wp^T, the kernels gather the
              activation columns through perm (the weight stream itself stays sequential)
@@ -41,6 +44,7 @@ class PackedWeight:
     perm: torch.Tensor | None
     bits: int
     group_size: int
+    mins: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -84,7 +88,13 @@ def check_packed(w: PackedWeight, device: torch.device) -> None:
             raise ValueError(f"zeros must be {shapes['zeros']} uint8, got {tuple(w.zeros.shape)} {w.zeros.dtype}")
     if w.perm is not None and (tuple(w.perm.shape) != (k,) or w.perm.dtype != torch.int32):
         raise ValueError(f"perm must be [{k}] int32, got {tuple(w.perm.shape)} {w.perm.dtype}")
-    for name, t in (("qweight", q), ("scales", w.scales), ("zeros", w.zeros), ("perm", w.perm)):
+    if w.mins is not None:
+        if w.bits != 4 or w.zeros is not None or w.perm is not None:
+            raise ValueError("mins are only supported for 4-bit weights without zeros or perm")
+        if tuple(w.mins.shape) != shapes["scales"] or w.mins.dtype not in SCALE_DTYPES:
+            raise ValueError(f"mins must be {shapes['scales']} float16/bfloat16/float32, got "
+                             f"{tuple(w.mins.shape)} {w.mins.dtype}")
+    for name, t in (("qweight", q), ("scales", w.scales), ("zeros", w.zeros), ("perm", w.perm), ("mins", w.mins)):
         if t is None:
             continue
         if t.device != device:
@@ -151,6 +161,8 @@ def dequantize_packed(w: PackedWeight) -> torch.Tensor:
     """The float32 matrix W [N, K] in input column order (perm undone)."""
     k = w.shape[1]
     q = unpacked_q(w).float()
+    if w.mins is not None:
+        return q * _per_column(w.scales.float(), w.group_size, k) + _per_column(w.mins.float(), w.group_size, k)
     if w.zeros is not None:
         z = _per_column(w.zeros.float(), w.group_size, k)
     else:
@@ -171,4 +183,4 @@ def quant_matmul_ref(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None
 
 def scale_later(w: PackedWeight) -> bool:
     """Per-channel symmetric weights (one scale per row): the kernels sum q * x and scale the sums once."""
-    return w.zeros is None and w.num_groups == 1
+    return w.zeros is None and w.mins is None and w.num_groups == 1

@@ -98,7 +98,8 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def write_gguf(path: Path, arch: str, cfg: dict[str, int | float], state: dict[str, np.ndarray],
                types: dict[str, Q], head_dim: int | None = None) -> None:
-    """state: GGUF-named float32 arrays in HF [out, in] layout; types: per-name ggml type (default F32)."""
+    """state: GGUF-named float32 arrays in HF [out, in] layout (or uint8 arrays: the type's raw blocks, rows
+    [out, bytes]); types: per-name ggml type (default F32)."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(int(cfg["num_hidden_layers"]))
     w.add_context_length(int(cfg["max_position_embeddings"]))
@@ -115,7 +116,7 @@ def write_gguf(path: Path, arch: str, cfg: dict[str, int | float], state: dict[s
     w.add_eos_token_id(2)
     for name, arr in state.items():
         qtype = types.get(name, Q.F32)
-        data = gguf.quants.quantize(arr.astype(np.float32), qtype)
+        data = arr if arr.dtype == np.uint8 else gguf.quants.quantize(arr.astype(np.float32), qtype)
         w.add_tensor(name, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -241,7 +241,7 @@ def _sm90_compile_all() -> None:
     def build(fn: Any, consts: dict[str, Any], ints: tuple[str, ...], warps: int, stages: int) -> str:
         names = list(fn.arg_names)
         ptr_types = {"q_ptr": "*i32" if consts["BITS"] == 4 else "*i8", "z_ptr": "*u8", "perm_ptr": "*i32",
-                     "s_ptr": "*fp16"}
+                     "s_ptr": "*fp16", "m_ptr": "*fp16"}
         sig = {a: "constexpr" if a in consts else ptr_types.get(a, "*bf16") if a.endswith("_ptr") else
                "fp32" if a == "eps" else "i32" for a in names}
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a.endswith("_ptr") or a in ints}
@@ -249,8 +249,11 @@ def _sm90_compile_all() -> None:
                                 target=target, options={"num_warps": warps, "num_stages": stages})
         return str(kernel.asm["ttgir"])
 
-    for bits, group, zeros, perm in ((4, 128, False, False), (4, 128, True, True), (8, 4096, False, False)):
-        fmt = {"BITS": bits, "GROUP": group, "HAS_ZEROS": zeros, "HAS_PERM": perm, "SCALE_LATER": bits == 8}
+    formats = ((4, 128, False, False, False), (4, 128, True, True, False), (8, 4096, False, False, False),
+               (4, 32, False, False, True), (8, 32, False, False, False))  # the last two: GGUF Q4_1, Q8_0
+    for bits, group, zeros, perm, mins in formats:
+        fmt = {"BITS": bits, "GROUP": group, "HAS_ZEROS": zeros, "HAS_MINS": mins, "HAS_PERM": perm,
+               "SCALE_LATER": bits == 8 and group > 32}
         for prologue, m, use_dot in ((0, 1, False), (1, 1, False), (2, 8, True), (1, 16, True)):
             consts = {**fmt, "PROLOGUE": prologue, "HAS_RESIDUAL": prologue == 1, "HAS_BIAS": False,
                       "BLOCK_M": m if use_dot else 1, "BLOCK_N": 16, "BLOCK_K": 256, "EVEN_K": True,

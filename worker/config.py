@@ -12,6 +12,7 @@ from tokenmill.protocol.sampling import MAX_SPECULATIVE_TOKENS
 LoadFormat = Literal["auto", "hf", "gguf", "dummy"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 Quantization = Literal["auto", "int8", "int4", "fp8"]
+GgufNative = Literal["auto", "on", "off"]
 KVCacheDType = Literal["auto", "fp8"]
 
 
@@ -176,6 +177,9 @@ class EngineConfig:
     # ranks (one process and device each) the model's heads, MLP columns and vocabulary are split over
     # (worker/parallel/); the broker still sees one worker
     tensor_parallel_size: int = 1
+    # GGUF Q8_0 / Q4_0 / Q4_1 projections run from their blocks (worker/quant/gguf.py) or are dequantized on
+    # load: "auto" = native on CUDA, dequantized on the CPU
+    gguf_native: GgufNative = "auto"
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "hf", "gguf", "dummy"):
@@ -196,3 +200,8 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.speculative.method == "eagle":
             # the head drafts through the target's embedding and LM head, which TP splits by vocabulary
             raise ValueError("--speculative eagle does not run with --tensor-parallel-size > 1 yet (ngram does)")
+        if self.gguf_native not in ("auto", "on", "off"):
+            raise ValueError(f"unknown gguf_native {self.gguf_native!r}; use auto, on or off")
+        if self.tensor_parallel_size > 1 and self.gguf_native == "on":
+            raise ValueError("--gguf-native on does not split GGUF blocks over tensor-parallel ranks: use auto or off "
+                             "(the ranks dequantize them)")

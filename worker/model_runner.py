@@ -139,7 +139,10 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         layers = SINGLE_DEVICE if tp is None else TensorParallelLayers(tp)
-        self.model = build_model(source, self.backend, self.device, self.dtype, config.quantization, layers=layers)
+        # GGUF blocks are not split across ranks: tensor-parallel ranks dequantize them (EngineConfig refuses "on")
+        gguf_native = config.gguf_native if tp is None else "off"
+        self.model = build_model(source, self.backend, self.device, self.dtype, config.quantization,
+                                 gguf_native=gguf_native, layers=layers)
         self.sampler = Sampler()
         self.sampler.warm_up(self.arch.vocab_size, self.device)
         self._wants_piecewise = (self.device.type == "cuda" and config.cuda_graphs and config.piecewise_graphs

@@ -1,7 +1,12 @@
-"""GGUF files (llama.cpp): metadata -> ModelArch, tensors -> dequantized HF-named weights.
+"""GGUF files (llama.cpp): metadata -> ModelArch, tensors -> HF-named weights.
 
-Supported tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, dequantized to float32 one tensor at a time
-(with ggml's numpy reference on CPU, with the torch kernels below on the target device otherwise).
+Supported tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1 and the K-quants Q2_K..Q6_K (the Q4_K_M / Q5_K_M
+files most GGUF users hold). By default every tensor is dequantized to float32 one at a time (with ggml's numpy
+reference on CPU, and for the K-quants everywhere; with the torch kernels below for Q8_0 / Q4_0 / Q4_1 on
+other devices). When the decoder-layer projections all share one of Q8_0, Q4_0, Q4_1, they can instead run
+from their blocks (`native_projection_type`, worker/quant/gguf.py): iter_gguf_weights(native=...) then hands
+each projection over as that method's tensors, repacked on the target device with the same bits, never
+dequantized (embeddings, norms and lm_head are dequantized as before).
 llama.cpp stores the Q and K projections of the "llama" architecture with the rows of every head
 permuted (it uses interleaved-pair rope); that permutation is undone here so the weights fit the
 HF/neox rotate_half convention used by the model. qwen2/qwen3 GGUFs are stored unpermuted.
@@ -19,16 +24,21 @@ import gguf.quants
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.constants import GGML_QUANT_SIZES
 
 from tokenmill.worker.config import ModelArch, RopeScaling
 from tokenmill.worker.models.layers import ModelLoadError, rope_inv_freq
+from tokenmill.worker.quant.gguf import NATIVE_TYPES, GgufLinearMethod, repack_blocks
 
 SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
 
 # ggml block layouts: elements per block, bytes per block.
-_QK = 32
 _BLOCK_BYTES = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+# dequantized by gguf.quants (numpy) on every device: blocks of 256 with packed sub-block scales
+_K_QUANTS = (GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K,
+             GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
+_SUPPORTED = "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K"
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -174,22 +184,27 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def dequantize(t: ReaderTensor, device: torch.device) -> torch.Tensor:
-    """The tensor as float32 on device, shaped in numpy/HF order (reversed ggml dims)."""
+def _checked(t: ReaderTensor) -> tuple[GGMLQuantizationType, tuple[int, ...]]:
+    """(type, numpy/HF-order shape) of a tensor of a supported type whose byte count fits its shape."""
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     qtype = GGMLQuantizationType(t.tensor_type)
-    if qtype not in _FLOAT_TYPES and qtype not in _BLOCK_BYTES:
-        raise ModelLoadError(f"GGUF tensor {t.name!r} has unsupported type {qtype.name} "
-                             f"(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)")
+    if qtype not in _FLOAT_TYPES and qtype not in _BLOCK_BYTES and qtype not in _K_QUANTS:
+        raise ModelLoadError(f"GGUF tensor {t.name!r} has unsupported type {qtype.name} (supported: {_SUPPORTED})")
     numel = int(np.prod(shape))
-    expected_bytes = numel * 4 if qtype == GGMLQuantizationType.F32 else (
-        numel * 2 if qtype in _FLOAT_TYPES else numel // _QK * _BLOCK_BYTES[qtype])
-    if t.data.nbytes != expected_bytes or (qtype in _BLOCK_BYTES and numel % _QK):
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    expected_bytes = numel // block * block_bytes
+    if t.data.nbytes != expected_bytes or numel % block or shape[-1] % block:
         raise ModelLoadError(f"GGUF tensor {t.name!r} holds {t.data.nbytes} bytes, "
                              f"{qtype.name} {shape} needs {expected_bytes} (corrupt file?)")
-    if qtype in _BLOCK_BYTES and device.type == "cpu":
+    return qtype, shape
+
+
+def dequantize(t: ReaderTensor, device: torch.device) -> torch.Tensor:
+    """The tensor as float32 on device, shaped in numpy/HF order (reversed ggml dims)."""
+    qtype, shape = _checked(t)
+    if qtype in _K_QUANTS or (qtype in _BLOCK_BYTES and device.type == "cpu"):
         # ggml's numpy reference is several times faster than the torch kernels below on CPU.
-        return torch.from_numpy(gguf.quants.dequantize(t.data, qtype)).reshape(shape)
+        return torch.from_numpy(gguf.quants.dequantize(t.data, qtype)).reshape(shape).to(device)
     raw = torch.from_numpy(np.array(t.data)).to(device)  # copied out of the read-only memmap
     if qtype == GGMLQuantizationType.BF16:
         return raw.reshape(-1).view(torch.bfloat16).float().reshape(shape)
@@ -219,18 +234,59 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType) -> torc
     return _f16(blocks, 0) * _nibbles(blocks[:, 4:]) + _f16(blocks, 2)
 
 
+def _is_projection_weight(hf: str) -> bool:
+    parts = hf.split(".")  # model.layers.N.<self_attn|mlp>.<x>_proj.weight
+    return len(parts) == 6 and parts[1] == "layers" and parts[4].endswith("_proj") and parts[5] == "weight"
+
+
+def projection_types(reader: GGUFReader) -> dict[str, int]:
+    """ggml type name -> how many decoder-layer projection weights (q/k/v/o/gate/up/down) the file stores in it."""
+    counts: dict[str, int] = {}
+    for t in reader.tensors:
+        if t.name not in _SKIPPED and _is_projection_weight(hf_name(t.name)):
+            qname = GGMLQuantizationType(t.tensor_type).name
+            counts[qname] = counts.get(qname, 0) + 1
+    return counts
+
+
+def native_projection_type(reader: GGUFReader) -> str | None:
+    """The GgufLinearMethod type ("q8_0", "q4_0", "q4_1") that every projection weight of the file is stored in,
+    or None when they use another type or several (then the file is dequantized on load)."""
+    types = projection_types(reader)
+    if len(types) != 1:
+        return None
+    qtype = next(iter(types)).lower()
+    return qtype if qtype in NATIVE_TYPES else None
+
+
+def _native_tensors(t: ReaderTensor, method: GgufLinearMethod, device: torch.device) -> dict[str, torch.Tensor]:
+    """A projection weight's blocks -> method's canonical tensors on device (repacked, the same bits)."""
+    qtype, shape = _checked(t)
+    if qtype.name.lower() != method.qtype:
+        raise ModelLoadError(f"GGUF tensor {t.name!r} is {qtype.name}; the model runs {method.qtype.upper()} "
+                             "blocks natively (every projection must share one type)")
+    raw = torch.from_numpy(np.array(t.data)).to(device)  # copied out of the read-only memmap
+    return repack_blocks(raw.reshape(shape[0], -1), method.qtype)
+
+
 def iter_gguf_weights(
-    path: Path, arch: ModelArch, device: torch.device, dtype: torch.dtype
+    path: Path, arch: ModelArch, device: torch.device, dtype: torch.dtype, native: GgufLinearMethod | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, dequantized tensor on device in dtype), one tensor at a time."""
+    """(HF name, tensor on device), one tensor at a time: dequantized in dtype, except with `native` the
+    decoder-layer projection weights, which come as native's canonical tensors (`<prefix>.qweight`,
+    `.scales`, `.mins`; every one has the output rows first, so the llama Q/K rows are un-permuted alike)."""
     reader = open_gguf(path)
     for t in reader.tensors:
         if t.name in _SKIPPED:
             continue
         name = hf_name(t.name)
-        w = dequantize(t, device)
-        if arch.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute_qk(w, arch.num_heads)
-        elif arch.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute_qk(w, arch.num_kv_heads)
-        yield name, w.to(dtype)
+        if native is not None and _is_projection_weight(name):
+            parts = {name.removesuffix("weight") + k: v for k, v in _native_tensors(t, native, device).items()}
+        else:
+            parts = {name: dequantize(t, device).to(dtype)}
+        for part, w in parts.items():
+            if arch.arch == "llama" and ".q_proj." in part:
+                w = unpermute_qk(w, arch.num_heads)
+            elif arch.arch == "llama" and ".k_proj." in part:
+                w = unpermute_qk(w, arch.num_kv_heads)
+            yield part, w

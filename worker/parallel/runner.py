@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -110,8 +111,8 @@ class TPModelRunner(ModelRunner):
         return super()._ship(tensors)
 
     def launch(self, batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
-               prev: PendingStep | None = None) -> PendingStep:
-        pending = super().launch(batch, eos_token_ids, prev)
+               prev: PendingStep | None = None, keep_features: Sequence[int] = ()) -> PendingStep:
+        pending = super().launch(batch, eos_token_ids, prev, keep_features)
         if pending.sampled is not None:  # one id per logits row: the other ranks' tokens in flight
             self.group.broadcast(pending.sampled)
         return pending

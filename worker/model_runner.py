@@ -145,8 +145,11 @@ class ModelRunner:
                                  gguf_native=gguf_native, layers=layers)
         self.sampler = Sampler()
         self.sampler.warm_up(self.arch.vocab_size, self.device)
-        self._wants_piecewise = (self.device.type == "cuda" and config.cuda_graphs and config.piecewise_graphs
-                                 and hasattr(self.backend, "split"))
+        # The torch reference attention indexes by masks (host syncs): its steps run eagerly, without graphs.
+        graphs = self.device.type == "cuda" and config.cuda_graphs and self.backend.graph_safe
+        if self.device.type == "cuda" and config.cuda_graphs and not graphs:
+            log.info("CUDA graphs off: the %s attention backend cannot be captured", self.backend.name)
+        self._wants_piecewise = graphs and config.piecewise_graphs and hasattr(self.backend, "split")
         self.num_blocks = self._size_kv_cache(config.cache)
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.arch.head_dim)
         # Zeroed so that padding rows of a graph replay read finite values.
@@ -158,7 +161,7 @@ class ModelRunner:
         # fp8 caches: the first step sets every layer's K/V scales (worker/attention/kv_scales.py)
         self._calibrate_kv = self.kv_dtype == torch.float8_e4m3fn
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and config.cuda_graphs:
+        if graphs:
             self.graphs = DecodeGraphs(
                 self.model, self.kv_caches, graph_batch_sizes(config.scheduler.max_num_seqs),
                 -(-max_model_len // self.block_size), max_model_len, self.arch.hidden_size, self.device)

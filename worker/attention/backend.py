@@ -84,6 +84,8 @@ class AttentionBackend(ABC):
     fp8 cache first sets its kv_scales from this step's rotated keys and values (kv_scales.calibrate)."""
 
     name: ClassVar[str]
+    # whether a step through it can be captured in a CUDA graph (no host syncs, no data-dependent shapes)
+    graph_safe: ClassVar[bool] = False
     calibrate_kv_scales: bool = False
 
     @abstractmethod

@@ -23,6 +23,7 @@ from tokenmill.worker.attention.kv_scales import calibrate
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    graph_safe = True
 
     def __init__(self, decode_rope_in_attention: bool = True) -> None:
         # Decode-only steps fold rotary + cache write into the attention kernel; False keeps the separate

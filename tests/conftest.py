@@ -1,0 +1,24 @@
+"""Isolation between tests that run commands in-process: a command configures logging for its process and exports
+its level and format (protocol/logs.py) so that the processes it starts agree. In the test process that export
+would outlive the test and reach every worker a later test starts (an exported "warning" hides the info lines
+those tests read). Each test gets the logging environment it started with back."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tokenmill.protocol.logs import FORMAT_ENV, JSON_ENV, LEVEL_ENV
+
+
+@pytest.fixture(autouse=True)
+def _logging_environment_restored() -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in (LEVEL_ENV, FORMAT_ENV, JSON_ENV)}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

@@ -62,8 +62,6 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
     configure_from_env("info")
     import torch
 
-    from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
-    from tokenmill.worker.engine import LLMEngine
     from tokenmill.worker.spec.eagle_train import EagleTrainConfig, train
 
     try:
@@ -72,20 +70,19 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
                                   time_limit_s=args.time_limit_s, cache_features=not args.online_features)
         if args.max_len < 2 or args.heldout < 1 or args.num_sequences <= args.heldout:
             raise ValueError("need --max-len >= 2, --heldout >= 1 and --num-sequences > --heldout")
-        if args.replies == "self" and _sharegpt_file(args.data) is False:
+        if args.replies == "self" and not _is_sharegpt(args.data):
             raise ValueError("--replies self needs ShareGPT data (--data sharegpt or a .json file): the prompts")
     except ValueError as e:
         print(f"tokenmill: error: {e}", file=sys.stderr)
         return 2
-    engine = LLMEngine(EngineConfig(
-        model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
-        max_model_len=args.max_len, cuda_graphs=False, async_scheduling=False,
-        cache=CacheConfig(num_blocks=FEATURE_BATCH * -(-args.max_len // 16) + 1),
-        scheduler=SchedulerConfig(max_num_seqs=FEATURE_BATCH, max_num_batched_tokens=FEATURE_BATCH * args.max_len)))
     try:
+        # --replies self: the replies first, from a batch engine of their own that is gone before the training
+        # engine loads the model again (one copy of it in memory at a time)
         if args.replies == "self":
             seqs = _self_replies(args, args.num_sequences, args.max_len)
+            engine = _training_engine(args)
         else:
+            engine = _training_engine(args)
             seqs = _sequences(engine, args.data, args.num_sequences, args.max_len)
     except (OSError, ValueError) as e:
         print(f"tokenmill: error: --data {args.data}: {e}", file=sys.stderr)
@@ -111,11 +108,26 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sharegpt_file(data: str) -> str | bool:
-    """"" for the packaged ShareGPT, the path of a ShareGPT .json file, False for anything else."""
-    if data == "sharegpt":
-        return ""
-    return data if data.endswith(".json") else False
+def _training_engine(args: argparse.Namespace) -> Any:
+    """The target whose features the head trains on: eager, its KV cache scratch for FEATURE_BATCH sequences."""
+    from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
+    from tokenmill.worker.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(
+        model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
+        max_model_len=args.max_len, cuda_graphs=False, async_scheduling=False,
+        cache=CacheConfig(num_blocks=FEATURE_BATCH * -(-args.max_len // 16) + 1),
+        scheduler=SchedulerConfig(max_num_seqs=FEATURE_BATCH, max_num_batched_tokens=FEATURE_BATCH * args.max_len)))
+
+
+def _is_sharegpt(data: str) -> bool:
+    """--data names ShareGPT records: the packaged file ("sharegpt") or a ShareGPT-format .json file."""
+    return data == "sharegpt" or data.endswith(".json")
+
+
+def _sharegpt_path(data: str) -> str | None:
+    """The ShareGPT file of --data for sharegpt_pairs (None: the packaged one)."""
+    return None if data == "sharegpt" else data
 
 
 def _self_replies(args: argparse.Namespace, n: int, max_len: int) -> list[list[int]]:
@@ -135,7 +147,7 @@ def _self_replies(args: argparse.Namespace, n: int, max_len: int) -> list[list[i
                                  max_model_len=max_len, scheduler=SchedulerConfig(max_num_seqs=256)))
     tok = gen.tokenizer
     prompts: list[list[int]] = []
-    for human, _ in sharegpt_pairs(_sharegpt_file(args.data) or None):
+    for human, _ in sharegpt_pairs(_sharegpt_path(args.data)):
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": human}], add_generation_prompt=True),
                          add_special_tokens=False)
         if 2 <= len(ids) <= max_len // 2:
@@ -155,10 +167,10 @@ def _sequences(engine: Any, data: str, n: int, max_len: int) -> list[list[int]]:
     """Token sequences of at least 2 tokens, cut to max_len, at most n."""
     tok = engine.tokenizer
     out: list[list[int]] = []
-    if (sharegpt := _sharegpt_file(data)) is not False:
+    if _is_sharegpt(data):
         from tokenmill.benchmarks.datasets import sharegpt_pairs
 
-        for human, reply in sharegpt_pairs(sharegpt or None):
+        for human, reply in sharegpt_pairs(_sharegpt_path(data)):
             chat = [{"role": "user", "content": human}, {"role": "assistant", "content": reply}]
             text = tok.apply_chat_template(chat, add_generation_prompt=False)
             out.append(tok.encode(text, add_special_tokens=False)[:max_len])

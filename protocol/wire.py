@@ -858,9 +858,9 @@ class FinishedJob:
 
     @staticmethod
     def from_wire(obj: Any) -> FinishedJob:
-        # five items from a worker that does not measure timelines (older ones), six otherwise
-        fields = obj if isinstance(obj, list) and len(obj) == 5 else _tuple(obj, "finished job", 6)
-        job_id, attempt, reason, stop, usage, tl = [*fields, None][:6]
+        if isinstance(obj, list) and len(obj) == 5:  # from a worker that does not measure timelines
+            obj = [*obj, None]
+        job_id, attempt, reason, stop, usage, tl = _tuple(obj, "finished job", 6)
         return FinishedJob(_ident(job_id, "job_id"), _int(attempt, "attempt", 0, MAX_ATTEMPT),
                            _finish_reason(reason), _stop_reason(stop), _usage(usage), _opt_timeline(tl))
 

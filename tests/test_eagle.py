@@ -153,3 +153,31 @@ def test_train_eagle_command_smoke_run(engine: LLMEngine, sequences: list[list[i
     data.write_text('{"token_ids": [1, 99999]}\n')
     assert main([*argv[:6], str(tmp_path / "h2"), *argv[7:]]) == 2
     assert "line 1" in capsys.readouterr().err
+
+
+def test_train_eagle_on_the_targets_own_replies(engine: LLMEngine, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """--replies self: each ShareGPT prompt (chat template, generation prompt) followed by the target's own greedy
+    reply, as --save-sequences writes them; without ShareGPT data it is refused."""
+    turns = ["Name a color.", "Count to three.", "Say hi.", "What is two plus two?", "Pick a fruit."]
+    records = [{"id": str(i), "conversations": [{"from": "human", "value": t}, {"from": "gpt", "value": "x"}]}
+               for i, t in enumerate(turns)]
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps(records))
+    saved = tmp_path / "seqs.jsonl"
+    argv = ["train-eagle", "--model", engine.config.model, "--data", str(data), "--replies", "self",
+            "--save-sequences", str(saved), "--out", str(tmp_path / "head"), "--steps", "2", "--heldout", "1",
+            "--max-len", "160", "--device", "cpu", "--dtype", "float32"]
+    assert main(argv) == 0
+    seqs = [json.loads(line)["token_ids"] for line in saved.read_text().splitlines()]
+    assert len(seqs) == len(turns)
+    tok = engine.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": turns[0]}], add_generation_prompt=True),
+                        add_special_tokens=False)
+    reply = engine.generate([prompt], SamplingParams(max_tokens=160 - len(prompt), temperature=0.0))[0].token_ids
+    assert seqs[0] == prompt + reply
+    capsys.readouterr()
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text('{"token_ids": [1, 2, 3]}\n')
+    assert main([*argv[:4], str(jsonl), *argv[5:]]) == 2
+    assert "--replies self needs ShareGPT data" in capsys.readouterr().err

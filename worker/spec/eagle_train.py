@@ -86,18 +86,20 @@ def target_features(runner: ModelRunner, seq: Sequence[int]) -> Tensor:
 def all_features(runner: ModelRunner, seqs: Sequence[Sequence[int]]) -> list[Tensor]:
     """target_features_batch over every sequence, as many per forward as the KV cache holds; kept on the
     runner's device in its dtype (EAGLE trains on fixed target features: computed once, not every step)."""
-    need = sum(map(len, seqs)) * runner.arch.hidden_size * runner.kv_caches[0][0].element_size()
+    need = sum(map(len, seqs)) * runner.arch.hidden_size * runner.dtype.itemsize
     if runner.device.type == "cuda" and need > 0.8 * torch.cuda.mem_get_info(runner.device)[0]:
         raise ValueError(f"the target features of {len(seqs)} sequences take {need / 2**30:.1f} GiB, more than "
                          "the device has free: train on fewer or shorter sequences, or with online features")
     out: list[Tensor] = []
     group: list[Sequence[int]] = []
+    blocks = 0  # of the sequences in `group`
     for seq in seqs:
-        blocks = sum(-(-len(s) // runner.block_size) for s in [*group, seq])
-        if group and blocks > runner.num_blocks:
+        need_blocks = -(-len(seq) // runner.block_size)
+        if group and blocks + need_blocks > runner.num_blocks:
             out += target_features_batch(runner, group)
-            group = []
+            group, blocks = [], 0
         group.append(seq)
+        blocks += need_blocks
     if group:
         out += target_features_batch(runner, group)
     return out

@@ -3,7 +3,8 @@
 # sections on a baseline commit and on this tree, one after the other on the same GPU.
 #
 # Here, once: ../shared/device/fetch-wheels.sh platformdirs; the ShareGPT wheel and tokenizer in .cache/ (see
-# gpu_suite.sh); the baseline as a tarball: git archive -o .cache/before.tar <commit>
+# gpu_suite.sh); the baseline as a tarball: git archive -o .cache/before.tar <commit>. Every side but "after" is a
+# baseline: side X is .cache/X.tar (a bisection: AB_SIDES="before c1 c2 after" with .cache/c1.tar, .cache/c2.tar).
 # Device call: run(command="bash benchmarks/gpu_ab.sh", carry=[".whl", ".cache"], timeout_s=600)
 # Environment: AB_TESTS (pytest paths, "" skips), AB_SECTIONS (suite sections, default engine,sharegpt,prefix),
 # AB_BUDGET_S (per suite run, default 150), AB_SIDES (default "before after"), AB_CMD (a benchmark command run on
@@ -15,9 +16,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENMILL_CACHE=/tmp/tokenmill-cache
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install -q --no-deps --no-build-isolation -e .
 [ -f .cache/smollm2-tokenizer.json ] && export TOKENMILL_LENGTH_TOKENIZER=$PWD/.cache/smollm2-tokenizer.json
-# the baseline, installed (not editable) beside this tree's editable install
-mkdir -p /tmp/before && tar xf .cache/before.tar -C /tmp/before
-python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/before_site /tmp/before 2>&1 | tail -2
+# each baseline, installed (not editable) beside this tree's editable install
+for side in ${AB_SIDES:-before after}; do
+  [ $side = after ] && continue
+  mkdir -p /tmp/$side && tar xf .cache/$side.tar -C /tmp/$side
+  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/${side}_site /tmp/$side 2>&1 | tail -2
+done
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader | tee "$R/gpu.txt"
 [ -n "${AB_SECTIONS-x}" ] && SUITE_DIR=none SUITE_BUDGET_S=1 SUITE_ARGS="--sections none" bash benchmarks/gpu_suite.sh \
   >/dev/null 2>&1  # the ShareGPT JSON into the cache, for the suite sections
@@ -28,7 +32,7 @@ fi
 echo "== tests done at $(( SECONDS - start )) s"
 sections=${AB_SECTIONS-engine,sharegpt,prefix}
 for side in ${AB_SIDES:-before after}; do
-  if [ $side = before ]; then pp=/tmp/before_site:$PYTHONPATH; else pp=$PYTHONPATH; fi
+  if [ $side = after ]; then pp=$PYTHONPATH; else pp=/tmp/${side}_site:$PYTHONPATH; fi
   # AB_CMD: benchmark commands separated by ";;", each given --out (e.g. "python3 -m tokenmill.benchmarks.gpu_e2e
   # --batches 1,8 --fill-requests 0 ;; python3 -m tokenmill.benchmarks.broker_bench --latency-steps 2000")
   i=0

@@ -349,3 +349,23 @@ def test_fixed_section_alone_at_full_size_then_merged(tmp_path: Path) -> None:
     assert merged["fixed"]["completed"] == 40 and "output_tok_per_s" in merged["sharegpt"]
     assert len(merged["prefix"]["rows"]) == 2 and "ladder.png" in merged["plots"]
     assert "fixed 16 in / 4 out x 40" in (tmp_path / "m" / "suite.md").read_text()
+
+
+def test_trace_gaps_counts_overlapping_kernel_pairs() -> None:
+    from tokenmill.benchmarks.trace_gaps import gap_stats
+
+    def kernel(name: str, ts: float, dur: float) -> dict:
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    trace = {"traceEvents": [
+        kernel("attn", 0.0, 10.0), kernel("reduce", 9.5, 2.0),  # overlaps by 0.5 us
+        kernel("o_proj", 12.0, 5.0),  # starts 0.5 us after reduce ends
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1.0, "dur": 30.0},  # host events are ignored
+        kernel("attn", 17.0, 3.0),
+    ]}
+    s = gap_stats(trace)
+    assert (s.kernels, s.pairs, s.overlapping) == (4, 3, 1)
+    assert s.median_gap_us == pytest.approx(0.0) and s.busy_ms == pytest.approx(0.020)
+    assert ("reduce", "o_proj", 1) in s.no_overlap_pairs and all(p[:2] != ("attn", "reduce") for p in s.no_overlap_pairs)
+    with pytest.raises(ValueError, match="fewer than two"):
+        gap_stats({"traceEvents": [kernel("attn", 0.0, 1.0)]})

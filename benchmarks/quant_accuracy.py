@@ -58,6 +58,8 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-reply-tokens", type=int, default=128, help="the reply's first tokens")
     p.add_argument("--num-calibration", type=int, default=16, help="GPTQ calibration exchanges (the file's first)")
     p.add_argument("--calibration-tokens", type=int, default=512)
+    p.add_argument("--int4-asymmetric", action="store_true", help="INT4 with zero points (default: symmetric)")
+    p.add_argument("--act-order", action="store_true", help="GPTQ quantizes columns in descending Hessian order")
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--work", default=None, help="folder for the INT4 checkpoints (default: a temporary one)")
     p.add_argument("--threads", type=int, default=0)
@@ -112,7 +114,8 @@ def _checkpoint(model: str, work: Path, gptq: bool, args: argparse.Namespace) ->
     out = work / ("int4_gptq" if gptq else "int4_rtn")
     if not (out / "model.safetensors").is_file():
         ns = argparse.Namespace(model=model, load_format="auto", method="int4", group_size=GROUP_SIZE,
-                                asymmetric=False, gptq=gptq, act_order=False, calibration="sharegpt",
+                                asymmetric=args.int4_asymmetric, gptq=gptq, act_order=gptq and args.act_order,
+                                calibration="sharegpt",
                                 num_calibration=args.num_calibration, calibration_tokens=args.calibration_tokens,
                                 format="gptq", dtype="float32", out=str(out))
         quantize(ns)
@@ -203,10 +206,11 @@ def evaluate(models: dict[str, LlamaForCausalLM], exchanges: list[ChatExchange])
     return {name: s.summary(None if name == "reference" else ref_ppl) for name, s in stats.items()}
 
 
-def table(results: dict[str, dict[str, float]], n: int) -> str:
+def table(results: dict[str, dict[str, float]], n: int, asymmetric: bool = False, act_order: bool = False) -> str:
+    grid = "asym" if asymmetric else "sym"
     labels = {"reference": "reference (Q4_1 dequantized, fp32)", "int8": "INT8 W8A16 per channel",
-              "fp8": "FP8 W8A8 e4m3 (CPU emulation)", "int4_rtn": "INT4 RTN g128 sym",
-              "int4_gptq": "INT4 GPTQ g128 sym",
+              "fp8": "FP8 W8A8 e4m3 (CPU emulation)", "int4_rtn": f"INT4 RTN g128 {grid}",
+              "int4_gptq": f"INT4 GPTQ g128 {grid}" + (", act-order" if act_order else ""),
               "fp8_kv": "FP8 KV cache e4m3, per-head scales (torch reference of the kernels' rounding)"}
     rows = [f"SmolLM2-135M-Instruct (embedded; its weights are Q4_1 blocks of 32, dequantized = the reference; "
             f"INT4 in groups of 128), {n} held-out ShareGPT replies, teacher-forced.", "",
@@ -240,11 +244,12 @@ def run_cli(args: argparse.Namespace) -> int:
         "group_size": GROUP_SIZE, "replies": len(exchanges), "max_prompt_tokens": args.max_prompt_tokens,
         "max_reply_tokens": args.max_reply_tokens, "gptq_calibration": {
             "exchanges": args.num_calibration, "tokens_each": args.calibration_tokens, "damp": 0.01,
-            "act_order": False}, "fp8": "emulated on the CPU (fake-quantized weights and activations)",
+            "act_order": args.act_order}, "int4_asymmetric": args.int4_asymmetric,
+        "fp8": "emulated on the CPU (fake-quantized weights and activations)",
         "fp8_kv": "the reference's weights; K/V stored as e4m3 with per-kv-head power-of-two scales, calibrated on the "
                   "file's first exchange, read back by the torch reference backend (the kernels' rounding, bit-exact)",
         "dequantized_weights_cached": not args.no_cache, "results": results, "seconds": time.perf_counter() - t0}
-    md = table(results, len(exchanges))
+    md = table(results, len(exchanges), args.int4_asymmetric, args.act_order)
     if args.out:
         out = Path(args.out)
         write_results(out, args.name, payload, md)

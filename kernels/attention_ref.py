@@ -76,11 +76,14 @@ def write_kv_cache_ref(
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
-                        sliding_window: int | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                        sliding_window: int | None = None, kv_scales: torch.Tensor | None = None,
+                        tree_mask: torch.Tensor | None = None, tree_start: torch.Tensor | None = None,
+                        ) -> torch.Tensor:
     """What `paged_attention` computes (its launch-tuning arguments aside): [T, Hq, D] in q's dtype. Reads the
     batch layout on the host (a sync on CUDA). Decode rows (one query) of all requests go in one batched
     softmax, longer query runs one request at a time; rows of no request stay zero. fp8 caches are read as
-    entry * kv_scales[0 (K) / 1 (V), head]."""
+    entry * kv_scales[0 (K) / 1 (V), head]. Tree drafts: tree_mask [T] int64 and tree_start [B] int32 restrict
+    what a query sees past tree_start (worker/attention/backend.py's AttentionMetadata)."""
     starts = query_start_loc.tolist()
     query_lens = [b - a for a, b in itertools.pairwise(starts)]
     lens = seq_lens.tolist()
@@ -102,6 +105,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         slots = _context_slots(block_tables[i], seq_len, block_size)
         mask = _attention_mask(query_len, seq_len, sliding_window, q.device)
         span = slice(starts[i], starts[i + 1])
+        if tree_mask is not None and tree_start is not None:
+            mask &= _tree_visible(tree_mask[span], int(tree_start[i]), seq_len)
         k, v = read_kv(flat_k, slots, k_scales), read_kv(flat_v, slots, v_scales)
         out[span] = _dense_attention(q[span], k, v, mask, scale).to(q.dtype)
     return out
@@ -123,6 +128,13 @@ def _attention_mask(query_len: int, seq_len: int, sliding_window: int | None, de
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
     return mask
+
+
+def _tree_visible(masks: torch.Tensor, tree_start: int, seq_len: int) -> torch.Tensor:
+    """[L, seq_len] bool: key j is before the tree, or bit j - tree_start of the query's mask [L] is set."""
+    keys = torch.arange(seq_len, device=masks.device)
+    bits = (masks.long().unsqueeze(1) >> (keys - tree_start).clamp(0, 62).unsqueeze(0)) & 1
+    return (keys < tree_start).unsqueeze(0) | bits.bool()
 
 
 def _dense_attention(

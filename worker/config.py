@@ -112,6 +112,9 @@ class SchedulerConfig:
 SpeculativeMethod = Literal["off", "ngram", "eagle"]
 
 
+MAX_TREE_WIDTH = 8  # different continuations one n-gram tree merges
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding: each step a proposer drafts up to `num_speculative_tokens` tokens per request and
@@ -120,6 +123,8 @@ class SpeculativeConfig:
     "eagle": an EAGLE-1 draft head (worker/spec/eagle.py) from the folder `draft_model` (None: the head shipped
     for the model, if there is one; ignored by the other methods). A request's `num_speculative_tokens`
     overrides k (0: off for it).
+    `tree_width` > 1 (ngram): up to that many different continuations (earlier occurrences of the suffix) merged
+    into a tree of at most k nodes, verified in one forward (worker/spec/tree.py); 1: one chain.
     `auto_switch` (None: on for CUDA) turns speculation off while the batch is large enough that a verify
     step costs more than the tokens it gains (worker/spec/switch.py, costs measured at start-up)."""
 
@@ -129,10 +134,15 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     draft_model: str | None = None
     auto_switch: bool | None = None
+    tree_width: int = 1
 
     def __post_init__(self) -> None:
         if self.method not in ("off", "ngram", "eagle"):
             raise ValueError(f"unknown speculative method {self.method!r}; use off, ngram or eagle")
+        if not 1 <= self.tree_width <= MAX_TREE_WIDTH:
+            raise ValueError(f"tree_width must be in [1, {MAX_TREE_WIDTH}], got {self.tree_width}")
+        if self.tree_width > 1 and self.method == "eagle":
+            raise ValueError(f"tree drafts (tree_width > 1) are built for the ngram method, not {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
                              f"got {self.num_speculative_tokens}")

@@ -334,6 +334,8 @@ class LLMEngine:
         """Wait for a launched step, append its tokens to their requests and emit them."""
         result = launched.pending.result()
         batch = launched.batch
+        if result.tree_paths:  # before commit: the accepted nodes' KV onto their tokens' slots
+            self.runner.move_tree_kv(batch.requests, result.tree_paths)
         logprobs = dict(zip(batch.requests, result.logprobs))
         outputs = []
         for req in self.scheduler.commit(batch, result.sampled):
@@ -512,8 +514,10 @@ class LLMEngine:
 
 def make_proposer(config: EngineConfig, runner: ModelRunner, model_name: str) -> DraftProposer | None:
     spec = config.speculative
+    if spec.tree_width > 1:
+        check_tree_support(runner)
     if spec.method == "ngram":
-        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.tree_width)
     if spec.method == "eagle":
         from tokenmill.worker.spec.eagle import EagleHeadError, head_folder
 
@@ -523,6 +527,20 @@ def make_proposer(config: EngineConfig, runner: ModelRunner, model_name: str) ->
             raise ModelLoadError(f"speculative eagle: {e}") from None
     assert spec.method == "off", spec.method
     return None
+
+
+def check_tree_support(runner: ModelRunner) -> None:
+    """Tree drafts (speculative tree_width > 1) where they are built: ModelLoadError naming what is missing."""
+    missing = []
+    if runner.backend.name != "torch":
+        missing.append(f"the {runner.backend.name} attention backend (tree masks are in the torch reference only; "
+                       "use --attention-backend torch)")
+    if runner.tp is not None:
+        missing.append("tensor parallelism")
+    if runner.arch.sliding_window is not None:
+        missing.append("sliding-window attention")
+    if missing:
+        raise ModelLoadError("speculative tree drafts (tree_width > 1) are not built for " + ", ".join(missing))
 
 
 def make_switch(config: EngineConfig, runner: ModelRunner, proposer: DraftProposer | None,

@@ -11,7 +11,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -30,6 +30,15 @@ from tokenmill.worker.quant.fp8 import check_kv_cache_dtype
 from tokenmill.worker.request import Request
 from tokenmill.worker.sampler import Sampler, SamplingMetadata
 from tokenmill.worker.scheduler import ScheduledBatch
+from tokenmill.worker.spec.tree import (
+    TreeDrafts,
+    accept_path,
+    ancestor_masks,
+    depths,
+    kv_moves,
+    parents_of,
+    path_tokens,
+)
 from tokenmill.worker.spec.verifier import DraftLayout, accept_drafts, tokens_of
 from tokenmill.worker.transfer import HostCopy, ship
 
@@ -67,6 +76,9 @@ class StepResult:
 
     sampled: list[int | list[int] | None]
     logprobs: list[list[dict[int, float]] | None]
+    # Per scheduled request that verified tree drafts: its accepted nodes, root-first (their KV is moved onto
+    # consecutive slots before the tokens are committed: ModelRunner.move_tree_kv); empty without trees.
+    tree_paths: dict[int, list[int]] = field(default_factory=dict)
 
 
 class PendingStep:
@@ -75,7 +87,8 @@ class PendingStep:
 
     def __init__(self, num_requests: int, rows: dict[Request, int], batch_index: list[int],
                  num_logprobs: list[int | None], sampled: Tensor | None, copy: HostCopy | None,
-                 draft_starts: list[int] | None = None, features: list[Tensor] | None = None) -> None:
+                 draft_starts: list[int] | None = None, features: list[Tensor] | None = None,
+                 trees: list[TreeDrafts | None] | None = None) -> None:
         self.num_requests = num_requests
         self.rows = rows  # sampling request without drafts -> its row of `sampled`
         self.sampled = sampled  # [S] i64 on the device ([R] with drafts); None when no request samples
@@ -87,6 +100,7 @@ class PendingStep:
         self._draft_starts = draft_starts
         # With `keep_features`: per kept request, the target's features [n, H] of its n scheduled tokens.
         self.features = features or []
+        self._trees = trees or []  # sampling request s -> its tree drafts (None: a chain, or none)
 
     def result(self) -> StepResult:
         sampled: list[int | list[int] | None] = [None] * self.num_requests
@@ -105,14 +119,21 @@ class PendingStep:
                     logprobs[i] = [_top_logprobs(lp_ids[s], lp_vals[s], n_lp)]
             return StepResult(sampled, logprobs)
         accepted = host[1].tolist()
+        paths: dict[int, list[int]] = {}
         for s, i in enumerate(self._batch_index):
             start = self._draft_starts[s]
-            sampled[i] = tokens_of(tokens, start, accepted[s])
+            tree = self._trees[s] if self._trees else None
+            if tree is None:
+                rows: Sequence[int] = range(start, start + accepted[s] + 1)
+                sampled[i] = tokens_of(tokens, start, accepted[s])
+            else:  # the root's row, then the row of each accepted node (spec/tree.py)
+                paths[i] = accept_path(tree, tree.parents, tokens[start : start + len(tree) + 1])
+                rows = [start, *(start + 1 + n for n in paths[i])]
+                sampled[i] = [tokens[r] for r in rows]
             n_lp = self._num_logprobs[s]
             if n_lp is not None and lp_ids:
-                rows = range(start, start + accepted[s] + 1)
                 logprobs[i] = [_top_logprobs(lp_ids[r], lp_vals[r], n_lp) for r in rows]
-        return StepResult(sampled, logprobs)
+        return StepResult(sampled, logprobs, paths)
 
 
 class ModelRunner:
@@ -267,7 +288,8 @@ class ModelRunner:
         seq_lens = [s + n for s, n in zip(starts, q_lens)]
         tables = _block_table(r.block_ids for r in batch.requests)
         positions, slots = _positions_and_slots(np.asarray(q_lens), np.asarray(starts), tables, self.block_size)
-        tensors = _attention_host(q_lens, seq_lens, tables, slots)
+        tensors = _attention_host(q_lens, seq_lens, tables, slots) | _tree_inputs(batch.requests, q_lens, seq_lens,
+                                                                                  positions)
         tensors |= {"input_ids": _i64(ids), "positions": torch.from_numpy(positions),
                     "fix_index": _i64(fix_index), "fix_source": _i64(fix_source)}
         return _HostInputs(tensors, q_lens, seq_lens)
@@ -329,10 +351,11 @@ class ModelRunner:
         params, prompts, outputs, seeds = [], [], [], []
         for r in reqs:
             out, drafts = r.output_token_ids, r.draft_token_ids
-            for j in range(len(drafts) + 1):
+            parents = parents_of(drafts)
+            for j in range(len(drafts) + 1):  # row j follows node j - 1 (the root for j = 0)
                 params.append(r.params)
                 prompts.append(r.prompt_token_ids)
-                outputs.append(out + drafts[:j])
+                outputs.append(out + path_tokens(drafts, parents, j - 1))
                 seeds.append(r.seed)
         meta = SamplingMetadata.build(params, prompts, outputs, seeds, eos_token_ids, self.arch.vocab_size,
                                       torch.device("cpu"))
@@ -401,8 +424,31 @@ class ModelRunner:
         if out.logprobs_token_ids is not None and out.logprobs is not None:
             copies += [out.logprobs_token_ids, out.logprobs]
         plain = {r: layout.starts[s] for s, r in enumerate(reqs) if not r.draft_token_ids}
+        trees = [r.draft_token_ids if isinstance(r.draft_token_ids, TreeDrafts) else None for r in reqs]
         return PendingStep(len(batch.requests), plain, sampling, [r.params.logprobs for r in reqs],
-                           out.sampled_token_ids, HostCopy(copies), layout.starts, features)
+                           out.sampled_token_ids, HostCopy(copies), layout.starts, features, trees)
+
+    @torch.inference_mode()
+    def move_tree_kv(self, requests: Sequence[Request], paths: dict[int, list[int]]) -> None:
+        """After a step that verified tree drafts, before its tokens are committed: the KV of each accepted path
+        (`paths`: batch index -> nodes) moves onto the consecutive slots its tokens now own (spec/tree.py)."""
+        src: list[int] = []
+        dst: list[int] = []
+        bs = self.block_size
+        for i, path in paths.items():
+            req = requests[i]
+            base = req.num_known_tokens  # the tree's first cache index
+            for a, b in kv_moves(path):
+                for pos, out in ((base + a, src), (base + b, dst)):
+                    out.append(req.block_ids[pos // bs] * bs + pos % bs)
+        if not src:
+            return
+        s, d = _i64(src).to(self.device), _i64(dst).to(self.device)
+        for k_cache, v_cache in self.kv_caches:
+            for cache in (k_cache, v_cache):
+                flat = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+                flat = flat.flatten(0, 1)  # [slots, Hkv, D]
+                flat[d] = flat[s]
 
     @torch.inference_mode()
     def logits_for_all(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -497,5 +543,25 @@ def _attention_meta(dev: dict[str, Tensor], q_lens: list[int], seq_lens: list[in
     return AttentionMetadata(
         query_start_loc=dev["query_start_loc"], seq_lens=dev["seq_lens"], block_tables=dev["block_tables"],
         slot_mapping=dev["slot_mapping"], max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-        query_lens_cpu=q_lens, seq_lens_cpu=seq_lens,
+        query_lens_cpu=q_lens, seq_lens_cpu=seq_lens, tree_mask=dev.get("tree_mask"), tree_start=dev.get("tree_start"),
     )
+
+
+def _tree_inputs(requests: Sequence[Request], q_lens: list[int], seq_lens: list[int],
+                 positions: np.ndarray) -> dict[str, Tensor]:
+    """Tree drafts (spec/tree.py): each node's rotary position set to the root's + its depth (in `positions`),
+    and the attention's tree_mask / tree_start; {} when no request of the step verifies a tree."""
+    trees = [(i, r) for i, r in enumerate(requests) if isinstance(r.draft_token_ids, TreeDrafts)]
+    if not trees:
+        return {}
+    mask = np.zeros(len(positions), dtype=np.int64)
+    start = np.asarray(seq_lens, dtype=np.int32)
+    first = np.cumsum(q_lens) - np.asarray(q_lens)
+    for i, req in trees:
+        tree = req.draft_token_ids
+        assert isinstance(tree, TreeDrafts) and q_lens[i] > len(tree), "a verify step computes the root and every node"
+        rows = first[i] + q_lens[i] - len(tree) + np.arange(len(tree))
+        start[i] = req.num_known_tokens  # node j sits at cache index start + j
+        positions[rows] = req.num_known_tokens - 1 + np.asarray(depths(tree.parents))
+        mask[rows] = ancestor_masks(tree.parents)
+    return {"tree_mask": torch.from_numpy(mask), "tree_start": torch.from_numpy(start)}

@@ -33,6 +33,11 @@ class AttentionMetadata:
     # Host copies (lists) so that launch decisions need no device sync.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Tree drafts (worker/spec/tree.py), else None. A key at cache index c >= tree_start[i] of request i is seen
+    # by a query only if bit c - tree_start[i] of its tree_mask is set (its ancestors-or-self among the tree's
+    # nodes), on top of the causal rule; rows of no tree have mask 0 and tree_start = their seq_len.
+    tree_mask: torch.Tensor | None = None  # [T] int64 on device
+    tree_start: torch.Tensor | None = None  # [B] int32 on device
 
     @property
     def num_seqs(self) -> int:

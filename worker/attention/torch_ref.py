@@ -23,4 +23,5 @@ class TorchRefBackend(AttentionBackend):
             calibrate(k, v, kv_scales)
         write_kv_cache_ref(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                   layer.scale, sliding_window=layer.sliding_window, kv_scales=kv_scales)
+                                   layer.scale, sliding_window=layer.sliding_window, kv_scales=kv_scales,
+                                   tree_mask=meta.tree_mask, tree_start=meta.tree_start)

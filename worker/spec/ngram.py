@@ -1,6 +1,10 @@
 """Prompt lookup (n-gram) drafts: no draft model, no training. The request's last n tokens are looked up
 earlier in its own tokens (prompt and output), longest n first; the tokens that followed the latest earlier
-occurrence are the drafts. Strong where output copies its input (code edits, summaries, quotes)."""
+occurrence are the drafts. Strong where output copies its input (code edits, summaries, quotes).
+
+With `tree_width` w > 1, the continuations of up to w earlier occurrences (the latest longest first, each
+distinct) are merged into one tree of at most k nodes, breadth first (spec/tree.py): the target's own token then
+picks among them. w = 1 gives the chain of `lookup`."""
 
 from __future__ import annotations
 
@@ -11,17 +15,22 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from tokenmill.worker.request import Request
 from tokenmill.worker.spec.proposer import DraftProposer
+from tokenmill.worker.spec.tree import TreeDrafts
 
 
 class NgramProposer(DraftProposer):
     name = "ngram"
 
-    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
+    def __init__(self, min_n: int = 1, max_n: int = 4, tree_width: int = 1) -> None:
         assert 1 <= min_n <= max_n, f"n-gram sizes {min_n}..{max_n}"
-        self.min_n, self.max_n = min_n, max_n
+        assert tree_width >= 1, f"tree width {tree_width}"
+        self.min_n, self.max_n, self.tree_width = min_n, max_n, tree_width
 
     def propose(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> list[list[int]]:
-        return [lookup(r.token_ids, k, self.min_n, self.max_n) for r, k in zip(requests, num_drafts)]
+        if self.tree_width == 1:
+            return [lookup(r.token_ids, k, self.min_n, self.max_n) for r, k in zip(requests, num_drafts)]
+        return [lookup_tree(r.token_ids, k, self.min_n, self.max_n, self.tree_width)
+                for r, k in zip(requests, num_drafts)]
 
 
 def lookup(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -40,3 +49,40 @@ def lookup(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
                 ext.append(ext[len(ext) - (length - start)])
             return ext
     return []
+
+
+def continuations(tokens: Sequence[int], k: int, min_n: int, max_n: int, width: int) -> list[list[int]]:
+    """Up to `width` distinct continuations of up to `k` tokens: after the earlier occurrences of the longest
+    suffix first, latest first, then of shorter suffixes. The first is `lookup`'s."""
+    seq = np.asarray(tokens, dtype=np.int64)
+    length = len(seq)
+    found: list[list[int]] = []
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        windows = sliding_window_view(seq[:-1], n)
+        for hit in np.flatnonzero((windows == seq[-n:]).all(axis=1))[::-1]:
+            start = int(hit) + n
+            cont = list(tokens[start:start + k])
+            while len(cont) < k:  # as in lookup: a run into the end reads on through the continuation itself
+                cont.append(cont[len(cont) - (length - start)])
+            if cont not in found:
+                found.append(cont)
+                if len(found) == width:
+                    return found
+    return found
+
+
+def lookup_tree(tokens: Sequence[int], k: int, min_n: int, max_n: int, width: int) -> TreeDrafts:
+    """The trie of `continuations`, breadth first (depth 1 of every continuation, then depth 2, ...), cut at k
+    nodes; empty when the suffix occurs nowhere earlier."""
+    conts = continuations(tokens, k, min_n, max_n, width)
+    node_of: dict[tuple[int, ...], int] = {}
+    out: list[int] = []
+    parents: list[int] = []
+    for depth in range(k):
+        for cont in conts:
+            prefix = tuple(cont[: depth + 1])
+            if depth < len(cont) and prefix not in node_of and len(out) < k:
+                node_of[prefix] = len(out)
+                out.append(cont[depth])
+                parents.append(node_of[prefix[:-1]] if depth else -1)
+    return TreeDrafts(out, parents)

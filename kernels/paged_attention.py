@@ -212,6 +212,8 @@ def _attn_segment(
     hi,  # end of keys (exclusive); loads beyond hi are masked only when MASKED
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window (used only when USE_WINDOW)
+    tree_lo,  # TREE: first cache index of the request's draft tree
+    tree_bits,  # TREE: [BLOCK_M] int64, the tree nodes each row sees (bit j: index tree_lo + j)
     stride_kb,
     stride_ks,
     stride_vb,
@@ -222,6 +224,7 @@ def _attn_segment(
     MASKED: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     offs_d = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
@@ -245,6 +248,10 @@ def _attn_segment(
             visible = (offs_n[None, :] <= qpos[:, None]) & kmask[None, :]
             if USE_WINDOW:
                 visible = visible & (offs_n[None, :] > qpos[:, None] - window)
+            if TREE:  # keys of the tree: only the row's ancestors-or-self
+                rel = offs_n - tree_lo  # [BLOCK_N]
+                bit = (tree_bits[:, None] >> tl.maximum(rel, 0).to(tl.int64)[None, :]) & 1
+                visible = visible & ((rel[None, :] < 0) | (bit != 0))
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -291,6 +298,8 @@ def _paged_attn_fn(
     pos_ptr,  # [T] positions (FUSE_ROPE)
     slot_ptr,  # [T] cache slots of this step's k/v, -1: not written (FUSE_ROPE)
     kvs_ptr,  # [2, Hkv] float32 K and V scales per kv head (KV_FP8)
+    tree_mask_ptr,  # [T] int64 tree nodes each query sees (TREE; worker/attention/backend.py)
+    tree_start_ptr,  # [B] int32 first cache index of each request's tree (TREE)
     num_seqs,
     heads_per_group,  # kv heads per program-order group (divides Hkv; see choose_heads_per_group)
     num_splits,  # runtime, so that a changing split count does not recompile
@@ -326,6 +335,7 @@ def _paged_attn_fn(
     DOT_PRECISION: tl.constexpr,
     FUSE_ROPE: tl.constexpr,  # decode only (one query token per request): rotate q, write the rotated k and v
     KV_FP8: tl.constexpr,  # e4m3 caches: entries times kv_scales (K's folded into qk_scale, V's into the output)
+    TREE: tl.constexpr,  # tree drafts: keys past tree_start seen only by their descendants (spec/tree.py)
     PDL: tl.constexpr,  # programmatic dependent launch protocol (kernels/launch.py)
 ):
     pdl_wait(PDL)
@@ -390,11 +400,16 @@ def _paged_attn_fn(
         seg = tl.cdiv(tl.cdiv(kv_hi - kv_lo, num_splits), BLOCK_N) * BLOCK_N
         seg_lo = kv_lo + split * seg
         seg_hi = tl.minimum(kv_hi, seg_lo + seg)
-    # [seg_lo, full_hi): keys every row of the tile sees (key <= first_pos; no window) -> unmasked loop
+    # [seg_lo, full_hi): keys every row of the tile sees (key <= first_pos; no window; before the tree) ->
+    # unmasked loop
+    if TREE:
+        tree_lo = tl.load(tree_start_ptr + b)
+    else:
+        tree_lo = seq_len
     if USE_WINDOW:
         full_hi = seg_lo
     else:
-        full_end = tl.minimum(seg_hi, first_pos + 1)
+        full_end = tl.minimum(seg_hi, tl.minimum(first_pos + 1, tree_lo))
         full_hi = seg_lo + (tl.maximum(full_end - seg_lo, 0) // BLOCK_N) * BLOCK_N
 
     # ---- rows: (token, head) pairs of this tile ------------------------------------------------
@@ -405,6 +420,10 @@ def _paged_attn_fn(
     head = kvh * GROUP + hg  # [BLOCK_M] query head
     row_valid = (tok < q_end) & (hg < GROUP)
     qpos = ctx + (tok - q_start)  # [BLOCK_M]
+    if TREE:
+        tree_bits = tl.load(tree_mask_ptr + tok, mask=tok < q_end, other=0)  # [BLOCK_M] int64
+    else:
+        tree_bits = tok.to(tl.int64) * 0
     q_rows = q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh  # [BLOCK_M, 1]
     k_base = k_cache_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_cache_ptr + kvh.to(tl.int64) * stride_vh
@@ -453,14 +472,14 @@ def _paged_attn_fn(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attn_segment(
-        acc, m_i, l_i, q, qpos, k_base, v_base, bt_row, seg_lo, full_hi, qk_scale, window,
+        acc, m_i, l_i, q, qpos, k_base, v_base, bt_row, seg_lo, full_hi, qk_scale, window, tree_lo, tree_bits,
         stride_kb, stride_ks, stride_vb, stride_vs,
-        HEAD_DIM, BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, DOT_PRECISION,
+        HEAD_DIM, BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, DOT_PRECISION, TREE,
     )  # fmt: skip
     acc, m_i, l_i = _attn_segment(
-        acc, m_i, l_i, q, qpos, k_base, v_base, bt_row, full_hi, seg_hi, qk_scale, window,
+        acc, m_i, l_i, q, qpos, k_base, v_base, bt_row, full_hi, seg_hi, qk_scale, window, tree_lo, tree_bits,
         stride_kb, stride_ks, stride_vb, stride_vs,
-        HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, DOT_PRECISION,
+        HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, DOT_PRECISION, TREE,
     )  # fmt: skip
 
     if KV_FP8:
@@ -555,6 +574,8 @@ def paged_attention(
     config: PagedAttentionConfig | None = None,
     rope: DecodeRope | None = None,
     kv_scales: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,
+    tree_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of q [T, Hq, D] against the cache; returns [T, Hq, D] in q's dtype.
 
@@ -567,7 +588,8 @@ def paged_attention(
     call, in one kernel instead of two (q and k stay un-rotated in memory).
 
     float8_e4m3fn caches need `kv_scales` [2, Hkv] float32 (K's and V's scale per kv head: an entry means
-    entry * scale); other caches have q's dtype and no scales."""
+    entry * scale); other caches have q's dtype and no scales. Tree drafts: `tree_mask` [T] int64 and
+    `tree_start` [B] int32 (both or neither; worker/attention/backend.py's AttentionMetadata)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -616,6 +638,9 @@ def paged_attention(
             raise ValueError(f"rope fusion is for decode batches (max_query_len == 1), got {max_query_len}")
         check_rotary_args(q, rope.k, rope.cos_sin_cache, rope.positions)
         check_kv_cache_args(rope.k, rope.v, k_cache, v_cache, rope.slot_mapping, kv_scales)
+    tree = _check_tree(tree_mask, tree_start, num_tokens, num_seqs, device)
+    if tree is not None and (rope is not None or sliding_window is not None):
+        raise ValueError("tree drafts take neither rope fusion nor a sliding window")
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
     else:
@@ -627,7 +652,7 @@ def paged_attention(
                                 max_seq_len=max_seq_len, sliding_window=sliding_window, num_splits=num_splits,
                                 config=config)  # fmt: skip
     try:
-        plan.launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, rope, kv_scales)
+        plan.launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, rope, kv_scales, tree)
     except OutOfResources as exc:
         if not defaulted or plan.config not in _SHALLOW_OF:
             raise
@@ -637,9 +662,24 @@ def paged_attention(
         return paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=max_query_len,
             max_seq_len=max_seq_len, sliding_window=sliding_window, out=out, num_splits=num_splits, rope=rope,
-            kv_scales=kv_scales,
+            kv_scales=kv_scales, tree_mask=tree_mask, tree_start=tree_start,
         )  # fmt: skip
     return out
+
+
+def _check_tree(tree_mask: torch.Tensor | None, tree_start: torch.Tensor | None, num_tokens: int, num_seqs: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if tree_mask is None and tree_start is None:
+        return None
+    if tree_mask is None or tree_start is None:
+        raise ValueError("tree_mask and tree_start go together")
+    if tree_mask.dtype != torch.int64 or tree_mask.shape != (num_tokens,) or tree_mask.device != device:
+        raise ValueError(f"tree_mask must be int64 [{num_tokens}] on {device}, got {tree_mask.dtype} "
+                         f"{tuple(tree_mask.shape)} on {tree_mask.device}")
+    _check_int_tensor("tree_start", tree_start, 1, device)
+    if tree_start.shape[0] != num_seqs or tree_mask.stride(0) != 1:
+        raise ValueError(f"tree_start must be [{num_seqs}] and tree_mask contiguous")
+    return tree_mask, tree_start
 
 
 def _check_out(out: torch.Tensor, q: torch.Tensor) -> None:
@@ -678,10 +718,11 @@ class AttentionPlan:
 
     def launch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor,
-               rope: DecodeRope | None = None, kv_scales: torch.Tensor | None = None) -> None:
+               rope: DecodeRope | None = None, kv_scales: torch.Tensor | None = None,
+               tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Attention of q [T, Hq, D] into out [T, Hq, D], T and the caches' shapes as planned (callers of a
         shared plan guarantee it; paged_attention checks every argument before it plans); kv_scales [2, Hkv]
-        float32 with float8_e4m3fn caches.
+        float32 with float8_e4m3fn caches; tree: (tree_mask [T] int64, tree_start [B] int32) of tree drafts.
 
         The first launch goes through Triton's JIT, which picks the compiled variant for the arguments' types and
         alignments; later launches of the same plan reuse that variant directly, which is what makes one plan
@@ -695,6 +736,7 @@ class AttentionPlan:
         args: tuple[Any, ...] = (
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_m, part_l,
             kn, vn, cs, pos, slots, part_m if kv_scales is None else kv_scales,
+            *((part_m, seq_lens) if tree is None else tree),
             self.num_seqs, self.heads_per_group, self.num_splits, num_q_heads, self.qk_scale, self.window,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -707,7 +749,7 @@ class AttentionPlan:
             BLOCK_M=self.block_m, BLOCK_Q=self.block_q, BLOCK_N=cfg.block_n, SPLIT=self.num_splits > 1,
             ONE_TILE_PER_SEQ=self.one_tile, USE_WINDOW=self.window > 0,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FUSE_ROPE=rope is not None,
-            KV_FP8=kv_scales is not None, PDL=self.pdl["PDL"],
+            KV_FP8=kv_scales is not None, TREE=tree is not None, PDL=self.pdl["PDL"],
         )  # fmt: skip
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
                    **{k: v for k, v in self.pdl.items() if k != "PDL"}}

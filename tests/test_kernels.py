@@ -225,6 +225,37 @@ def test_prefill_long_tile_shape(deep: bool) -> None:
     check_attention(batch, config=LONG_PREFILL_CONFIG_DEEP if deep else LONG_PREFILL_CONFIG)
 
 
+@pytest.mark.parametrize("config", [SMALL, None], ids=["small-tiles", "default"])
+def test_prefill_with_tree_drafts(config: PagedAttentionConfig | None) -> None:
+    # a request verifying a 7-node tree (root + nodes: 8 queries), a plain chunk, and one verifying a chain-shaped
+    # tree; the tree nodes see the context and their ancestors only (kernels/attention_ref.py's rule)
+    from tokenmill.worker.spec.tree import ancestor_masks
+
+    trees = {0: [-1, -1, 0, 0, 1, 2, 5], 2: [-1, 0, 1]}
+    q_lens, seq_lens = [8, 5, 4], [29, 21, 18]
+    batch = make_batch(q_lens, seq_lens, 8, 2, 32, 16, torch.float32)
+    masks = torch.zeros(sum(q_lens), dtype=torch.int64)
+    start = torch.tensor(seq_lens, dtype=torch.int32)
+    first = 0
+    for i, (n, s) in enumerate(zip(q_lens, seq_lens)):
+        if i in trees:
+            nodes = len(trees[i])
+            masks[first + n - nodes : first + n] = torch.tensor(ancestor_masks(trees[i]))
+            start[i] = s - nodes
+        first += n
+    tree = dict(tree_mask=masks.to(DEV), tree_start=start.to(DEV))
+    scale = 32**-0.5
+    out = torch.full_like(batch.q, float("nan"))
+    paged_attention(*batch.args(), scale, max_query_len=8, max_seq_len=29, out=out, config=config, **tree)
+    ref = paged_attention_ref(*batch.args(), scale, **tree)
+    plain = paged_attention_ref(*batch.args(), scale)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-2)
+    assert not torch.allclose(ref[:8], plain[:8]), "the tree mask changed what the nodes see"
+    with pytest.raises(ValueError, match="go together"):
+        paged_attention(*batch.args(), scale, max_query_len=8, max_seq_len=29, tree_mask=tree["tree_mask"])
+
+
 def test_prefill_default_config_and_heuristics() -> None:
     batch = make_batch([7, 1, 20], [30, 16, 20], 4, 2, 32, 8, torch.float16)
     check_attention(batch)  # default (prefill) config, heuristic splits
@@ -795,16 +826,17 @@ def _sm90_compile_all() -> None:
 
     def attention(dt: str, group: int, head_dim: int, block_m: int, split: bool, one_tile: bool, window: bool,
                   num_warps: int, num_stages: int, rope: bool = False, block_n: int = 64, fp8: bool = False,
-                  ) -> str:  # fmt: skip
+                  tree: bool = False) -> str:  # fmt: skip
         gpad = 1 << (group - 1).bit_length()
         ptrs = {n: f"*{dt}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "kn_ptr", "vn_ptr")}
         ptrs |= {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "kvs_ptr": "*fp32"} if fp8 else {}
         ptrs |= {n: "*i32" for n in ("bt_ptr", "seq_lens_ptr", "qsl_ptr")}
         ptrs |= {"cs_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64"}
         ptrs |= {n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}
+        ptrs |= {"tree_mask_ptr": "*i64", "tree_start_ptr": "*i32"}
         consts = {"GROUP": group, "GROUP_PAD": gpad, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, "BLOCK_M": block_m,
                   "BLOCK_Q": block_m // gpad, "BLOCK_N": block_n, "SPLIT": split, "ONE_TILE_PER_SEQ": one_tile,
-                  "USE_WINDOW": window, "DOT_PRECISION": "tf32", "FUSE_ROPE": rope, "KV_FP8": fp8}  # fmt: skip
+                  "USE_WINDOW": window, "DOT_PRECISION": "tf32", "FUSE_ROPE": rope, "KV_FP8": fp8, "TREE": tree}  # fmt: skip
         return build(pa._paged_attn_kernel, ptrs, consts, num_warps, num_stages)
 
     cfg_d, cfg_p = pa.DECODE_CONFIG, pa.PREFILL_CONFIG
@@ -828,6 +860,8 @@ def _sm90_compile_all() -> None:
     ttgir = attention("bf16", 4, 128, cfg_p.block_m, False, False, False, cfg_p.num_warps, cfg_p.num_stages, fp8=True)
     assert "warp_group_dot" in ttgir and "async_copy_global_to_local" in ttgir, "fp8 prefill: wgmma, pipelined"
     attention("bf16", 1, 64, cfg_d.block_m, False, True, True, cfg_d.num_warps, cfg_d.num_stages)
+    ttgir = attention("bf16", 4, 128, cfg_p.block_m, True, False, False, cfg_p.num_warps, cfg_p.num_stages, tree=True)
+    assert "warp_group_dot" in ttgir, "tree drafts' prefill (split): wgmma"
     f32 = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "out_ptr": "*bf16"}
     build(pa._reduce_splits_kernel, f32, {"SPLITS_PAD": 64, "HEAD_DIM": 128, "BLOCK_D": 16}, 4, 1)
     bf = dict.fromkeys(("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "q_ptr", "x_ptr", "res_ptr", "w_ptr",

@@ -5,12 +5,18 @@ onto consecutive slots); where trees are not built, a clear error."""
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before the kernels are decorated (as tests/test_kernels.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from test_async_scheduling import make_engine, results, run
 from test_spec import repetitive, spec_and_plain
 from tiny_hf import ARCHS, save_tiny_model
@@ -183,11 +189,17 @@ def test_bad_tree_settings_are_refused(kw: dict[str, Any]) -> None:
         SpeculativeConfig(**{"method": "ngram", **kw})
 
 
-@pytest.mark.parametrize("config", [dict(attention_backend="triton"), dict(model="tiny-mistral-swa")])
-def test_tree_drafts_where_they_are_not_built_are_a_clear_error(config: dict[str, Any], tmp_path: Path) -> None:
-    model = config.pop("model", "tiny-llama")
-    if model == "tiny-mistral-swa":
-        model = str(save_tiny_model("mistral-swa", tmp_path))
-        config = TORCH
+def test_greedy_with_tree_drafts_on_the_triton_backend_is_identical() -> None:
+    # the Triton kernels (the interpreter here) with the tree mask, against the torch backend without speculation
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    jobs = [(f"t{i}", p, params) for i, p in enumerate(branching(384, 3, seed=7) + repetitive(384, 2, seed=8))]
+    engine = make_engine("tiny-llama", False, speculative=TREE, attention_backend="triton")
+    paths = recording_moves(engine)
+    got = results(run(engine, jobs))
+    assert got == results(run(make_engine("tiny-llama", False, **TORCH), jobs))
+    assert paths and engine.counters.accepted_draft_tokens > 0
+
+
+def test_tree_drafts_with_a_sliding_window_are_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="tree drafts"):
-        make_engine(model, False, speculative=TREE, **config)
+        make_engine(str(save_tiny_model("mistral-swa", tmp_path)), False, speculative=TREE, **TORCH)

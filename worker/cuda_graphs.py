@@ -245,10 +245,11 @@ class PiecewiseGraphs:
             q.shape, q.dtype, first.k_cache.shape, self.device, meta.num_seqs, first.scale,
             max_query_len=max(1, meta.max_query_len), max_seq_len=max(1, meta.max_seq_len),
             sliding_window=first.sliding_window)
+        tree = None if meta.tree_mask is None or meta.tree_start is None else (meta.tree_mask, meta.tree_start)
         for piece, call in zip(self.pieces[g], calls):
             piece.replay()
             plan.launch(q, call.k_cache, call.v_cache, meta.block_tables, meta.seq_lens,
-                        meta.query_start_loc, out, kv_scales=call.kv_scales)
+                        meta.query_start_loc, out, kv_scales=call.kv_scales, tree=tree)
         self.pieces[g][-1].replay()
         return self.hidden[:t]
 

@@ -532,9 +532,6 @@ def make_proposer(config: EngineConfig, runner: ModelRunner, model_name: str) ->
 def check_tree_support(runner: ModelRunner) -> None:
     """Tree drafts (speculative tree_width > 1) where they are built: ModelLoadError naming what is missing."""
     missing = []
-    if runner.backend.name != "torch":
-        missing.append(f"the {runner.backend.name} attention backend (tree masks are in the torch reference only; "
-                       "use --attention-backend torch)")
     if runner.tp is not None:
         missing.append("tensor parallelism")
     if runner.arch.sliding_window is not None:

@@ -424,7 +424,8 @@ class ModelRunner:
         if out.logprobs_token_ids is not None and out.logprobs is not None:
             copies += [out.logprobs_token_ids, out.logprobs]
         plain = {r: layout.starts[s] for s, r in enumerate(reqs) if not r.draft_token_ids}
-        trees = [r.draft_token_ids if isinstance(r.draft_token_ids, TreeDrafts) else None for r in reqs]
+        trees = [r.draft_token_ids if isinstance(r.draft_token_ids, TreeDrafts) and r.draft_token_ids else None
+                 for r in reqs]
         return PendingStep(len(batch.requests), plain, sampling, [r.params.logprobs for r in reqs],
                            out.sampled_token_ids, HostCopy(copies), layout.starts, features, trees)
 
@@ -551,7 +552,7 @@ def _tree_inputs(requests: Sequence[Request], q_lens: list[int], seq_lens: list[
                  positions: np.ndarray) -> dict[str, Tensor]:
     """Tree drafts (spec/tree.py): each node's rotary position set to the root's + its depth (in `positions`),
     and the attention's tree_mask / tree_start; {} when no request of the step verifies a tree."""
-    trees = [(i, r) for i, r in enumerate(requests) if isinstance(r.draft_token_ids, TreeDrafts)]
+    trees = [(i, r) for i, r in enumerate(requests) if isinstance(r.draft_token_ids, TreeDrafts) and r.draft_token_ids]
     if not trees:
         return {}
     mask = np.zeros(len(positions), dtype=np.int64)

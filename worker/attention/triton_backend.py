@@ -64,4 +64,6 @@ class TritonBackend(AttentionBackend):
             sliding_window=layer.sliding_window,
             rope=rope,
             kv_scales=kv_scales,
+            tree_mask=meta.tree_mask,
+            tree_start=meta.tree_start,
         )

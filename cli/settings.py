@@ -298,7 +298,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("prompt_lookup_min", integer(1), 1, "ngram: shortest suffix looked up", ENGINE_CMDS,
        "EngineConfig.speculative.prompt_lookup_min"),
     _s("speculative_tree_width", integer(1), 1, "ngram: merge up to this many different continuations into one "
-       "tree of at most --num-speculative-tokens nodes, verified in one forward (1: a chain)", ENGINE_CMDS, "EngineConfig.speculative.tree_width"),
+       "tree of at most --num-speculative-tokens nodes, verified in one forward (1: a chain)", ENGINE_CMDS,
+       "EngineConfig.speculative.tree_width"),
     # -- up
     _s("workers", integer(1), 1, "workers to start", _U),
     _s("ready_timeout", number(0, low_open=True), 600.0, "seconds to wait for the workers", _U),

@@ -836,7 +836,8 @@ def _sm90_compile_all() -> None:
         ptrs |= {"tree_mask_ptr": "*i64", "tree_start_ptr": "*i32"}
         consts = {"GROUP": group, "GROUP_PAD": gpad, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, "BLOCK_M": block_m,
                   "BLOCK_Q": block_m // gpad, "BLOCK_N": block_n, "SPLIT": split, "ONE_TILE_PER_SEQ": one_tile,
-                  "USE_WINDOW": window, "DOT_PRECISION": "tf32", "FUSE_ROPE": rope, "KV_FP8": fp8, "TREE": tree}  # fmt: skip
+                  "USE_WINDOW": window, "DOT_PRECISION": "tf32", "FUSE_ROPE": rope, "KV_FP8": fp8,
+                  "TREE": tree}  # fmt: skip
         return build(pa._paged_attn_kernel, ptrs, consts, num_warps, num_stages)
 
     cfg_d, cfg_p = pa.DECODE_CONFIG, pa.PREFILL_CONFIG

@@ -93,7 +93,7 @@ def _grouped_bars(ax: Any, labels: list[str], series: dict[str, list[float]]) ->
 
 
 def plot_ladder(result: dict[str, Any], path: Path) -> Path | None:
-    rows = [r for r in result.get("ladder", {}).get("rows", []) if not r.get("not_built") and "error" not in r]
+    rows = [r for r in result.get("ladder", {}).get("rows", []) if "not_run" not in r and "error" not in r]
     if not rows:
         return None
     plt = _plt()
@@ -101,8 +101,8 @@ def plot_ladder(result: dict[str, Any], path: Path) -> Path | None:
     labels = [f"{short_step(r['step'])}\n[{names.get(r['workload'], r['workload'])}]" for r in rows]
     panels = (("output_tok_per_s", "output tokens/s", 1.0), ("ttft_p50", "TTFT p50 (ms)", 1.0),
               ("tpot_p50", "TPOT p50 (ms)", 1.0), ("peak_kv_bytes", "peak KV cache in use (MiB)", 2.0**-20))
-    fig, axes = plt.subplots(1, 4, figsize=(17, 5.2))
-    colors = ["#8172B2", "#4C72B0", "#937860", "#55A868", "#DA8BC3"]
+    fig, axes = plt.subplots(1, 4, figsize=(max(17.0, 3.6 * len(rows)), 5.4))
+    colors = ["#8172B2", "#4C72B0", "#937860", "#55A868", "#C44E52", "#DD8452", "#DA8BC3", "#64B5CD"]
     for ax, (key, name, scale) in zip(axes, panels):
         vals = [_ladder_value(r, key) * scale for r in rows]
         bars = ax.bar(range(len(rows)), vals, color=colors[: len(rows)])
@@ -112,8 +112,8 @@ def plot_ladder(result: dict[str, Any], path: Path) -> Path | None:
         ax.set(title=name, ylabel=name)
         ax.grid(axis="y", alpha=0.3)
     all_rows = result.get("ladder", {}).get("rows", [])
-    missing = ", ".join(r["step"].split(" (")[0] for r in all_rows if r.get("not_built"))
-    fig.suptitle(f"Optimization ladder: {title_suffix(result)}" + (f"\nnot built yet: {missing}" if missing else ""),
+    missing = "; ".join(f"{r['step'].split(' (')[0]} ({r['not_run']})" for r in all_rows if "not_run" in r)
+    fig.suptitle(f"Optimization ladder: {title_suffix(result)}" + (f"\nnot run: {missing}" if missing else ""),
                  fontsize=11)
     return _save(fig, path)
 
@@ -138,6 +138,10 @@ def short_step(step: str) -> str:
         return "continuous,\nno prefix\ncache"
     if "prefix caching" in step:
         return "continuous\n+ prefix\ncache"
+    for name, label in (("INT8", "INT8\nweights"), ("FP8", "FP8 W8A8\n+ FP8 KV"), ("n-gram", "n-gram\nspeculation"),
+                        ("EAGLE", "EAGLE\nspeculation")):
+        if name in step:
+            return label
     return "continuous\nbatching"
 
 

@@ -27,6 +27,7 @@ import argparse
 import random
 import statistics
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -51,6 +52,7 @@ from tokenmill.benchmarks.throughput import (
 )
 from tokenmill.benchmarks.workloads import BenchRequest, Workload, shared_prefix_workload, sharegpt_workload
 from tokenmill.protocol.sampling import SamplingParams
+from tokenmill.worker.config import SpeculativeConfig
 from tokenmill.worker.engine import LLMEngine, StepRecord
 
 
@@ -75,9 +77,10 @@ QUANT_VARIANTS = (
     Variant("fp8", "quantization: FP8 W8A8 weights + FP8 KV cache (e4m3)", quantization="fp8",
             kv_cache_dtype="fp8"),
 )
+_K = SpeculativeConfig().num_speculative_tokens  # what ModelSpec.speculative builds
 SPEC_VARIANTS = (
-    Variant("ngram", "speculative decoding: n-gram prompt lookup (k = 3)", speculative="ngram"),
-    Variant("eagle", "speculative decoding: EAGLE, the shipped head (k = 3)", speculative="eagle"),
+    Variant("ngram", f"speculative decoding: n-gram prompt lookup (k = {_K})", speculative="ngram"),
+    Variant("eagle", f"speculative decoding: EAGLE, the shipped head (k = {_K})", speculative="eagle"),
 )
 RUNGS = {"quantization": QUANT_VARIANTS, "speculative": SPEC_VARIANTS}  # suite section -> its rows
 
@@ -113,7 +116,10 @@ def variant_row(base: ModelSpec, variant: Variant, workload: Workload) -> dict[s
     try:
         c0 = replace(engine.counters)
         run = drive(engine, workload, desc=variant.step)
-        row = ladder_row(variant.step, workload, run, engine)
+        step = variant.step
+        if variant.speculative != "off":
+            step += f", automatic switch {'on' if engine.switch is not None else 'off'}"
+        row = ladder_row(step, workload, run, engine)
         drafted = engine.counters.draft_tokens - c0.draft_tokens
         accepted = engine.counters.accepted_draft_tokens - c0.accepted_draft_tokens
         row |= {"variant": variant.key, "quantization": variant.quantization,
@@ -130,9 +136,19 @@ def variant_row(base: ModelSpec, variant: Variant, workload: Workload) -> dict[s
 
 def rung_rows(base: ModelSpec, variants: tuple[Variant, ...], workload: Workload,
               enough_time: Callable[[], bool] = lambda: True) -> list[dict[str, Any]]:
-    """A row per variant; one that would not start in time (`enough_time()` False) says so."""
-    return [variant_row(base, v, workload) if enough_time() else
-            {"step": v.step, "variant": v.key, "not_run": "time budget"} for v in variants]
+    """A row per variant; one that would not start in time (`enough_time()` False) says so, one that failed
+    records its error (and the next one runs)."""
+    rows = []
+    for v in variants:
+        if not enough_time():
+            rows.append({"step": v.step, "variant": v.key, "not_run": "time budget"})
+            continue
+        try:
+            rows.append(variant_row(base, v, workload))
+        except Exception as e:
+            traceback.print_exc()
+            rows.append({"step": v.step, "variant": v.key, "error": f"{type(e).__name__}: {e}"[:300]})
+    return rows
 
 
 def ladder_row(step: str, workload: Workload, run: EngineRun, engine: LLMEngine) -> dict[str, Any]:

@@ -373,7 +373,9 @@ def test_suite_smallest_config_writes_json_md_png(tmp_path: Path) -> None:
     assert [v["system_len"] for v in result["prefix"]["variants"]] == [64, 96]
     assert result["fixed"]["requests_planned"] == 4 and not result["fixed"]["shrunk_for_budget"]
     rows = {r.get("variant"): r for r in result["ladder"]["rows"]}
-    assert [r["step"] for r in result["ladder"]["rows"]][-4:] == [v.step for v in (*QUANT_VARIANTS, *SPEC_VARIANTS)]
+    steps = [r["step"] for r in result["ladder"]["rows"]][-4:]
+    assert steps[:2] == [v.step for v in QUANT_VARIANTS] and steps[3] == SPEC_VARIANTS[1].step
+    assert steps[2] == f"{SPEC_VARIANTS[0].step}, automatic switch off"  # the CPU default
     cont = next(r for r in result["ladder"]["rows"] if r["step"] == "continuous batching")
     for key in ("int8", "ngram"):  # measured on the continuous step's requests, prefix caching off
         assert rows[key]["requests"] == cont["requests"] == 6 and rows[key]["output_tok_per_s"] > 0

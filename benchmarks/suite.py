@@ -112,7 +112,7 @@ CPU = SuiteConfig(
     sharegpt_prompts=32, sharegpt_max_input=256, sharegpt_max_output=128, hf_batch=8, hf_time_s=150.0,
     conversations=2, turns=2, max_turn_len=32, fixed_requests=16, fixed_in=128, fixed_out=64,
     serving_rates=(0.5, 1.0, math.inf), serving_prompts=16, serving_time_s=60.0, serving_reserve_s=130.0,
-    budget_s=900.0, goals={"prefix_ttft_ratio": 3.0},
+    budget_s=1080.0, goals={"prefix_ttft_ratio": 3.0},
 )
 
 GPU = SuiteConfig(

@@ -10,6 +10,7 @@ keeps its PDL overlap (issue 12's decode-speed bisection).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 from collections import Counter
@@ -41,7 +42,7 @@ def gap_stats(trace: dict, top: int = 6) -> GapStats:
     if len(events) < 2:
         raise ValueError("the trace holds fewer than two GPU kernels: was it recorded with CUDA activity?")
     gaps, overlapped, total = [], Counter[tuple[str, str]](), Counter[tuple[str, str]]()
-    for prev, nxt in zip(events, events[1:], strict=False):
+    for prev, nxt in itertools.pairwise(events):
         gap = nxt["ts"] - (prev["ts"] + prev["dur"])
         gaps.append(gap)
         key = (_short(prev["name"]), _short(nxt["name"]))

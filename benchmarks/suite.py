@@ -299,12 +299,13 @@ class Suite:
     def rung(self, name: str) -> dict[str, Any]:
         """A ladder rung (RUNGS[name]): each variant's engine in turn, on the continuous-batching step's
         requests (those HF served, else all ShareGPT ones), after the suite's engine is freed. A variant
-        starts only while twice the continuous step's run time + 30 s is left before serving's reserve."""
+        starts only while the suite engine's start-up, twice the continuous step's run time and 30 s are
+        left before serving's reserve."""
         self.engine = None
         free_device_memory()
         served = self.hf_served() or self.workloads["sharegpt"]
         base = self.result.get("hf_compare", {}).get("engine") or self.result.get("sharegpt") or {}
-        need = 2 * base.get("duration_s", 60.0) + 30
+        need = self.result.get("engine", {}).get("startup_s", 30.0) + 2 * base.get("duration_s", 60.0) + 30
         rows = rung_rows(self.cfg.spec, RUNGS[name], served,
                          lambda: self.left(self._serving_reserve() + 10) >= need)
         return {"rows": rows, "requests": len(served)}

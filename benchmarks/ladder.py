@@ -5,11 +5,18 @@
 2. continuous batching: the same requests all at once, prefix caching off;
 3. the shared-prefix chat workload (~1,000-token system prompt, multi-turn), prefix caching off, then on
    (the TTFT gain of prefix caching); the system prompt has been served once before each run;
-4. quantization and speculative decoding: rows kept, "not built yet".
+4. quantization: the continuous-batching step (same requests, prefix caching off) on an engine whose
+   decoder-layer weights are quantized on load: INT8 weight-only (W8A16, per output channel; it runs on
+   the CPU and on CUDA) and, on a GPU with FP8 (compute capability >= 8.9), FP8 W8A8 with the FP8 KV cache;
+5. speculative decoding: the same again with n-gram prompt lookup and with EAGLE (the head shipped for
+   the model; none for other models), k = 3 drafts per step, the automatic switch as the engine sets it
+   (on for CUDA, off on the CPU).
+A variant that cannot run for the model or device is a row that says why, without numbers.
 
 Latencies are measured from the moment a request is handed to the engine (static batching: all arrive
 at the start, so later batches wait: that wait is in their TTFT). Memory: the KV cache actually in use
-at the peak of the run (blocks x bytes per block) on top of the weights.
+at the peak of the run (blocks x bytes per block) on top of the weights (with EAGLE: the target's and the
+draft head's own).
 
     python -m tokenmill.benchmarks.ladder --out benchmarks/results/cpu
 """
@@ -20,17 +27,22 @@ import argparse
 import random
 import statistics
 import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from tokenmill.benchmarks.common import dist, write_results
 from tokenmill.benchmarks.throughput import (
     EngineRun,
+    ModelSpec,
     StepTrace,
     _sync,
     add_model_args,
     build_engine,
     drive,
+    free_device_memory,
     memory_info,
     observing,
     set_prefix_caching,
@@ -40,9 +52,103 @@ from tokenmill.benchmarks.throughput import (
 )
 from tokenmill.benchmarks.workloads import BenchRequest, Workload, shared_prefix_workload, sharegpt_workload
 from tokenmill.protocol.sampling import SamplingParams
+from tokenmill.worker.config import SpeculativeConfig
 from tokenmill.worker.engine import LLMEngine, StepRecord
 
-NOT_BUILT = ("quantization (INT8/INT4 weight-only, FP8)", "speculative decoding (EAGLE draft heads)")
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of the quantization or speculative-decoding rung: the continuous-batching step on an engine
+    built with these ModelSpec fields changed."""
+
+    key: str  # short name: int8, fp8, ngram, eagle
+    step: str  # the row's label
+    quantization: str = "auto"
+    kv_cache_dtype: str = "auto"
+    speculative: str = "off"
+
+    def spec(self, base: ModelSpec) -> ModelSpec:
+        return replace(base, quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
+                       speculative=self.speculative)
+
+
+QUANT_VARIANTS = (
+    Variant("int8", "quantization: INT8 weight-only (W8A16, per output channel)", quantization="int8"),
+    Variant("fp8", "quantization: FP8 W8A8 weights + FP8 KV cache (e4m3)", quantization="fp8",
+            kv_cache_dtype="fp8"),
+)
+_K = SpeculativeConfig().num_speculative_tokens  # what ModelSpec.speculative builds
+SPEC_VARIANTS = (
+    Variant("ngram", f"speculative decoding: n-gram prompt lookup (k = {_K})", speculative="ngram"),
+    Variant("eagle", f"speculative decoding: EAGLE, the shipped head (k = {_K})", speculative="eagle"),
+)
+RUNGS = {"quantization": QUANT_VARIANTS, "speculative": SPEC_VARIANTS}  # suite section -> its rows
+
+
+def why_not(variant: Variant, spec: ModelSpec) -> str | None:
+    """Why `variant` cannot run for the spec's model and device (a short phrase), or None if it can."""
+    if variant.kv_cache_dtype == "fp8" or variant.quantization == "fp8":
+        import torch
+
+        from tokenmill.worker.quant.fp8 import fp8_supported
+
+        if not spec.device.startswith("cuda") or not fp8_supported(torch.device(spec.device)):
+            return "needs a GPU with FP8 (compute capability >= 8.9)"
+    if variant.speculative == "eagle":
+        from tokenmill.worker.loader import resolve_model
+        from tokenmill.worker.spec.eagle import EagleHeadError, head_folder
+
+        name = resolve_model(spec.model, spec.load_format).name  # type: ignore[arg-type]
+        try:
+            head_folder(None, name)
+        except EagleHeadError:
+            return f"no EAGLE head shipped for {name}"
+    return None
+
+
+def variant_row(base: ModelSpec, variant: Variant, workload: Workload) -> dict[str, Any]:
+    """The continuous-batching step (all requests at once, prefix caching off) on a fresh engine built for
+    `variant`, freed afterwards; or the row saying why it cannot run."""
+    reason = why_not(variant, base)
+    if reason is not None:
+        return {"step": variant.step, "variant": variant.key, "not_run": reason}
+    engine = build_engine(variant.spec(base), prefix_caching=False)
+    try:
+        c0 = replace(engine.counters)
+        run = drive(engine, workload, desc=variant.step)
+        step = variant.step
+        if variant.speculative != "off":
+            step += f", automatic switch {'on' if engine.switch is not None else 'off'}"
+        row = ladder_row(step, workload, run, engine)
+        drafted = engine.counters.draft_tokens - c0.draft_tokens
+        accepted = engine.counters.accepted_draft_tokens - c0.accepted_draft_tokens
+        row |= {"variant": variant.key, "quantization": variant.quantization,
+                "kv_cache_dtype": variant.kv_cache_dtype, "speculative": variant.speculative,
+                "draft_weights_bytes": memory_info(engine)["draft_weights_bytes"]}
+        if variant.speculative != "off":
+            row |= {"auto_switch": engine.switch is not None, "draft_tokens": drafted,
+                    "accepted_draft_tokens": accepted, "acceptance_rate": accepted / drafted if drafted else 0.0}
+        return row
+    finally:
+        del engine
+        free_device_memory()
+
+
+def rung_rows(base: ModelSpec, variants: tuple[Variant, ...], workload: Workload,
+              enough_time: Callable[[], bool] = lambda: True) -> list[dict[str, Any]]:
+    """A row per variant; one that would not start in time (`enough_time()` False) says so, one that failed
+    records its error (and the next one runs)."""
+    rows = []
+    for v in variants:
+        if not enough_time():
+            rows.append({"step": v.step, "variant": v.key, "not_run": "time budget"})
+            continue
+        try:
+            rows.append(variant_row(base, v, workload))
+        except Exception as e:
+            traceback.print_exc()
+            rows.append({"step": v.step, "variant": v.key, "error": f"{type(e).__name__}: {e}"[:300]})
+    return rows
 
 
 def ladder_row(step: str, workload: Workload, run: EngineRun, engine: LLMEngine) -> dict[str, Any]:
@@ -204,10 +310,6 @@ def prefix_gain(rows: list[dict[str, Any]]) -> dict[str, float]:
     return {f"ttft_{k}_ratio": off[k] / on[k] for k in ("p50", "p90", "mean") if on[k] > 0}
 
 
-def not_built_rows() -> list[dict[str, Any]]:
-    return [{"step": s, "not_built": True} for s in NOT_BUILT]
-
-
 def _mb(x: float) -> str:
     return f"{x / 2**20:,.1f} MiB" if x < 2**30 else f"{x / 2**30:.2f} GiB"
 
@@ -216,8 +318,8 @@ def ladder_table(rows: list[dict[str, Any]]) -> str:
     out = ["| step | workload | requests | output tok/s | TTFT p50 / p90 (ms) | TPOT p50 (ms) | "
            "peak KV in use | weights | prompt tokens from cache |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if r.get("not_built"):
-            out.append(f"| {r['step']} | not built yet | | | | | | | |")
+        if "not_run" in r:
+            out.append(f"| {r['step']} | not run: {r['not_run']} | | | | | | | |")
             continue
         if "error" in r:
             out.append(f"| {r['step']} | failed: {r['error']} | | | | | | | |")
@@ -259,7 +361,11 @@ def run_cli(args: argparse.Namespace) -> int:
     engine = build_engine(spec)
     rows = [static_row(engine, sg, args.static_batch), continuous_row(engine, sg)]
     pre = prefix_rows(engine, sp, args.sessions, ramp=args.session_ramp)
-    rows += [*pre, *not_built_rows()]
+    rows += pre
+    del engine
+    free_device_memory()  # each variant builds its own engine
+    for variants in RUNGS.values():
+        rows += rung_rows(spec, variants, sg)
     write_results(args.out, "ladder", {"model": spec.describe(), "rows": rows, "prefix_gain": prefix_gain(pre)},
                   ladder_table(rows))
     return 0

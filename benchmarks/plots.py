@@ -93,27 +93,37 @@ def _grouped_bars(ax: Any, labels: list[str], series: dict[str, list[float]]) ->
 
 
 def plot_ladder(result: dict[str, Any], path: Path) -> Path | None:
-    rows = [r for r in result.get("ladder", {}).get("rows", []) if not r.get("not_built") and "error" not in r]
+    rows = [r for r in result.get("ladder", {}).get("rows", []) if "not_run" not in r and "error" not in r]
     if not rows:
         return None
     plt = _plt()
     names = {"sharegpt": "ShareGPT", "shared-prefix-chat": "shared prefix"}
     labels = [f"{short_step(r['step'])}\n[{names.get(r['workload'], r['workload'])}]" for r in rows]
-    panels = (("output_tok_per_s", "output tokens/s", 1.0), ("ttft_p50", "TTFT p50 (ms)", 1.0),
-              ("tpot_p50", "TPOT p50 (ms)", 1.0), ("peak_kv_bytes", "peak KV cache in use (MiB)", 2.0**-20))
-    fig, axes = plt.subplots(1, 4, figsize=(17, 5.2))
-    colors = ["#8172B2", "#4C72B0", "#937860", "#55A868", "#DA8BC3"]
-    for ax, (key, name, scale) in zip(axes, panels):
-        vals = [_ladder_value(r, key) * scale for r in rows]
-        bars = ax.bar(range(len(rows)), vals, color=colors[: len(rows)])
-        ax.bar_label(bars, labels=[value_label(v) for v in vals], fontsize=8)
-        ax.set_xticks(range(len(rows)), labels, fontsize=7.5)
-        ax.margins(y=0.12)
+    panels = (("output_tok_per_s", "output tokens/s"), ("ttft_p50", "TTFT p50 (ms)"), ("tpot_p50", "TPOT p50 (ms)"),
+              ("memory", "memory (MiB): weights + peak KV in use"))
+    fig, axes = plt.subplots(1, 4, figsize=(max(17.0, 3.6 * len(rows)), 5.4))
+    colors = ["#8172B2", "#4C72B0", "#937860", "#55A868", "#C44E52", "#DD8452", "#DA8BC3", "#64B5CD"][: len(rows)]
+    xs = range(len(rows))
+    for ax, (key, name) in zip(axes, panels):
+        if key == "memory":  # weights (solid) with the peak KV cache in use on top (hatched)
+            weights = [r.get("weights_bytes", 0) / 2**20 for r in rows]
+            kv = [r["peak_kv_bytes"] / 2**20 for r in rows]
+            ax.bar(xs, weights, color=colors, label="weights")
+            bars = ax.bar(xs, kv, bottom=weights, color=colors, alpha=0.45, hatch="//", label="peak KV in use")
+            ax.bar_label(bars, labels=[f"{value_label(w)}\n+ {value_label(k)}" for w, k in zip(weights, kv)],
+                         fontsize=7.5)
+            ax.legend(fontsize=7.5, loc="lower right")
+        else:
+            vals = [_ladder_value(r, key) for r in rows]
+            bars = ax.bar(xs, vals, color=colors)
+            ax.bar_label(bars, labels=[value_label(v) for v in vals], fontsize=8)
+        ax.set_xticks(xs, labels, fontsize=7.5)
+        ax.margins(y=0.15)
         ax.set(title=name, ylabel=name)
         ax.grid(axis="y", alpha=0.3)
     all_rows = result.get("ladder", {}).get("rows", [])
-    missing = ", ".join(r["step"].split(" (")[0] for r in all_rows if r.get("not_built"))
-    fig.suptitle(f"Optimization ladder: {title_suffix(result)}" + (f"\nnot built yet: {missing}" if missing else ""),
+    missing = "; ".join(f"{r['step'].split(' (')[0]} ({r['not_run']})" for r in all_rows if "not_run" in r)
+    fig.suptitle(f"Optimization ladder: {title_suffix(result)}" + (f"\nnot run: {missing}" if missing else ""),
                  fontsize=11)
     return _save(fig, path)
 
@@ -138,6 +148,10 @@ def short_step(step: str) -> str:
         return "continuous,\nno prefix\ncache"
     if "prefix caching" in step:
         return "continuous\n+ prefix\ncache"
+    for name, label in (("INT8", "INT8\nweights"), ("FP8", "FP8 W8A8\n+ FP8 KV"), ("n-gram", "n-gram\nspeculation"),
+                        ("EAGLE", "EAGLE\nspeculation")):
+        if name in step:
+            return label
     return "continuous\nbatching"
 
 

@@ -12,6 +12,9 @@ Sections, in order (each wrapped: a failure is printed and recorded, and the sui
   prefix      shared-prefix chat with prefix caching off, then on: TTFT gain
   fixed       fixed input/output lengths (GPU: 1000 in / 1000 out, up to 1,000 requests)
   static      the ladder's first step: the engine in static batches on the HF requests
+  quantization  the ladder's quantization rung: the continuous-batching step (same requests, prefix caching
+              off) on engines quantized on load, INT8 weight-only and (FP8 GPUs) FP8 (the engine is freed first)
+  speculative the ladder's speculative-decoding rung: the same with n-gram prompt lookup and EAGLE
   serving     broker + worker + client SDK, Poisson arrivals at several rates (the engine is freed first)
 Later sections shrink or are skipped so that the suite ends within --budget-s; time is kept back for
 the serving section. Results: suite.json, suite.md and PNGs under --out, rewritten after every section.
@@ -34,12 +37,13 @@ from typing import Any
 from tokenmill.benchmarks import summary
 from tokenmill.benchmarks.common import device_info, write_results
 from tokenmill.benchmarks.ladder import (
+    RUNGS,
     anatomy_table,
     ladder_row,
     ladder_table,
-    not_built_rows,
     prefix_gain,
     prefix_rows,
+    rung_rows,
     step_anatomy,
 )
 from tokenmill.benchmarks.serving import ServingConfig, serve_rates, serving_table, timeline_table
@@ -65,7 +69,8 @@ from tokenmill.benchmarks.workloads import (
 )
 from tokenmill.worker.engine import LLMEngine
 
-SECTIONS = ("hf", "engine", "sharegpt", "hf_compare", "prefix", "fixed", "static", "serving")
+SECTIONS = ("hf", "engine", "sharegpt", "hf_compare", "prefix", "fixed", "static", "quantization", "speculative",
+            "serving")
 GIB = float(1 << 30)
 
 
@@ -107,7 +112,7 @@ CPU = SuiteConfig(
     sharegpt_prompts=32, sharegpt_max_input=256, sharegpt_max_output=128, hf_batch=8, hf_time_s=150.0,
     conversations=2, turns=2, max_turn_len=32, fixed_requests=16, fixed_in=128, fixed_out=64,
     serving_rates=(0.5, 1.0, math.inf), serving_prompts=16, serving_time_s=60.0, serving_reserve_s=130.0,
-    budget_s=560.0, goals={"prefix_ttft_ratio": 3.0},
+    budget_s=1080.0, goals={"prefix_ttft_ratio": 3.0},
 )
 
 GPU = SuiteConfig(
@@ -291,6 +296,20 @@ class Suite:
         return ladder_row(f"static batching (batches of {self.cfg.hf_batch})", served.subset(len(run.timings)),
                           run, eng) | {"of_requests": len(served)}
 
+    def rung(self, name: str) -> dict[str, Any]:
+        """A ladder rung (RUNGS[name]): each variant's engine in turn, on the continuous-batching step's
+        requests (those HF served, else all ShareGPT ones), after the suite's engine is freed. A variant
+        starts only while the suite engine's start-up, twice the continuous step's run time and 30 s are
+        left before serving's reserve."""
+        self.engine = None
+        free_device_memory()
+        served = self.hf_served() or self.workloads["sharegpt"]
+        base = self.result.get("hf_compare", {}).get("engine") or self.result.get("sharegpt") or {}
+        need = self.result.get("engine", {}).get("startup_s", 30.0) + 2 * base.get("duration_s", 60.0) + 30
+        rows = rung_rows(self.cfg.spec, RUNGS[name], served,
+                         lambda: self.left(self._serving_reserve() + 10) >= need)
+        return {"rows": rows, "requests": len(served)}
+
     def serving(self) -> dict[str, Any]:
         self.engine = None
         free_device_memory()
@@ -324,6 +343,8 @@ class Suite:
         self.section("prefix", self.prefix, reserve=res)
         self.section("fixed", self.fixed, reserve=res + 15)
         self.section("static", self.static, reserve=res + 10)
+        for name in RUNGS:
+            self.section(name, lambda: self.rung(name), reserve=res + 10)  # noqa: B023 (called at once)
         self.set_ladder()
         self.section("serving", self.serving, need=20.0)
         self.save(plots=True)
@@ -349,7 +370,8 @@ def prefix_key(system_len: int, cfg: SuiteConfig) -> str:
 
 
 def ladder_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Static (HF requests) -> continuous (same requests) -> shared prefix off -> on -> not built yet."""
+    """Static (HF requests) -> continuous (same requests) -> shared prefix off -> on -> quantization ->
+    speculative decoding (a rung whose section did not run: one row saying why)."""
     rows: list[dict[str, Any]] = []
     st = result.get("static", {})
     if "step" in st:
@@ -358,7 +380,11 @@ def ladder_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     if eng and "latency" in eng:
         rows.append(_row_from_offline("continuous batching", eng, result.get("engine", {}).get("weights_bytes", 0)))
     rows += result.get("prefix", {}).get("rows", [])
-    return rows + not_built_rows()
+    for name in RUNGS:
+        sec = result.get(name) or {"skipped": "not in this run"}
+        why = sec.get("skipped") or sec.get("error")
+        rows += sec.get("rows") or [{"step": name, "not_run": why or "no rows"}]
+    return rows
 
 
 def _row_from_offline(step: str, r: dict[str, Any], weights_bytes: int) -> dict[str, Any]:

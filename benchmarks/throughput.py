@@ -33,7 +33,7 @@ from tokenmill.benchmarks.common import (
 )
 from tokenmill.benchmarks.workloads import BenchRequest, Workload, length_tokenizer, sharegpt_workload
 from tokenmill.protocol.sampling import SamplingParams
-from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.worker.engine import LLMEngine, StepObserver, StepRecord
 from tokenmill.worker.tokenizer import Tokenizer
 
@@ -60,6 +60,8 @@ class ModelSpec:
     threads: int = 0  # torch CPU threads (0: torch's default); the worker process gets the same
     async_scheduling: bool | None = None  # None: the engine's default (on for CUDA only)
     quantization: str = "auto"  # EngineConfig.quantization: auto, int8, int4, fp8
+    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype: auto, fp8
+    speculative: str = "off"  # SpeculativeConfig.method: off, ngram, eagle (the head shipped for the model)
 
     @property
     def dummy(self) -> bool:
@@ -69,7 +71,8 @@ class ModelSpec:
         return EngineConfig(
             model=self.model, load_format=self.load_format, dtype=self.dtype, device=self.device,  # type: ignore[arg-type]
             max_model_len=self.max_model_len, cuda_graphs=self.cuda_graphs, async_scheduling=self.async_scheduling,
-            quantization=self.quantization,  # type: ignore[arg-type]
+            quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,  # type: ignore[arg-type]
+            speculative=SpeculativeConfig(method=self.speculative),  # type: ignore[arg-type]
             cache=CacheConfig(gpu_memory_utilization=self.gpu_memory_utilization, cpu_kv_bytes=self.cpu_kv_bytes,
                               enable_prefix_caching=prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
@@ -136,12 +139,19 @@ def free_device_memory() -> None:
 
 
 def memory_info(engine: LLMEngine) -> dict[str, Any]:
+    """Bytes of the weights (the target's parameters, plus an EAGLE draft head's own: `draft_weights_bytes`)
+    and of the KV cache."""
     r = engine.runner
-    weights = sum(p.numel() * p.element_size() for p in r.model.parameters())
-    info: dict[str, Any] = {"weights_bytes": weights, "kv_blocks": r.num_blocks, "block_size": r.block_size,
+    draft = sum(_param_bytes(m) for m in [getattr(engine.proposer, "head", None)] if m is not None)
+    info: dict[str, Any] = {"weights_bytes": _param_bytes(r.model) + draft, "draft_weights_bytes": draft,
+                            "kv_blocks": r.num_blocks, "block_size": r.block_size,
                             "kv_bytes_per_block": r.bytes_per_block, "kv_bytes": r.num_blocks * r.bytes_per_block}
     info.update(peak_memory(r.device.type))
     return info
+
+
+def _param_bytes(module: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def peak_memory(device_type: str) -> dict[str, int]:
@@ -534,6 +544,10 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     ap.add_argument("--quantization", default=d.quantization, choices=["auto", "int8", "int4", "fp8"],
                     help="decoder-layer weights (auto: the checkpoint's own; else quantized on load)")
+    ap.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "fp8"],
+                    help="auto: the model dtype; fp8: e4m3 (an FP8 GPU)")
+    ap.add_argument("--speculative", default=d.speculative, choices=["off", "ngram", "eagle"],
+                    help="speculative decoding: n-gram prompt lookup or the EAGLE head shipped for the model")
     ap.add_argument("--async-scheduling", type=int, choices=[0, 1], default=None,
                     help="force async scheduling off (0) or on (1; e.g. on CPU to count the steps a GPU takes)")
 
@@ -557,6 +571,7 @@ def spec_from_args(args: argparse.Namespace) -> ModelSpec:
                    device=device, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization,
+                   kv_cache_dtype=args.kv_cache_dtype, speculative=args.speculative,
                    async_scheduling=None if args.async_scheduling is None else bool(args.async_scheduling))
 
 

@@ -13,7 +13,17 @@ from types import SimpleNamespace
 import pytest
 
 from tokenmill.benchmarks.common import RequestTiming, goodput, latency_summary, meets_slo, throughput_summary
-from tokenmill.benchmarks.ladder import common_prefix, prefix_gain, prefix_rows, step_anatomy
+from tokenmill.benchmarks.ladder import (
+    QUANT_VARIANTS,
+    SPEC_VARIANTS,
+    common_prefix,
+    ladder_table,
+    prefix_gain,
+    prefix_rows,
+    step_anatomy,
+    variant_row,
+    why_not,
+)
 from tokenmill.benchmarks.serving import arrival_offsets, parse_rates
 from tokenmill.benchmarks.throughput import ModelSpec, StepTrace, _Releaser, build_engine, workload_tokenizer
 from tokenmill.benchmarks.workloads import (
@@ -127,6 +137,45 @@ def test_prefix_gain_ratio() -> None:
     rows = [{"ttft_ms": {"p50": 900.0, "p90": 1200.0, "mean": 1000.0}},
             {"ttft_ms": {"p50": 100.0, "p90": 300.0, "mean": 250.0}}]
     assert prefix_gain(rows) == {"ttft_p50_ratio": 9.0, "ttft_p90_ratio": 4.0, "ttft_mean_ratio": 4.0}
+
+
+# -- the quantization and speculative-decoding rungs ----------------------------------------------------------
+
+
+def test_rung_variants_that_cannot_run_say_why_in_their_row() -> None:
+    (int8, fp8), (ngram, eagle) = QUANT_VARIANTS, SPEC_VARIANTS
+    embedded = ModelSpec()
+    assert [why_not(v, embedded) for v in (int8, ngram, eagle)] == [None, None, None]
+    assert why_not(fp8, embedded) == "needs a GPU with FP8 (compute capability >= 8.9)"  # the CPU
+    assert why_not(eagle, TINY) == "no EAGLE head shipped for tiny-llama"
+    wl = Workload("sharegpt", (BenchRequest((300, 301, 302), 2),))
+    row = variant_row(TINY, eagle, wl)
+    assert row == {"step": eagle.step, "variant": "eagle", "not_run": "no EAGLE head shipped for tiny-llama"}
+    table = ladder_table([row])
+    assert f"| {eagle.step} | not run: no EAGLE head shipped for tiny-llama |" in table
+    assert "tok/s" not in table.splitlines()[-1]  # no numbers in the row
+
+
+@pytest.mark.slow
+def test_eagle_and_int8_rows_on_the_embedded_model() -> None:
+    """EAGLE drafts with the shipped head (its weights counted beside the target's); INT8 halves and more
+    the weights it quantizes. The same two requests for each variant, prefix caching off."""
+    spec = replace(ModelSpec(), max_num_seqs=4, max_model_len=512, cpu_kv_bytes=64 << 20, threads=1)
+    tok, vocab, _ = workload_tokenizer(spec)
+    wl = sharegpt_workload(tok, 2, 0, ids_vocab=vocab, max_input_len=64, max_output_len=12)
+    plain = build_engine(spec, prefix_caching=False)
+    from tokenmill.benchmarks.throughput import memory_info
+
+    dense = memory_info(plain)["weights_bytes"]
+    del plain
+    (int8, _), (_, eagle) = QUANT_VARIANTS, SPEC_VARIANTS
+    e, q = variant_row(spec, eagle, wl), variant_row(spec, int8, wl)
+    assert e["requests"] == q["requests"] == 2 and e["output_tok_per_s"] > 0 and q["output_tok_per_s"] > 0
+    assert e["draft_tokens"] > 0 and 0 <= e["accepted_draft_tokens"] <= e["draft_tokens"]
+    assert e["auto_switch"] is False  # the CPU default
+    assert e["draft_weights_bytes"] > 0 and e["weights_bytes"] == dense + e["draft_weights_bytes"]
+    assert q["draft_weights_bytes"] == 0 and q["weights_bytes"] < 0.6 * dense
+    assert e["cached_prompt_tokens"] == q["cached_prompt_tokens"] == 0
 
 
 # -- release order and arrivals --------------------------------------------------------------------------------
@@ -249,7 +298,7 @@ def test_plots_from_a_result(tmp_path: Path) -> None:
               "serving": {"rates": [rate | {"rate": 1.0, "latency": _lat(10)},
                                     rate | {"rate": "inf", "latency": _lat(20)},
                                     {"rate": 2.0, "skipped": "time budget"}]},
-              "ladder": {"rows": [row, {"step": "quantization", "not_built": True}]},
+              "ladder": {"rows": [row, {"step": "quantization: FP8", "not_run": "needs a GPU with FP8"}]},
               "hf_compare": {"hf": {"requests": 4, "batch_size": 2, "output_tok_per_s": 3.0},
                              "engine": {"output_tok_per_s": 9.0}}}
     files = plot_all(result, tmp_path)
@@ -323,8 +372,18 @@ def test_suite_smallest_config_writes_json_md_png(tmp_path: Path) -> None:
     assert on["first_token"]["steps"]["max"] == 1  # CPU: no async scheduling; cached turns in one step
     assert [v["system_len"] for v in result["prefix"]["variants"]] == [64, 96]
     assert result["fixed"]["requests_planned"] == 4 and not result["fixed"]["shrunk_for_budget"]
-    assert [r["step"] for r in result["ladder"]["rows"]][-2:] == [
-        "quantization (INT8/INT4 weight-only, FP8)", "speculative decoding (EAGLE draft heads)"]
+    rows = {r.get("variant"): r for r in result["ladder"]["rows"]}
+    steps = [r["step"] for r in result["ladder"]["rows"]][-4:]
+    assert steps[:2] == [v.step for v in QUANT_VARIANTS] and steps[3] == SPEC_VARIANTS[1].step
+    assert steps[2] == f"{SPEC_VARIANTS[0].step}, automatic switch off"  # the CPU default
+    cont = next(r for r in result["ladder"]["rows"] if r["step"] == "continuous batching")
+    for key in ("int8", "ngram"):  # measured on the continuous step's requests, prefix caching off
+        assert rows[key]["requests"] == cont["requests"] == 6 and rows[key]["output_tok_per_s"] > 0
+        assert rows[key]["cached_prompt_tokens"] == 0 and "not_run" not in rows[key]
+    assert rows["int8"]["weights_bytes"] < cont["weights_bytes"]  # the quantized projections are smaller
+    assert rows["ngram"]["weights_bytes"] == cont["weights_bytes"] and rows["ngram"]["draft_tokens"] > 0
+    assert rows["fp8"]["not_run"] == "needs a GPU with FP8 (compute capability >= 8.9)"
+    assert rows["eagle"]["not_run"] == "no EAGLE head shipped for tiny-llama"
     md = (tmp_path / "suite.md").read_text()
     assert "## Headline" in md and "## Optimization ladder" in md and "![ladder](ladder.png)" in md
     assert {"ladder.png", "baselines.png", "serving_latency.png", "serving_throughput.png"} <= {

@@ -241,7 +241,7 @@ def _sm90_compile_all() -> None:
     def build(fn: Any, consts: dict[str, Any], ints: tuple[str, ...], warps: int, stages: int) -> str:
         names = list(fn.arg_names)
         ptr_types = {"q_ptr": "*i32" if consts["BITS"] == 4 else "*i8", "z_ptr": "*u8", "perm_ptr": "*i32",
-                     "s_ptr": "*fp16", "m_ptr": "*fp16"}
+                     "s_ptr": "*fp16", "m_ptr": "*fp16", "y_ptr": "*fp32" if consts["SPLIT"] else "*bf16"}
         sig = {a: "constexpr" if a in consts else ptr_types.get(a, "*bf16") if a.endswith("_ptr") else
                "fp32" if a == "eps" else "i32" for a in names}
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a.endswith("_ptr") or a in ints}
@@ -259,11 +259,14 @@ def _sm90_compile_all() -> None:
                       "BLOCK_M": m if use_dot else 1, "BLOCK_N": 16, "BLOCK_K": 256, "EVEN_K": True,
                       "STATS_BLOCK": 256, "EVEN_KS": True, "USE_DOT": use_dot, "DOT_PRECISION": "tf32",
                       "NUM_STAGES": 3, "PDL": False}
-            ttgir = build(qv._quant_skinny_kernel, consts, ("K", "stride_xm", "stride_ym"), 4, 3)
-            assert "async_copy_global_to_local" in ttgir, f"{fmt} {prologue=} {m=}: the K loop is not pipelined"
+            for split in (False, True):  # split-K: the slice loop (runtime bounds) is pipelined too
+                ttgir = build(qv._quant_skinny_kernel, {**consts, "SPLIT": split},
+                              ("K", "k_split", "stride_xm", "stride_ym"), 4, 3)
+                assert "async_copy_global_to_local" in ttgir, f"{fmt} {prologue=} {m=} {split=}: not pipelined"
         consts = {**fmt, "HAS_BIAS": True, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
                   "EVEN_K": True, "DOT_PRECISION": "tf32"}
-        build(qm._quant_gemm_kernel, consts, ("K", "stride_xm", "stride_ym"), 8, 3)
+        for split in (False, True):
+            build(qm._quant_gemm_kernel, {**consts, "SPLIT": split}, ("K", "k_split", "stride_xm", "stride_ym"), 8, 3)
 
 
 @pytest.mark.slow

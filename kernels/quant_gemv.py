@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels import tuned
 from tokenmill.kernels.activation import silu_and_mul_ref
 from tokenmill.kernels.gemv import (
     SkinnyConfig,
@@ -41,7 +42,6 @@ from tokenmill.kernels.gemv import (
     default_config,
     row_rstd,
 )
-from tokenmill.kernels import tuned
 from tokenmill.kernels.launch import next_pow2, num_sms, pdl_launch_args, pdl_release, pdl_wait
 from tokenmill.kernels.quant_weight import PackedWeight, check_packed, quant_matmul_ref, scale_later
 from tokenmill.kernels.rmsnorm import add_rmsnorm_ref, rmsnorm_ref

@@ -195,7 +195,7 @@ def _parse(raw: Any) -> tuple[str, torch.dtype, dict[tuple[str, str, int, int], 
                 n, k = _shape_key(shape, where)
                 parsed = sorted((_int_key(m, where), _config(_CLASSES[kernel], cfg, f"{where}.{m}"))
                                 for m, cfg in _dict(buckets, where).items())
-                if kernel == "skinny" and any(not c.use_dot and m > 1 for m, c in parsed):
+                if any(isinstance(c, QuantSkinnyConfig) and not c.use_dot and m > 1 for m, c in parsed):
                     raise ValueError(f"{where}: use_dot false (the FMA variant) is for M = 1 only")
                 entries[(kernel, fmt, n, k)] = tuple(parsed)
     return top["device"], dtype, entries

@@ -24,6 +24,7 @@ import pytest
 from tokenmill.kernels.gemv import SkinnyConfig
 from tokenmill.kernels.quant_gemm import GemmConfig, quant_matmul
 from tokenmill.kernels.quant_gemv import (
+    k_slices,
     quant_add_rmsnorm_matmul,
     quant_add_rmsnorm_matmul_ref,
     quant_silu_mul_matmul,
@@ -39,6 +40,7 @@ from tokenmill.kernels.quant_weight import (
     quant_matmul_ref,
     unpack_int4,
 )
+from tokenmill.kernels.tuned import QuantSkinnyConfig
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -164,6 +166,42 @@ def test_quant_matmul_tiled(dtype: torch.dtype, fmt: Any) -> None:
     quant_matmul(x, w, bias, out=out, config=TILE)
     torch.testing.assert_close(out, quant_matmul_ref(x, w, bias), **_tol(dtype))
     torch.testing.assert_close(quant_matmul(x[:20], w), quant_matmul_ref(x[:20], w), **_tol(dtype))  # default
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[2], FORMATS[4]], ids=lambda f: f[0])
+@pytest.mark.parametrize("split_k", [2, 3, 8])
+def test_split_k_matches_the_reference(dtype: torch.dtype, fmt: Any, split_k: int) -> None:
+    """K = 104 in steps of 32 (4 steps, the last partial): 2 slices of 2 steps, 2 of 2 (split 3), 4 of 1 (split 8);
+    the bias is added once, the per-channel scale (INT8) per slice, the new residual stored once."""
+    w = packed_weight(fmt, N, K, dtype, seed=12)
+    bias = _x((N,), dtype, 13)
+    dot = QuantSkinnyConfig(16, 32, 4, 2, split_k=split_k)
+    fma = QuantSkinnyConfig(8, 32, 4, 2, use_dot=False, split_k=split_k)
+    for m, cfg in ((1, fma), (5, dot)):
+        x = _x((m, K), dtype, 14)
+        out = _poisoned(m, N, dtype)
+        quant_skinny_matmul(x, w, bias, out=out, config=cfg)
+        torch.testing.assert_close(out, quant_matmul_ref(x, w, bias), **_tol(dtype))
+    h, res = _x((3, K), dtype, 15), _x((3, K), dtype, 16)
+    nw = (1.0 + 0.1 * _x((K,), torch.float32, 17)).to(dtype)
+    want_y, want_r = quant_add_rmsnorm_matmul_ref(h, res, nw, 1e-5, w, bias)
+    y, r = quant_add_rmsnorm_matmul(h, res, nw, 1e-5, w, bias, config=dot)
+    torch.testing.assert_close(y, want_y, **_tol(dtype))
+    assert torch.equal(r, want_r)
+    x = _x((37, K), dtype, 18)
+    out = _poisoned(37, N, dtype)
+    quant_matmul(x, w, bias, out=out, config=GemmConfig(16, 16, 32, group_m=2, split_k=split_k))
+    torch.testing.assert_close(out, quant_matmul_ref(x, w, bias), **_tol(dtype))
+
+
+def test_split_k_slices_are_whole_steps() -> None:
+    assert k_slices(104, 32, 2) == (64, 2) and k_slices(104, 32, 3) == (64, 2) and k_slices(104, 32, 8) == (32, 4)
+    assert k_slices(4096, 256, 1) == (4096, 1) and k_slices(14336, 512, 8) == (2048, 7)
+    with pytest.raises(ValueError, match="split_k"):
+        QuantSkinnyConfig(16, 32, 4, 2, split_k=0)
+    with pytest.raises(ValueError, match="split_k"):
+        GemmConfig(16, 16, 32, split_k=0)
 
 
 def test_empty_batches() -> None:

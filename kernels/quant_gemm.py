@@ -25,7 +25,7 @@ import triton.language as tl
 from tokenmill.kernels import tuned
 from tokenmill.kernels.gemv import _check_out
 from tokenmill.kernels.launch import next_pow2
-from tokenmill.kernels.quant_gemv import check_quant_weight, dequant_tile, k_slices, split_k_sum
+from tokenmill.kernels.quant_gemv import check_quant_weight, dequant_tile, k_slice, k_slices, split_k_sum
 from tokenmill.kernels.quant_weight import PackedWeight, scale_later
 from tokenmill.kernels.tuned import GemmConfig
 
@@ -87,12 +87,7 @@ def _quant_gemm_kernel(
     z_rows = z_ptr + rn[:, None] * G
     m_rows = m_ptr + rn[:, None] * G
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if SPLIT:
-        k_lo = pid_k * k_split
-        k_hi = tl.minimum(K, k_lo + k_split)
-    else:
-        k_lo = 0
-        k_hi = K
+    k_lo, k_hi = k_slice(pid_k, K, k_split, SPLIT)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         cols = offs_k

@@ -120,6 +120,15 @@ def dequant_tile(
 
 
 @triton.jit
+def k_slice(pid_k, K, k_split, SPLIT: tl.constexpr):
+    """The K columns [lo, hi) of slice pid_k (the whole K range unless SPLIT)."""
+    if SPLIT:
+        lo = pid_k * k_split
+        return lo, tl.minimum(K, lo + k_split)
+    return 0, K
+
+
+@triton.jit
 def _quant_skinny_kernel(
     x_ptr,  # [M, K] activations (PLAIN: x, NORM: h, SILU: gu [M, 2K]); row stride stride_xm
     res_ptr,  # [M, K] residual (NORM with HAS_RESIDUAL)
@@ -169,12 +178,7 @@ def _quant_skinny_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if SPLIT:
-        k_lo = pid_k * k_split
-        k_hi = tl.minimum(K, k_lo + k_split)
-    else:
-        k_lo = 0
-        k_hi = K
+    k_lo, k_hi = k_slice(pid_k, K, k_split, SPLIT)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         offs_k = k0 + offs_kb
         k_mask = (offs_k < K)[None, :]

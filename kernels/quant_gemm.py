@@ -107,7 +107,7 @@ def _quant_gemm_kernel(
         acc *= tl.load(s_ptr + rn * G).to(tl.float32)[None, :]
     if HAS_BIAS:
         bias = tl.load(b_ptr + rn).to(tl.float32)[None, :]
-        acc += tl.where(pid_k == 0, bias, 0.0)  # once, by the first slice
+        acc += tl.where(pid_k == 0, bias, 0.0) if SPLIT else bias  # once: by the first slice
     if SPLIT:  # fp32 partials [splits, M, N]
         y_ptrs = y_ptr + (pid_k * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
     else:

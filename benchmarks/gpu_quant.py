@@ -22,8 +22,14 @@ ahead-of-time sm_90 compile).
    FP8 weights + FP8 KV, --fixed-requests of them (default 512, two windows, not the suite's 1,000, to keep the
    script within minutes: output tok/s over the whole run, prefill included, as the suite measures it).
 
+5. `--sweep` (alone: nothing above runs): the launch-config search of the weight-only kernels that writes the
+   per-device table of kernels/tuned.py, <slug>.json, and gpu_quant_sweep.{json,md} into --out (the stages,
+   the grid's bound and how to commit the table: benchmarks/README.md, "Tuning the quantized kernels' launch
+   configs"). Like 1-4, not run on a GPU yet.
+
     python -m tokenmill.benchmarks.gpu_quant --out benchmarks/results/h200
     python -m tokenmill.benchmarks.gpu_quant --skip-decode --skip-fixed   # kernels and checks only
+    python -m tokenmill.benchmarks.gpu_quant --sweep --out DIR            # DIR/nvidia-h200.json on the H200
 """
 
 from __future__ import annotations
@@ -369,9 +375,9 @@ def _launch_fn(kernel: str, x: torch.Tensor, w: Any, cfg: Candidate | None) -> A
 
 def _default(kernel: str, x: torch.Tensor, w: Any) -> Candidate:
     """The config the launcher picks without a table (the default rule), as a table class."""
-    from tokenmill.kernels.gemv import SkinnyConfig
+    from tokenmill.kernels.gemv import SkinnyConfig, default_config
+    from tokenmill.kernels.launch import num_sms
     from tokenmill.kernels.quant_gemm import default_gemm_config
-    from tokenmill.kernels.quant_gemv import default_config, num_sms
     from tokenmill.kernels.tuned import QuantSkinnyConfig
 
     n, k = w.shape
@@ -384,7 +390,7 @@ def _default(kernel: str, x: torch.Tensor, w: Any) -> Candidate:
 def _bf16_gemv_config(x: torch.Tensor, w: Any) -> Candidate:
     """What the bf16 skinny kernel (kernels/gemv.py, fast on the H200) launches for this shape."""
     from tokenmill.kernels.gemv import SkinnyConfig, default_config
-    from tokenmill.kernels.quant_gemv import num_sms
+    from tokenmill.kernels.launch import num_sms
     from tokenmill.kernels.tuned import QuantSkinnyConfig
 
     n, k = w.shape
@@ -400,17 +406,21 @@ def _compile_key(fmt: str, kernel: str, m: int, cfg: Candidate) -> tuple[Any, ..
 _WORKER_WEIGHTS: dict[tuple[str, int, int], Any] = {}
 
 
-def _compile_one(job: tuple[str, int, int, int, str, Candidate, str]) -> str | None:
+Job = tuple[str, int, int, int, str, Candidate, str, str]  # format, N, K, M, kernel, config, dtype, device type
+
+
+def _compile_one(job: Job) -> str | None:
     """In a compile worker: launch one candidate once (Triton compiles it into the shared on-disk cache)."""
-    fmt, n, k, m, kernel, cfg, dtype = job
-    dev = torch.device("cuda")
+    fmt, n, k, m, kernel, cfg, dtype, device = job
+    dev = torch.device(device)
     if (fmt, n, k) not in _WORKER_WEIGHTS:
         _WORKER_WEIGHTS.clear()
         _WORKER_WEIGHTS[(fmt, n, k)] = random_packed(fmt, n, k, dev)
     x = torch.randn(m, k, device=dev, dtype=getattr(torch, dtype))
     try:
         _launch_fn(kernel, x, _WORKER_WEIGHTS[(fmt, n, k)], cfg)()
-        torch.cuda.synchronize()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
     except Exception as e:  # reported again, and recorded, when the main process runs it
         return f"{type(e).__name__}: {e}"
     return None
@@ -418,8 +428,8 @@ def _compile_one(job: tuple[str, int, int, int, str, Candidate, str]) -> str | N
 
 class _Precompiler:
     """Compiles candidates in parallel processes ahead of their timing (compiling is most of a sweep's time:
-    several hundred kernels at ~0.5-1 s each); the timing process then loads them from Triton's cache. Off
-    (workers = 0) under the interpreter, where nothing compiles."""
+    several hundred kernels at ~0.5-1 s each); the timing process then loads them from Triton's cache.
+    workers = 0: none (the sweep's default under the interpreter, where nothing compiles)."""
 
     def __init__(self, workers: int) -> None:
         self.pool: Any = None
@@ -430,21 +440,23 @@ class _Precompiler:
 
             self.pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
 
-    def run(self, jobs: list[tuple[str, int, int, int, str, Candidate, str]], timeout_s: float) -> None:
-        fresh: dict[tuple[Any, ...], tuple[str, int, int, int, str, Candidate, str]] = {}
+    def run(self, jobs: list[Job], timeout_s: float) -> list[str | None]:
+        """Compile the jobs not seen before (one per compiled kernel); each one's error or None, in order."""
+        fresh: dict[tuple[Any, ...], Job] = {}
         for job in jobs:
             key = _compile_key(job[0], job[4], job[3], job[5])
             if key not in self.done:
                 fresh.setdefault(key, job)
         self.done |= set(fresh)
         if self.pool is None or not fresh:
-            return
+            return []
         try:
-            list(self.pool.map(_compile_one, list(fresh.values()), timeout=max(1.0, timeout_s)))
+            return list(self.pool.map(_compile_one, list(fresh.values()), timeout=max(1.0, timeout_s)))
         except Exception as e:  # a timeout or a dead worker: the timing process compiles what is missing
             print(f"sweep: precompile stopped ({type(e).__name__}: {e}); compiling in-process", flush=True)
             self.close()  # no worker may launch kernels on the GPU while candidates are timed
             self.pool = None
+            return []
 
     def close(self) -> None:
         if self.pool is not None:
@@ -539,20 +551,20 @@ def sweep(dev: torch.device, dtype: torch.dtype, formats: list[str], shapes: dic
 
     t0 = time.monotonic()
     timer = cuda_timer if dev.type == "cuda" else wall_timer
-    pre = _Precompiler(compile_workers if dev.type == "cuda" else 0)
+    pre = _Precompiler(compile_workers)
     done: list[_Cell] = []
     try:
         for fmt in formats:
             cells = _cells(fmt, shapes, skinny_rows, tiled_rows, dev, dtype)
             for stage in range(3):
                 plans = [(c, _stage_candidates(c, stage, tiny)) for c in cells]
-                pre.run([(c.fmt, c.n, c.k, c.m, c.kernel, cfg, str(dtype).removeprefix("torch."))
+                pre.run([(c.fmt, c.n, c.k, c.m, c.kernel, cfg, str(dtype).removeprefix("torch."), dev.type)
                          for c, cands in plans for cfg in cands], budget_s - (time.monotonic() - t0))
                 for cell, cands in plans:
-                    if time.monotonic() - t0 > budget_s:
-                        print(f"sweep: budget of {budget_s:.0f} s spent; writing what was measured", flush=True)
-                        return done + [c for c in cells if c.times], False
                     for cfg in cands:
+                        if time.monotonic() - t0 > budget_s:
+                            print(f"sweep: budget of {budget_s:.0f} s spent; writing what was measured", flush=True)
+                            return done + [c for c in cells if c.times], False
                         cell.measure(cfg, timer, bench)
             done += cells
             print(f"sweep: {fmt} done at {time.monotonic() - t0:.0f} s", flush=True)
@@ -629,7 +641,9 @@ def run_sweep(args: argparse.Namespace) -> None:
     device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     cells, complete = sweep(dev, dtype, args.formats, shapes, tuple(args.skinny_rows), tuple(args.tiled_rows),
                             tiny=args.grid == "tiny", budget_s=args.sweep_budget_s,
-                            bench=(args.bench_warmup_ms, args.bench_rep_ms), compile_workers=args.compile_workers)
+                            bench=(args.bench_warmup_ms, args.bench_rep_ms),
+                            compile_workers=args.compile_workers if args.compile_workers is not None else
+                            12 if dev.type == "cuda" else 0)
     timer = cuda_timer if dev.type == "cuda" else wall_timer
     bf16_ms = {}
     for proj, (n, k) in shapes.items():
@@ -682,7 +696,9 @@ def main(argv: list[str] | None = None) -> None:
     sw.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     sw.add_argument("--bench-warmup-ms", type=int, default=5)
     sw.add_argument("--bench-rep-ms", type=int, default=25)
-    sw.add_argument("--compile-workers", type=int, default=12, help="processes compiling candidates ahead")
+    sw.add_argument("--compile-workers", type=int, default=None,
+                    help="processes compiling each stage's candidates ahead of their timing (default: 12 on CUDA, "
+                         "0 under the interpreter)")
     args = ap.parse_args(argv)
     if args.sweep:
         run_sweep(args)

@@ -263,3 +263,21 @@ def test_full_grid_is_bounded_and_holds_the_bf16_kernels_choice() -> None:
     assert any((c.block_n, c.block_k, c.use_dot) == (bf16.block_n, bf16.block_k, bf16.use_dot) for c in stage0)
     assert len(stage0) <= 9 and len(gpu_quant._pipelines(stage0[0])) == 9 and len(gpu_quant._splits(stage0[0])) == 3
     assert len(gpu_quant._tiles("tiled", 64)) == len(gpu_quant._tiles("tiled", 512)) == 6
+
+
+@pytest.mark.slow
+def test_precompile_workers_run_each_compiled_kernel_once() -> None:
+    """The compile pool's plumbing (spawned workers, jobs pickled, one job per compiled kernel: split counts > 1
+    share one); under the interpreter the workers just run the launches."""
+    from tokenmill.benchmarks import gpu_quant
+
+    cfg = QuantSkinnyConfig(16, 32, 4, 2, use_dot=False)
+    jobs = [("int4-g32-min", 24, 96, 1, "skinny", c, "float32", "cpu")
+            for c in (cfg, cfg, QuantSkinnyConfig(16, 32, 4, 2, use_dot=False, split_k=2),
+                      QuantSkinnyConfig(16, 32, 4, 2, use_dot=False, split_k=4))]
+    pre = gpu_quant._Precompiler(1)
+    try:
+        assert pre.run(jobs, timeout_s=300) == [None, None]  # unsplit + split: two kernels
+        assert pre.run(jobs, timeout_s=300) == []  # nothing new
+    finally:
+        pre.close()

@@ -4,8 +4,8 @@ tiled) and their per-device tuned tables.
 A table is a JSON file shipped as package data, kernels/configs/<slug>.json, where <slug> is the CUDA device
 name lower-cased with every run of other characters than letters and digits turned into one "-" ("NVIDIA H200"
 -> nvidia-h200.json); `python -m tokenmill.benchmarks.gpu_quant --sweep` writes it. It is read once per device
-name, at the first launch on that device (`TOKENMILL_KERNEL_CONFIG_DIR` points at another folder, e.g. a sweep's
-output before it is committed). Layout (version 1):
+name, at the first launch on that device (like kernels/config.py's settings, never from the environment: a table
+takes effect by being in this folder). Layout (version 1):
 
     {"version": 1, "device": "NVIDIA H200", "dtype": "bfloat16",     # the activations' dtype it was tuned for
      "skinny": {FORMAT: {"NxK": {M: {"block_n", "block_k", "num_warps", "num_stages", "use_dot", "split_k"}}}},
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -39,7 +38,6 @@ from tokenmill.kernels.gemv import SkinnyConfig
 from tokenmill.kernels.quant_weight import PackedWeight
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-DIR_ENV = "TOKENMILL_KERNEL_CONFIG_DIR"
 VERSION = 1
 KERNELS = ("skinny", "tiled")
 
@@ -130,12 +128,9 @@ def format_key(w: PackedWeight) -> str | None:
     return f"int{w.bits}-{group}-{kind}"
 
 
-def table_dir() -> Path:
-    return Path(os.environ[DIR_ENV]) if os.environ.get(DIR_ENV) else CONFIG_DIR
-
-
 def table_path(device_name: str, folder: Path | None = None) -> Path:
-    return (folder or table_dir()) / f"{device_slug(device_name)}.json"
+    """The table of `device_name` in `folder` (default: the shipped CONFIG_DIR)."""
+    return (folder or CONFIG_DIR) / f"{device_slug(device_name)}.json"
 
 
 # ---- parsing: every value checked once, at load -----------------------------------------------------------

@@ -64,7 +64,7 @@ def _table(**over: Any) -> dict[str, Any]:
 def device_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """A fake device name for the CPU and a table folder of this test; returns a writer of its table."""
     monkeypatch.setattr(tuned, "device_name", lambda device: NAME)
-    monkeypatch.setenv(tuned.DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(tuned, "CONFIG_DIR", tmp_path)
     tuned.table_for.cache_clear()
 
     def write(table: Any) -> Path:
@@ -118,7 +118,7 @@ def test_without_a_table_the_launchers_choose_the_default_rules(device_table: An
 
 
 def test_off_cuda_no_table_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(tuned.DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(tuned, "CONFIG_DIR", tmp_path)
     (tmp_path / "cpu.json").write_text("not json")  # would fail if anything read it
     tuned.table_for.cache_clear()
     x, w = _x(1), _int4()

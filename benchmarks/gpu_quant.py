@@ -451,7 +451,12 @@ class _Precompiler:
         if self.pool is None or not fresh:
             return []
         try:
-            return list(self.pool.map(_compile_one, list(fresh.values()), timeout=max(1.0, timeout_s)))
+            errors = list(self.pool.map(_compile_one, list(fresh.values()), timeout=max(1.0, timeout_s)))
+            failed = [e for e in errors if e is not None]
+            if failed:  # the timing process runs them again and records why they fail
+                print(f"sweep: {len(failed)} of {len(errors)} kernels failed in the compile workers, e.g. "
+                      f"{failed[0][:300]}", flush=True)
+            return errors
         except Exception as e:  # a timeout or a dead worker: the timing process compiles what is missing
             print(f"sweep: precompile stopped ({type(e).__name__}: {e}); compiling in-process", flush=True)
             self.close()  # no worker may launch kernels on the GPU while candidates are timed
@@ -662,6 +667,7 @@ def run_sweep(args: argparse.Namespace) -> None:
     path.write_text(json.dumps(sweep_table(cells, device, dtype, base), indent=1) + "\n")
     tuned.load_table(path)  # the written table parses as the launchers will read it
     note = "do_bench median, L2 flushed" if dev.type == "cuda" else "one wall-clock run under the Triton interpreter"
+    note += f"; {args.dtype} activations, random weights of each format, y = x @ W.T without bias"
     payload = {"benchmark": "gpu_quant_sweep", "table": path.name, "complete": complete, "dtype": args.dtype,
                "cells": [{"kernel": c.kernel, "format": c.fmt, "proj": c.proj, "n": c.n, "k": c.k, "m": c.m,
                           "default": dataclasses.asdict(c.default), "winner": dataclasses.asdict(_winner(c)),

@@ -22,13 +22,20 @@ ahead-of-time sm_90 compile).
    FP8 weights + FP8 KV, --fixed-requests of them (default 512, two windows, not the suite's 1,000, to keep the
    script within minutes: output tok/s over the whole run, prefill included, as the suite measures it).
 
+5. `--sweep` (alone: nothing above runs): the launch-config search of the weight-only kernels that writes the
+   per-device table of kernels/tuned.py, <slug>.json, and gpu_quant_sweep.{json,md} into --out (the stages,
+   the grid's bound and how to commit the table: benchmarks/README.md, "Tuning the quantized kernels' launch
+   configs"). Like 1-4, not run on a GPU yet.
+
     python -m tokenmill.benchmarks.gpu_quant --out benchmarks/results/h200
     python -m tokenmill.benchmarks.gpu_quant --skip-decode --skip-fixed   # kernels and checks only
+    python -m tokenmill.benchmarks.gpu_quant --sweep --out DIR            # DIR/nvidia-h200.json on the H200
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import statistics
 from pathlib import Path
@@ -276,7 +283,403 @@ def table_md(payload: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+
+# ---- the launch-config sweep of the weight-only kernels (`--sweep`): kernels/configs/<device>.json ------------
+
+SWEEP_FORMATS: dict[str, tuple[int, int | None, str, torch.dtype]] = {
+    # table key (kernels/tuned.format_key) -> (bits, group size (None: per channel), kind, scale dtype), in sweep
+    # order (a budget stop keeps the first ones): GPTQ / AWQ / INT8 first, then GGUF Q4_0, Q4_1, Q8_0, the rest
+    "int4-g128-sym": (4, 128, "sym", torch.float16),
+    "int8-ch-sym": (8, None, "sym", torch.float32),
+    "int4-g128-zp": (4, 128, "zp", torch.float16),
+    "int4-g32-sym": (4, 32, "sym", torch.float16),  # also GGUF Q4_0
+    "int4-g32-min": (4, 32, "min", torch.float16),  # GGUF Q4_1
+    "int8-g32-sym": (8, 32, "sym", torch.float16),  # GGUF Q8_0
+    "int4-g64-sym": (4, 64, "sym", torch.float16),
+    "int4-g64-zp": (4, 64, "zp", torch.float16),
+    "int4-g32-zp": (4, 32, "zp", torch.float16),
+}
+TINY_SHAPES = {"a": (40, 128), "b": (24, 96)}  # (N, K): the CPU test hook (`--shapes tiny`, interpreter)
+SKINNY_ROWS = (1, 8, 16)
+TILED_ROWS = (64, 512)
+SWEEP_TOL = 1e-2  # norm-wise relative error vs the fp32 reference above which a candidate is rejected
+NOISE = 0.97  # a candidate replaces the default rule only when at least 3% faster (else the table keeps the rule)
+
+Candidate = Any  # tuned.QuantSkinnyConfig | tuned.GemmConfig
+
+
+def random_packed(fmt: str, n: int, k: int, dev: torch.device, seed: int = 0) -> Any:
+    """A random PackedWeight of table format `fmt` [n, k] with y = x @ W.T of O(1) for unit-normal x."""
+    from tokenmill.kernels.quant_weight import PackedWeight
+
+    bits, group, kind, scale_dtype = SWEEP_FORMATS[fmt]
+    g = group or k
+    groups = -(-k // g)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    if bits == 8:
+        q = torch.randint(-127, 128, (n, k), generator=gen, device=dev, dtype=torch.int8)
+    else:
+        q = torch.randint(-2**31, 2**31 - 1, (n, k // 8), generator=gen, device=dev, dtype=torch.int32)
+    scales = ((torch.rand(n, groups, generator=gen, device=dev) + 0.5) / (k**0.5 * (40 if bits == 8 else 4)))
+    zeros = torch.randint(0, 16, (n, groups), generator=gen, device=dev, dtype=torch.uint8) if kind == "zp" else None
+    mins = (-7.5 * scales).to(scale_dtype) if kind == "min" else None  # q * s + m centred on 0 as Q4_1 weights are
+    return PackedWeight(q, scales.to(scale_dtype), zeros, None, bits, g, mins)
+
+
+def _tiles(kernel: str, m: int) -> list[Candidate]:
+    """Stage 1 of the search: tile shapes at a default pipeline, no split (plus the rules, added by the caller)."""
+    from tokenmill.kernels.tuned import GemmConfig, QuantSkinnyConfig
+
+    if kernel == "tiled":
+        shapes = ([(64, 64, 64), (64, 128, 64), (64, 64, 128), (32, 64, 128), (64, 128, 128), (64, 256, 64)]
+                  if m <= 64 else
+                  [(128, 128, 64), (128, 256, 64), (128, 128, 128), (64, 128, 128), (128, 64, 128), (64, 256, 64)])
+        return [GemmConfig(bm, bn, bk, num_warps=8 if bm * bn >= 128 * 128 else 4, num_stages=3)
+                for bm, bn, bk in shapes]
+    if m == 1:  # FMA tiles of <= 8192 accumulators (64 fp32 registers a thread at 4 warps), then tl.dot ones
+        fma = [(16, 256), (16, 512), (8, 512), (32, 256), (8, 1024)]
+        return ([QuantSkinnyConfig(bn, bk, 4, 3 if bk >= 512 else 4, use_dot=False) for bn, bk in fma]
+                + [QuantSkinnyConfig(bn, bk, 4, 4) for bn, bk in ((16, 256), (32, 256))])
+    dot = [(16, 256), (16, 512), (32, 256), (64, 128), (32, 512), (64, 256), (16, 1024)]
+    return [QuantSkinnyConfig(bn, bk, 4, 3 if bk >= 512 else 4) for bn, bk in dot]
+
+
+def _pipelines(best: Candidate) -> list[Candidate]:
+    """Stage 2: the best tile at num_warps 2 / 4 / 8 x num_stages 2..4 (tiled: 4 / 8)."""
+    warps = (4, 8) if hasattr(best, "block_m") else (2, 4, 8)
+    return [dataclasses.replace(best, num_warps=nw, num_stages=ns, split_k=1) for nw in warps for ns in (2, 3, 4)]
+
+
+def _splits(best: Candidate) -> list[Candidate]:
+    """Stage 3: the best tile and pipeline with K cut into 2, 4 or 8 slices."""
+    return [dataclasses.replace(best, split_k=s) for s in (2, 4, 8)]
+
+
+def _tiny_grid(kernel: str, m: int) -> list[Candidate]:
+    """`--grid tiny` (the CPU test): two tiles small enough for the interpreter."""
+    from tokenmill.kernels.tuned import GemmConfig, QuantSkinnyConfig
+
+    if kernel == "tiled":
+        return [GemmConfig(16, 16, 32, group_m=2), GemmConfig(32, 16, 32, group_m=2)]
+    return [QuantSkinnyConfig(16, 32, 4, 2, use_dot=m > 1), QuantSkinnyConfig(8, 32, 4, 2)]
+
+
+def _launch_fn(kernel: str, x: torch.Tensor, w: Any, cfg: Candidate | None) -> Any:
+    from tokenmill.kernels.quant_gemm import quant_matmul
+    from tokenmill.kernels.quant_gemv import quant_skinny_matmul
+
+    if kernel == "skinny":
+        return lambda: quant_skinny_matmul(x, w, config=cfg)
+    return lambda: quant_matmul(x, w, config=cfg)
+
+
+def _default(kernel: str, x: torch.Tensor, w: Any) -> Candidate:
+    """The config the launcher picks without a table (the default rule), as a table class."""
+    from tokenmill.kernels.gemv import SkinnyConfig, default_config
+    from tokenmill.kernels.launch import num_sms
+    from tokenmill.kernels.quant_gemm import default_gemm_config
+    from tokenmill.kernels.tuned import QuantSkinnyConfig
+
+    n, k = w.shape
+    if kernel == "tiled":
+        return default_gemm_config(x.shape[0], n, k)
+    rule = default_config(x.shape[0], n, k, 1, num_sms(x.device))
+    return QuantSkinnyConfig(**{f.name: getattr(rule, f.name) for f in dataclasses.fields(SkinnyConfig)})
+
+
+def _bf16_gemv_config(x: torch.Tensor, w: Any) -> Candidate:
+    """What the bf16 skinny kernel (kernels/gemv.py, fast on the H200) launches for this shape."""
+    from tokenmill.kernels.gemv import SkinnyConfig, default_config
+    from tokenmill.kernels.launch import num_sms
+    from tokenmill.kernels.tuned import QuantSkinnyConfig
+
+    n, k = w.shape
+    rule = default_config(x.shape[0], n, k, 2, num_sms(x.device))
+    return QuantSkinnyConfig(**{f.name: getattr(rule, f.name) for f in dataclasses.fields(SkinnyConfig)})
+
+
+def _compile_key(fmt: str, kernel: str, m: int, cfg: Candidate) -> tuple[Any, ...]:
+    """Candidates that share a compiled kernel (all the shapes swept specialize alike; splits > 1 share one)."""
+    return fmt, kernel, m, dataclasses.replace(cfg, split_k=min(cfg.split_k, 2))
+
+
+_WORKER_WEIGHTS: dict[tuple[str, int, int], Any] = {}
+
+
+Job = tuple[str, int, int, int, str, Candidate, str, str]  # format, N, K, M, kernel, config, dtype, device type
+
+
+def _compile_one(job: Job) -> str | None:
+    """In a compile worker: launch one candidate once (Triton compiles it into the shared on-disk cache)."""
+    fmt, n, k, m, kernel, cfg, dtype, device = job
+    dev = torch.device(device)
+    if (fmt, n, k) not in _WORKER_WEIGHTS:
+        _WORKER_WEIGHTS.clear()
+        _WORKER_WEIGHTS[(fmt, n, k)] = random_packed(fmt, n, k, dev)
+    x = torch.randn(m, k, device=dev, dtype=getattr(torch, dtype))
+    try:
+        _launch_fn(kernel, x, _WORKER_WEIGHTS[(fmt, n, k)], cfg)()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    except Exception as e:  # reported again, and recorded, when the main process runs it
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+class _Precompiler:
+    """Compiles candidates in parallel processes ahead of their timing (compiling is most of a sweep's time:
+    several hundred kernels at ~0.5-1 s each); the timing process then loads them from Triton's cache.
+    workers = 0: none (the sweep's default under the interpreter, where nothing compiles)."""
+
+    def __init__(self, workers: int) -> None:
+        self.pool: Any = None
+        self.done: set[tuple[Any, ...]] = set()
+        if workers > 0:
+            import concurrent.futures
+            import multiprocessing
+
+            self.pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+
+    def run(self, jobs: list[Job], timeout_s: float) -> list[str | None]:
+        """Compile the jobs not seen before (one per compiled kernel); each one's error or None, in order."""
+        fresh: dict[tuple[Any, ...], Job] = {}
+        for job in jobs:
+            key = _compile_key(job[0], job[4], job[3], job[5])
+            if key not in self.done:
+                fresh.setdefault(key, job)
+        self.done |= set(fresh)
+        if self.pool is None or not fresh:
+            return []
+        try:
+            errors = list(self.pool.map(_compile_one, list(fresh.values()), timeout=max(1.0, timeout_s)))
+            failed = [e for e in errors if e is not None]
+            if failed:  # the timing process runs them again and records why they fail
+                print(f"sweep: {len(failed)} of {len(errors)} kernels failed in the compile workers, e.g. "
+                      f"{failed[0][:300]}", flush=True)
+            return errors
+        except Exception as e:  # a timeout or a dead worker: the timing process compiles what is missing
+            print(f"sweep: precompile stopped ({type(e).__name__}: {e}); compiling in-process", flush=True)
+            self.close()  # no worker may launch kernels on the GPU while candidates are timed
+            self.pool = None
+            return []
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def cuda_timer(fn: Any, warmup_ms: int, rep_ms: int) -> float:
+    """Median ms of fn, L2 flushed before each run (triton.testing.do_bench, as the kernel tables)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def wall_timer(fn: Any, warmup_ms: int, rep_ms: int) -> float:
+    """One wall-clock run in ms: the plumbing of a sweep under the interpreter (the figure means nothing)."""
+    import time
+
+    t0 = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - t0)
+
+
+@dataclasses.dataclass
+class _Cell:
+    """One (kernel, format, shape, M) of the sweep: its operands, reference and every candidate's outcome."""
+
+    kernel: str
+    fmt: str
+    proj: str
+    n: int
+    k: int
+    m: int
+    x: torch.Tensor
+    w: Any
+    ref: torch.Tensor
+    default: Candidate
+    times: dict[Candidate, float] = dataclasses.field(default_factory=dict)
+    rejected: dict[Candidate, str] = dataclasses.field(default_factory=dict)
+
+    def best(self) -> Candidate:
+        return min(self.times, key=self.times.__getitem__) if self.times else self.default
+
+    def measure(self, cfg: Candidate, timer: Any, bench: tuple[int, int]) -> None:
+        """Check cfg's output against the reference, then time it (a failure or a wrong output: rejected)."""
+        if cfg in self.times or cfg in self.rejected:
+            return
+        fn = _launch_fn(self.kernel, self.x, self.w, cfg)
+        try:
+            err = float((fn().float() - self.ref).norm() / self.ref.norm())
+        except Exception as e:  # e.g. out of shared memory: not a candidate on this device
+            self.rejected[cfg] = f"{type(e).__name__}: {str(e)[:200]}"
+            return
+        if not err <= SWEEP_TOL:
+            self.rejected[cfg] = f"relative error {err:.2e} vs the reference"
+            print(f"sweep: WRONG OUTPUT {self.kernel} {self.fmt} {self.proj} M={self.m} {cfg}: {err:.2e}", flush=True)
+            return
+        self.times[cfg] = timer(fn, *bench)
+
+
+def _cells(fmt: str, shapes: dict[str, tuple[int, int]], skinny_rows: tuple[int, ...], tiled_rows: tuple[int, ...],
+           dev: torch.device, dtype: torch.dtype) -> list[_Cell]:
+    from tokenmill.kernels.quant_weight import quant_matmul_ref
+
+    cells = []
+    for proj, (n, k) in shapes.items():
+        w = random_packed(fmt, n, k, dev)
+        for kernel, rows in (("skinny", skinny_rows), ("tiled", tiled_rows)):
+            for m in rows:
+                x = torch.randn(m, k, device=dev, dtype=dtype)
+                cells.append(_Cell(kernel, fmt, proj, n, k, m, x, w, quant_matmul_ref(x.float(), w).float(),
+                                   _default(kernel, x, w)))
+    return cells
+
+
+def _stage_candidates(cell: _Cell, stage: int, tiny: bool) -> list[Candidate]:
+    if tiny:
+        return [*_tiny_grid(cell.kernel, cell.m), cell.default] if stage == 0 else []
+    if stage == 0:
+        extra = [_bf16_gemv_config(cell.x, cell.w)] if cell.kernel == "skinny" else []
+        return [cell.default, *extra, *_tiles(cell.kernel, cell.m)]
+    best = cell.best()
+    return _pipelines(best) if stage == 1 else _splits(best)
+
+
+def sweep(dev: torch.device, dtype: torch.dtype, formats: list[str], shapes: dict[str, tuple[int, int]],
+          skinny_rows: tuple[int, ...], tiled_rows: tuple[int, ...], *, tiny: bool, budget_s: float,
+          bench: tuple[int, int], compile_workers: int) -> tuple[list[_Cell], bool]:
+    """Per format (in order): every cell's stage-0 candidates (the rules, the tiles), then the best tile's
+    pipelines, then its K splits; each stage precompiled in parallel, then checked and timed cell by cell.
+    Stops at the first cell past `budget_s` (the cells done so far are kept). Returns (cells, complete)."""
+    import time
+
+    t0 = time.monotonic()
+    timer = cuda_timer if dev.type == "cuda" else wall_timer
+    pre = _Precompiler(compile_workers)
+    done: list[_Cell] = []
+    try:
+        for fmt in formats:
+            cells = _cells(fmt, shapes, skinny_rows, tiled_rows, dev, dtype)
+            for stage in range(3):
+                plans = [(c, _stage_candidates(c, stage, tiny)) for c in cells]
+                pre.run([(c.fmt, c.n, c.k, c.m, c.kernel, cfg, str(dtype).removeprefix("torch."), dev.type)
+                         for c, cands in plans for cfg in cands], budget_s - (time.monotonic() - t0))
+                for cell, cands in plans:
+                    for cfg in cands:
+                        if time.monotonic() - t0 > budget_s:
+                            print(f"sweep: budget of {budget_s:.0f} s spent; writing what was measured", flush=True)
+                            return done + [c for c in cells if c.times], False
+                        cell.measure(cfg, timer, bench)
+            done += cells
+            print(f"sweep: {fmt} done at {time.monotonic() - t0:.0f} s", flush=True)
+    finally:
+        pre.close()
+    return done, True
+
+
+def _winner(cell: _Cell) -> Candidate:
+    """The fastest checked candidate, unless the default rule is within the noise margin of it."""
+    best = cell.best()
+    if cell.default in cell.times and cell.times[best] > NOISE * cell.times[cell.default]:
+        return cell.default
+    return best
+
+
+def sweep_table(cells: list[_Cell], device: str, dtype: torch.dtype, base: dict[str, Any] | None) -> dict[str, Any]:
+    """The tuned table (kernels/tuned.py's layout) of the cells' winners, over `base` (an earlier sweep's table
+    of the same device and dtype: entries measured now replace its ones)."""
+    from tokenmill.kernels import tuned
+
+    table: dict[str, Any] = base or {"version": tuned.VERSION, "device": device,
+                                      "dtype": str(dtype).removeprefix("torch."), "skinny": {}, "tiled": {}}
+    table["source"] = "python -m tokenmill.benchmarks.gpu_quant --sweep (do_bench medians, L2 flushed)"
+    for cell in cells:
+        if not cell.times:
+            continue
+        shape = table[cell.kernel].setdefault(cell.fmt, {}).setdefault(f"{cell.n}x{cell.k}", {})
+        shape[str(cell.m)] = dataclasses.asdict(_winner(cell))
+    return table
+
+
+def _cfg_text(cfg: Candidate) -> str:
+    d = dataclasses.asdict(cfg)
+    tile = "x".join(str(d[f]) for f in ("block_m", "block_n", "block_k") if f in d)
+    extra = "" if d.get("use_dot", True) else " fma"
+    return f"{tile} w{d['num_warps']} s{d['num_stages']} sk{d['split_k']}{extra}"
+
+
+def sweep_md(cells: list[_Cell], bf16_ms: dict[tuple[str, int], float], complete: bool, timer_note: str) -> str:
+    lines = [f"Timer: {timer_note}. {'Complete' if complete else 'STOPPED AT THE BUDGET: partial'}; a winner within "
+             f"{100 * (1 - NOISE):.0f}% of the default rule is not taken (the table keeps the rule).", "",
+             "| kernel | format | proj | M | table config | ms | default config | default ms | bf16 cuBLAS ms | "
+             "x default | x cuBLAS | tried / rejected |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        if not c.times:
+            continue
+        win, base = _winner(c), bf16_ms[(c.proj, c.m)]
+        d_ms = c.times.get(c.default)
+        d_text = f"{d_ms:.4f}" if d_ms is not None else "rejected"
+        vs_default = f"{d_ms / c.times[win]:.2f}" if d_ms is not None else "-"
+        lines.append(f"| {c.kernel} | {c.fmt} | {c.proj} | {c.m} | {_cfg_text(win)} | {c.times[win]:.4f} | "
+                     f"{_cfg_text(c.default)} | {d_text} | {base:.4f} | {vs_default} | "
+                     f"{base / c.times[win]:.2f} | {len(c.times) + len(c.rejected)} / {len(c.rejected)} |")
+    rejected = [(c, cfg, why) for c in cells for cfg, why in c.rejected.items()]
+    if rejected:
+        lines += ["", "Rejected candidates (not timed):", ""]
+        lines += [f"- {c.kernel} {c.fmt} {c.proj} M={c.m} {_cfg_text(cfg)}: {why}" for c, cfg, why in rejected]
+    return "\n".join(lines)
+
+
+def run_sweep(args: argparse.Namespace) -> None:
+    """`--sweep`: the tuned table DIR/<device slug>.json plus gpu_quant_sweep.{json,md} (every timing)."""
+    import json
+    import os
+
+    if not torch.cuda.is_available():  # the CPU test of the plumbing: the interpreter, set before the kernels load
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from tokenmill.kernels import tuned
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    shapes = TINY_SHAPES if args.shapes == "tiny" else SHAPES
+    device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    cells, complete = sweep(dev, dtype, args.formats, shapes, tuple(args.skinny_rows), tuple(args.tiled_rows),
+                            tiny=args.grid == "tiny", budget_s=args.sweep_budget_s,
+                            bench=(args.bench_warmup_ms, args.bench_rep_ms),
+                            compile_workers=args.compile_workers if args.compile_workers is not None else
+                            12 if dev.type == "cuda" else 0)
+    timer = cuda_timer if dev.type == "cuda" else wall_timer
+    bf16_ms = {}
+    for proj, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=dev, dtype=dtype) / k**0.5
+        for m in sorted({c.m for c in cells if c.proj == proj}):
+            x = torch.randn(m, k, device=dev, dtype=dtype)
+            bf16_ms[(proj, m)] = timer(lambda x=x, w=w: F.linear(x, w), args.bench_warmup_ms, args.bench_rep_ms)
+    path = tuned.table_path(device, args.out)
+    base = None
+    if path.exists():  # a previous call's table of this device (e.g. the other half of --formats): keep its entries
+        base = json.loads(path.read_text())
+        tuned.load_table(path)  # fails, naming the file, if it is malformed
+        if base.get("dtype") != args.dtype:
+            raise SystemExit(f"{path} is a {base.get('dtype')} table; this sweep is {args.dtype}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(sweep_table(cells, device, dtype, base), indent=1) + "\n")
+    tuned.load_table(path)  # the written table parses as the launchers will read it
+    note = "do_bench median, L2 flushed" if dev.type == "cuda" else "one wall-clock run under the Triton interpreter"
+    note += f"; {args.dtype} activations, random weights of each format, y = x @ W.T without bias"
+    payload = {"benchmark": "gpu_quant_sweep", "table": path.name, "complete": complete, "dtype": args.dtype,
+               "cells": [{"kernel": c.kernel, "format": c.fmt, "proj": c.proj, "n": c.n, "k": c.k, "m": c.m,
+                          "default": dataclasses.asdict(c.default), "winner": dataclasses.asdict(_winner(c)),
+                          "bf16_cublas_ms": bf16_ms[(c.proj, c.m)],
+                          "times_ms": [[dataclasses.asdict(cfg), t] for cfg, t in c.times.items()],
+                          "rejected": [[dataclasses.asdict(cfg), why] for cfg, why in c.rejected.items()]}
+                         for c in cells if c.times]}
+    write_results(args.out, "gpu_quant_sweep", payload, sweep_md(cells, bf16_ms, complete, note))
+    print(f"sweep: wrote {path}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/h200"))
@@ -285,7 +688,27 @@ def main() -> None:
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-fixed", action="store_true", help="no KV-block count nor fixed 1000/1000 runs")
     ap.add_argument("--fixed-requests", type=int, default=512)
-    args = ap.parse_args()
+    sw = ap.add_argument_group("--sweep: tune the weight-only kernels' launch configs (nothing else runs)")
+    sw.add_argument("--sweep", action="store_true", help="write DIR/<device slug>.json (the tuned table) and "
+                    "gpu_quant_sweep.{json,md} into --out DIR")
+    sw.add_argument("--sweep-budget-s", type=float, default=420.0,
+                    help="stop at the first cell past this many seconds and write what was measured")
+    sw.add_argument("--formats", nargs="+", choices=list(SWEEP_FORMATS), default=list(SWEEP_FORMATS))
+    sw.add_argument("--shapes", choices=("llama3-8b", "tiny"), default="llama3-8b",
+                    help="tiny: two small shapes (the CPU test under the Triton interpreter)")
+    sw.add_argument("--grid", choices=("full", "tiny"), default="full", help="tiny: two candidates a cell (tests)")
+    sw.add_argument("--skinny-rows", type=int, nargs="*", default=list(SKINNY_ROWS))
+    sw.add_argument("--tiled-rows", type=int, nargs="*", default=list(TILED_ROWS))
+    sw.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    sw.add_argument("--bench-warmup-ms", type=int, default=5)
+    sw.add_argument("--bench-rep-ms", type=int, default=25)
+    sw.add_argument("--compile-workers", type=int, default=None,
+                    help="processes compiling each stage's candidates ahead of their timing (default: 12 on CUDA, "
+                         "0 under the interpreter)")
+    args = ap.parse_args(argv)
+    if args.sweep:
+        run_sweep(args)
+        return
     dev = torch.device("cuda")
     payload: dict[str, Any] = {"benchmark": "gpu_quant", "model": args.model,
                                "gpu": torch.cuda.get_device_name(dev)}

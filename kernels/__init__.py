@@ -13,6 +13,7 @@ for `import tokenmill.kernels.rmsnorm as m`):
     tokenmill.kernels.quant_weight      PackedWeight (INT8 / INT4 layout), pack_int4, quant_matmul_ref (plain torch)
     tokenmill.kernels.quant_gemv        quant_skinny_matmul, quant_add_rmsnorm_matmul, quant_silu_mul_matmul (+ _ref)
     tokenmill.kernels.quant_gemm        quant_matmul (tiled, any M), GemmConfig
+    tokenmill.kernels.tuned             QuantSkinnyConfig, GemmConfig, the per-device tuned tables (configs/*.json)
 
     tokenmill.kernels.config            KernelConfig, configure (process-wide settings, e.g. PDL)
 

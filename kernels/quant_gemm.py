@@ -7,49 +7,29 @@ One program computes a BLOCK_M x BLOCK_N tile of y over the whole K range: per K
 (columns gathered through perm for act-order weights), the packed weight tile (dequantized in registers to
 x's dtype by `dequant_tile`) and accumulates tl.dot in fp32; per-channel symmetric weights are scaled once in
 the epilogue, then the bias, one rounding to x's dtype. Programs are ordered in groups of GROUP_M row tiles
-(the weight tiles of a group stay in L2 while its row tiles pass). Launch shapes come from `default_gemm_config`
-(a rule on M; tuning on the GPU: benchmarks/gpu_quant.py) or a per-call `config=GemmConfig(...)`.
+(the weight tiles of a group stay in L2 while its row tiles pass). With GemmConfig.split_k > 1 the K range is cut
+into slices, one program per (tile, slice), and a second kernel adds the slices' fp32 partial sums (small M,
+where the tiles alone do not fill the GPU). Launch shapes come from a per-call `config=GemmConfig(...)`, else the
+device's tuned table (kernels/tuned.py, filled by `benchmarks/gpu_quant.py --sweep`), else `default_gemm_config`
+(a rule on M).
 
 Reference: quant_weight.quant_matmul_ref (the weight dequantized in fp32, rounded once, then F.linear).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels import tuned
 from tokenmill.kernels.gemv import _check_out
 from tokenmill.kernels.launch import next_pow2
-from tokenmill.kernels.quant_gemv import check_quant_weight, dequant_tile
+from tokenmill.kernels.quant_gemv import check_quant_weight, dequant_tile, k_slice, k_slices, split_k_sum
 from tokenmill.kernels.quant_weight import PackedWeight, scale_later
+from tokenmill.kernels.tuned import GemmConfig
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """Launch shape of `_quant_gemm_kernel`: output tile block_m x block_n, K step block_k (a multiple of 8),
-    group_m row tiles per L2 group."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 3
-    group_m: int = 8
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, got {v}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if self.num_stages < 1 or self.group_m < 1:
-            raise ValueError("num_stages and group_m must be >= 1")
 
 
 def default_gemm_config(m: int, n: int, k: int) -> GemmConfig:
@@ -60,20 +40,35 @@ def default_gemm_config(m: int, n: int, k: int) -> GemmConfig:
                       num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=3)
 
 
+def gemm_config(x: torch.Tensor, w: PackedWeight, config: GemmConfig | None) -> GemmConfig:
+    """The launch shape of y = x @ W.T: `config` if given, else the device's tuned table entry
+    (kernels/tuned.py), else `default_gemm_config`."""
+    if config is not None:
+        return config
+    tuned_cfg = tuned.tuned_config("tiled", x, w)
+    if isinstance(tuned_cfg, GemmConfig):
+        return tuned_cfg
+    n, k = w.shape
+    return default_gemm_config(x.shape[0], n, k)
+
+
 @triton.jit
 def _quant_gemm_kernel(
     x_ptr,  # [M, K], row stride stride_xm
     q_ptr, s_ptr, z_ptr, m_ptr, perm_ptr,  # the PackedWeight's tensors (z / m / perm: HAS_ZEROS / HAS_MINS / HAS_PERM)
     b_ptr,  # [N] (HAS_BIAS)
-    y_ptr,  # [M, N], row stride stride_ym
-    M, N, K, G, stride_xm, stride_ym,
+    y_ptr,  # [M, N], row stride stride_ym; SPLIT: fp32 partials [splits, M, N], contiguous
+    M, N, K, G,
+    k_split,  # SPLIT: K columns per slice (a multiple of BLOCK_K); slice program_id(1) is [k_split * id, + k_split)
+    stride_xm, stride_ym,
     HAS_BIAS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
     HAS_MINS: tl.constexpr, HAS_PERM: tl.constexpr, SCALE_LATER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     dtype = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)  # the K slice (0 unless SPLIT)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * tiles_n
@@ -92,7 +87,8 @@ def _quant_gemm_kernel(
     z_rows = z_ptr + rn[:, None] * G
     m_rows = m_ptr + rn[:, None] * G
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo, k_hi = k_slice(pid_k, K, k_split, SPLIT)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         cols = offs_k
         if HAS_PERM:
@@ -107,11 +103,15 @@ def _quant_gemm_kernel(
         w = dequant_tile(q_rows, s_rows, z_rows, m_rows, k0, K, dtype, BITS, GROUP, HAS_ZEROS, HAS_MINS,
                          SCALE_LATER, BLOCK_K, EVEN_K)  # [BLOCK_N, BLOCK_K]
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    if SCALE_LATER:
+    if SCALE_LATER:  # linear: each slice's partial sums are scaled alike
         acc *= tl.load(s_ptr + rn * G).to(tl.float32)[None, :]
     if HAS_BIAS:
-        acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+        bias = tl.load(b_ptr + rn).to(tl.float32)[None, :]
+        acc += tl.where(pid_k == 0, bias, 0.0) if SPLIT else bias  # once: by the first slice
+    if SPLIT:  # fp32 partials [splits, M, N]
+        y_ptrs = y_ptr + (pid_k * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
+    else:
+        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
@@ -134,17 +134,21 @@ def quant_matmul(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = N
         _check_out("out", out, (m, n), x, (x, bias))
     if m == 0:
         return out
-    cfg = config or default_gemm_config(m, n, k)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    cfg = gemm_config(x, w, config)
+    k_split, splits = k_slices(k, cfg.block_k, cfg.split_k)
+    y = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)
     q = w.qweight
     _quant_gemm_kernel[grid](
         x, q, w.scales, w.zeros if w.zeros is not None else q, w.mins if w.mins is not None else w.scales,
         w.perm if w.perm is not None else q,
-        bias if bias is not None else x, out, m, n, k, w.num_groups, x.stride(0), out.stride(0),
+        bias if bias is not None else x, y, m, n, k, w.num_groups, k_split, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BITS=w.bits, GROUP=w.group_size, HAS_ZEROS=w.zeros is not None,
         HAS_MINS=w.mins is not None, HAS_PERM=w.perm is not None, SCALE_LATER=scale_later(w),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    if splits > 1:
+        split_k_sum(y, out)
     return out

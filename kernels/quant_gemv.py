@@ -8,7 +8,11 @@ kernels/quant_weight.py), with the input producers of kernels/gemv.py fused in f
 Numerics, arguments, outputs and launch shapes as in kernels/gemv.py (its prologue helpers and SkinnyConfig
 rule are used as they are); the only change is the weight tile: each program streams BLOCK_N packed rows
 once (int8: 1 byte per weight, int4: 4 bits + a scale (+ zero or min) per group) and dequantizes them in
-registers to the activations' dtype (`dequant_tile`) before the same tl.dot / FMA products. Per-channel
+registers to the activations' dtype (`dequant_tile`) before the same tl.dot / FMA products. Two additions:
+QuantSkinnyConfig.split_k > 1 cuts K into slices, one program per (BLOCK_N rows, slice), whose fp32 partial sums
+`split_k_sum` adds up in a second kernel (more programs in flight when N / BLOCK_N alone does not fill the
+GPU); and without a per-call config the launch shape is the device's tuned table entry (kernels/tuned.py),
+else the default rule. Per-channel
 symmetric weights sum q * x and scale each output once in the epilogue. Weights with mins (GGUF Q4_1) are
 q * s + m. Act-order weights (perm) gather the activation columns through perm; the RMSNorm statistics and
 the new residual stay in natural column order.
@@ -23,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels import tuned
 from tokenmill.kernels.activation import silu_and_mul_ref
 from tokenmill.kernels.gemv import (
     SkinnyConfig,
@@ -40,6 +45,7 @@ from tokenmill.kernels.gemv import (
 from tokenmill.kernels.launch import next_pow2, num_sms, pdl_launch_args, pdl_release, pdl_wait
 from tokenmill.kernels.quant_weight import PackedWeight, check_packed, quant_matmul_ref, scale_later
 from tokenmill.kernels.rmsnorm import add_rmsnorm_ref, rmsnorm_ref
+from tokenmill.kernels.tuned import QuantSkinnyConfig
 
 _PLAIN, _NORM, _SILU = 0, 1, 2  # PROLOGUE modes, as in kernels/gemv.py
 
@@ -114,6 +120,15 @@ def dequant_tile(
 
 
 @triton.jit
+def k_slice(pid_k, K, k_split, SPLIT: tl.constexpr):
+    """The K columns [lo, hi) of slice pid_k (the whole K range unless SPLIT)."""
+    if SPLIT:
+        lo = pid_k * k_split
+        return lo, tl.minimum(K, lo + k_split)
+    return 0, K
+
+
+@triton.jit
 def _quant_skinny_kernel(
     x_ptr,  # [M, K] activations (PLAIN: x, NORM: h, SILU: gu [M, 2K]); row stride stride_xm
     res_ptr,  # [M, K] residual (NORM with HAS_RESIDUAL)
@@ -124,19 +139,21 @@ def _quant_skinny_kernel(
     m_ptr,  # [N, G] mins (HAS_MINS)
     perm_ptr,  # [K] int32 activation column of each packed column (HAS_PERM)
     b_ptr,  # [N] bias (HAS_BIAS)
-    y_ptr,  # [M, N] output, row stride stride_ym
-    res_out_ptr,  # [M, K] new residual (NORM with HAS_RESIDUAL), written by program 0
+    y_ptr,  # [M, N] output, row stride stride_ym; SPLIT: fp32 partials [splits, M, N], contiguous
+    res_out_ptr,  # [M, K] new residual (NORM with HAS_RESIDUAL), written by program (0, 0)
     M, N, K, G,  # G: groups per row (columns of scales / zeros)
+    k_split,  # SPLIT: K columns per slice (a multiple of BLOCK_K); slice program_id(1) is [k_split * id, + k_split)
     stride_xm, stride_rm, stride_ym, stride_om, eps,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr,
     HAS_PERM: tl.constexpr, SCALE_LATER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     STATS_BLOCK: tl.constexpr, EVEN_KS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    NUM_STAGES: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     dtype = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)  # the K slice (0 unless SPLIT)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_kb = tl.arange(0, BLOCK_K)
@@ -152,7 +169,7 @@ def _quant_skinny_kernel(
 
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PROLOGUE == 1:  # statistics first (natural column order; program 0 stores the new residual)
-        ro_mask = (offs_m < M)[:, None] & (pid == 0)
+        ro_mask = (offs_m < M)[:, None] & (pid == 0) & (pid_k == 0)
         ro_rows = res_out_ptr + offs_m.to(tl.int64)[:, None] * stride_om
         rstd = row_rstd(x_rows, r_rows, ro_rows, ro_mask, K, eps, dtype, HAS_RESIDUAL, BLOCK_M, STATS_BLOCK,
                         EVEN_KS, NUM_STAGES)
@@ -161,7 +178,8 @@ def _quant_skinny_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    k_lo, k_hi = k_slice(pid_k, K, k_split, SPLIT)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         offs_k = k0 + offs_kb
         k_mask = (offs_k < K)[None, :]
         cols = offs_k  # activation columns of this step's packed columns
@@ -179,13 +197,53 @@ def _quant_skinny_kernel(
             acc2 += w.to(tl.float32) * x.to(tl.float32)
     if not USE_DOT:
         acc = tl.sum(acc2, 1)[:, None]
-    if SCALE_LATER:
+    if SCALE_LATER:  # linear: each slice's partial sums are scaled alike
         acc *= tl.load(s_ptr + rn * G).to(tl.float32)[:, None]
     if HAS_BIAS:
-        acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+        bias = tl.load(b_ptr + rn).to(tl.float32)[:, None]
+        acc += tl.where(pid_k == 0, bias, 0.0) if SPLIT else bias  # once: by the first slice
+    if SPLIT:  # fp32 partials [splits, M, N]
+        y_ptrs = y_ptr + (pid_k * M + offs_m.to(tl.int64))[None, :] * N + offs_n[:, None]
+    else:
+        y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
     pdl_release(PDL)
+
+
+@triton.jit
+def _split_k_sum_kernel(
+    ws_ptr,  # [S, M, N] fp32 partial sums, contiguous
+    y_ptr,  # [M, N] output, row stride stride_ym
+    M, N, S, stride_ym,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """y = the sum over the S slices, rounded once to y's dtype (slices added in a fixed order)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # flat indices into [M, N]
+    mask = offs < M * N
+    pdl_wait(PDL)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, S):
+        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+    row, col = offs // N, offs % N
+    tl.store(y_ptr + row.to(tl.int64) * stride_ym + col, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    pdl_release(PDL)
+
+
+_SUM_BLOCK = 1024
+
+
+def k_slices(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(columns per slice, slices) of a split of K into at most split_k slices of whole BLOCK_K steps."""
+    steps = triton.cdiv(k, block_k)
+    k_split = triton.cdiv(steps, min(split_k, steps)) * block_k
+    return k_split, triton.cdiv(k, k_split)
+
+
+def split_k_sum(ws: torch.Tensor, out: torch.Tensor) -> None:
+    """out [M, N] = ws [S, M, N].sum(0) (fp32, one rounding to out's dtype)."""
+    s, m, n = ws.shape
+    _split_k_sum_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](ws, out, m, n, s, out.stride(0), BLOCK=_SUM_BLOCK,
+                                                          **pdl_launch_args(out.device))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -204,11 +262,16 @@ def check_quant_weight(name: str, x: torch.Tensor, w: PackedWeight, k: int, bias
     check_bias(bias, n, x)
 
 
-def _config_for(x: torch.Tensor, w: PackedWeight, config: SkinnyConfig | None) -> SkinnyConfig:
+def skinny_config(x: torch.Tensor, w: PackedWeight, config: SkinnyConfig | None) -> SkinnyConfig:
+    """The launch shape of y = x @ W.T: `config` if given, else the device's tuned table entry
+    (kernels/tuned.py), else the default rule."""
     m = x.shape[0]
     n, k = w.shape
     if config is None:
-        # the rule of kernels/gemv.py, with 1-byte weight elements (int4 streams half that: tune on the GPU)
+        tuned_cfg = tuned.tuned_config("skinny", x, w)
+        if isinstance(tuned_cfg, SkinnyConfig):
+            return tuned_cfg
+        # the rule of kernels/gemv.py, with 1-byte weight elements (int4 streams half that: the tables tune it)
         return default_config(m, n, k, 1, num_sms(x.device))
     if not config.use_dot and m > 1:
         raise ValueError(f"SkinnyConfig(use_dot=False) is the M == 1 variant, got M = {m}")
@@ -222,28 +285,32 @@ def _launch(prologue: int, x: torch.Tensor, residual: torch.Tensor | None, norm_
     m = x.shape[0]
     n, k = w.shape
     out, res_out = alloc_outputs(x, n, k, residual, out, res_out)
-    cfg = _config_for(x, w, config)
+    cfg = skinny_config(x, w, config)
     if m == 0:
         return out, res_out
+    k_split, splits = k_slices(k, cfg.block_k, cfg.split_k if isinstance(cfg, QuantSkinnyConfig) else 1)
+    y = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     block_m = next_pow2(m) if cfg.use_dot else 1
     stats_block = _stats_block(block_m, k, cfg) if prologue == _NORM else 16
     r_arg = residual if residual is not None else x
     ro_arg = res_out if res_out is not None else out
     q = w.qweight
-    _quant_skinny_kernel[(triton.cdiv(n, cfg.block_n),)](
+    _quant_skinny_kernel[(triton.cdiv(n, cfg.block_n), splits)](
         x, r_arg, norm_weight if norm_weight is not None else x, q, w.scales,
         w.zeros if w.zeros is not None else q, w.mins if w.mins is not None else w.scales,
         w.perm if w.perm is not None else q,
-        bias if bias is not None else x, out, ro_arg,
-        m, n, k, w.num_groups, x.stride(0), r_arg.stride(0), out.stride(0), ro_arg.stride(0), float(eps),
+        bias if bias is not None else x, y, ro_arg,
+        m, n, k, w.num_groups, k_split, x.stride(0), r_arg.stride(0), out.stride(0), ro_arg.stride(0), float(eps),
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         BITS=w.bits, GROUP=w.group_size, HAS_ZEROS=w.zeros is not None, HAS_MINS=w.mins is not None,
         HAS_PERM=w.perm is not None, SCALE_LATER=scale_later(w),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
         STATS_BLOCK=stats_block, EVEN_KS=k % stats_block == 0, USE_DOT=cfg.use_dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", NUM_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_args(x.device),
+        SPLIT=splits > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_args(x.device),
     )  # fmt: skip
+    if splits > 1:
+        split_k_sum(y, out)
     return out, res_out
 
 

@@ -31,3 +31,14 @@ def test_the_shipped_eagle_head_is_package_data() -> None:
     files = {p.name for p in head.iterdir()}
     assert {"model.safetensors", "eagle_config.json"} <= files
     assert all(any(Path("heads", head.name, f).match(p) for p in patterns) for f in files)
+
+
+def test_the_tuned_kernel_config_tables_are_package_data() -> None:
+    """kernels/configs/*.json ships in the wheel, and every table there parses and is named after its device."""
+    from tokenmill.kernels import tuned
+
+    assert "configs/*.json" in _config()["package-data"]["tokenmill.kernels"]
+    assert tuned.CONFIG_DIR == ROOT / "kernels" / "configs" and tuned.CONFIG_DIR.is_dir()
+    for path in tuned.CONFIG_DIR.glob("*.json"):
+        table = tuned.load_table(path)
+        assert path.name == f"{tuned.device_slug(table.device)}.json"

@@ -24,6 +24,7 @@ import pytest
 from tokenmill.kernels.gemv import SkinnyConfig
 from tokenmill.kernels.quant_gemm import GemmConfig, quant_matmul
 from tokenmill.kernels.quant_gemv import (
+    k_slices,
     quant_add_rmsnorm_matmul,
     quant_add_rmsnorm_matmul_ref,
     quant_silu_mul_matmul,
@@ -39,6 +40,7 @@ from tokenmill.kernels.quant_weight import (
     quant_matmul_ref,
     unpack_int4,
 )
+from tokenmill.kernels.tuned import QuantSkinnyConfig
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -166,6 +168,42 @@ def test_quant_matmul_tiled(dtype: torch.dtype, fmt: Any) -> None:
     torch.testing.assert_close(quant_matmul(x[:20], w), quant_matmul_ref(x[:20], w), **_tol(dtype))  # default
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[2], FORMATS[4]], ids=lambda f: f[0])
+@pytest.mark.parametrize("split_k", [2, 3, 8])
+def test_split_k_matches_the_reference(dtype: torch.dtype, fmt: Any, split_k: int) -> None:
+    """K = 104 in steps of 32 (4 steps, the last partial): 2 slices of 2 steps, 2 of 2 (split 3), 4 of 1 (split 8);
+    the bias is added once, the per-channel scale (INT8) per slice, the new residual stored once."""
+    w = packed_weight(fmt, N, K, dtype, seed=12)
+    bias = _x((N,), dtype, 13)
+    dot = QuantSkinnyConfig(16, 32, 4, 2, split_k=split_k)
+    fma = QuantSkinnyConfig(8, 32, 4, 2, use_dot=False, split_k=split_k)
+    for m, cfg in ((1, fma), (5, dot)):
+        x = _x((m, K), dtype, 14)
+        out = _poisoned(m, N, dtype)
+        quant_skinny_matmul(x, w, bias, out=out, config=cfg)
+        torch.testing.assert_close(out, quant_matmul_ref(x, w, bias), **_tol(dtype))
+    h, res = _x((3, K), dtype, 15), _x((3, K), dtype, 16)
+    nw = (1.0 + 0.1 * _x((K,), torch.float32, 17)).to(dtype)
+    want_y, want_r = quant_add_rmsnorm_matmul_ref(h, res, nw, 1e-5, w, bias)
+    y, r = quant_add_rmsnorm_matmul(h, res, nw, 1e-5, w, bias, config=dot)
+    torch.testing.assert_close(y, want_y, **_tol(dtype))
+    assert torch.equal(r, want_r)
+    x = _x((37, K), dtype, 18)
+    out = _poisoned(37, N, dtype)
+    quant_matmul(x, w, bias, out=out, config=GemmConfig(16, 16, 32, group_m=2, split_k=split_k))
+    torch.testing.assert_close(out, quant_matmul_ref(x, w, bias), **_tol(dtype))
+
+
+def test_split_k_slices_are_whole_steps() -> None:
+    assert k_slices(104, 32, 2) == (64, 2) and k_slices(104, 32, 3) == (64, 2) and k_slices(104, 32, 8) == (32, 4)
+    assert k_slices(4096, 256, 1) == (4096, 1) and k_slices(14336, 512, 8) == (2048, 7)
+    with pytest.raises(ValueError, match="split_k"):
+        QuantSkinnyConfig(16, 32, 4, 2, split_k=0)
+    with pytest.raises(ValueError, match="split_k"):
+        GemmConfig(16, 16, 32, split_k=0)
+
+
 def test_empty_batches() -> None:
     w = packed_weight(FORMATS[1], N, K, torch.float32)
     assert quant_skinny_matmul(torch.empty(0, K, device=DEV), w).shape == (0, N)
@@ -241,7 +279,7 @@ def _sm90_compile_all() -> None:
     def build(fn: Any, consts: dict[str, Any], ints: tuple[str, ...], warps: int, stages: int) -> str:
         names = list(fn.arg_names)
         ptr_types = {"q_ptr": "*i32" if consts["BITS"] == 4 else "*i8", "z_ptr": "*u8", "perm_ptr": "*i32",
-                     "s_ptr": "*fp16", "m_ptr": "*fp16"}
+                     "s_ptr": "*fp16", "m_ptr": "*fp16", "y_ptr": "*fp32" if consts["SPLIT"] else "*bf16"}
         sig = {a: "constexpr" if a in consts else ptr_types.get(a, "*bf16") if a.endswith("_ptr") else
                "fp32" if a == "eps" else "i32" for a in names}
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a.endswith("_ptr") or a in ints}
@@ -259,11 +297,14 @@ def _sm90_compile_all() -> None:
                       "BLOCK_M": m if use_dot else 1, "BLOCK_N": 16, "BLOCK_K": 256, "EVEN_K": True,
                       "STATS_BLOCK": 256, "EVEN_KS": True, "USE_DOT": use_dot, "DOT_PRECISION": "tf32",
                       "NUM_STAGES": 3, "PDL": False}
-            ttgir = build(qv._quant_skinny_kernel, consts, ("K", "stride_xm", "stride_ym"), 4, 3)
-            assert "async_copy_global_to_local" in ttgir, f"{fmt} {prologue=} {m=}: the K loop is not pipelined"
+            for split in (False, True):  # split-K: the slice loop (runtime bounds) is pipelined too
+                ttgir = build(qv._quant_skinny_kernel, {**consts, "SPLIT": split},
+                              ("K", "k_split", "stride_xm", "stride_ym"), 4, 3)
+                assert "async_copy_global_to_local" in ttgir, f"{fmt} {prologue=} {m=} {split=}: not pipelined"
         consts = {**fmt, "HAS_BIAS": True, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
                   "EVEN_K": True, "DOT_PRECISION": "tf32"}
-        build(qm._quant_gemm_kernel, consts, ("K", "stride_xm", "stride_ym"), 8, 3)
+        for split in (False, True):
+            build(qm._quant_gemm_kernel, {**consts, "SPLIT": split}, ("K", "k_split", "stride_xm", "stride_ym"), 8, 3)
 
 
 @pytest.mark.slow

@@ -402,14 +402,12 @@ def _paged_attn_fn(
         seg_hi = tl.minimum(kv_hi, seg_lo + seg)
     # [seg_lo, full_hi): keys every row of the tile sees (key <= first_pos; no window; before the tree) ->
     # unmasked loop
-    if TREE:
-        tree_lo = tl.load(tree_start_ptr + b)
-    else:
-        tree_lo = seq_len
     if USE_WINDOW:
         full_hi = seg_lo
     else:
-        full_end = tl.minimum(seg_hi, tl.minimum(first_pos + 1, tree_lo))
+        full_end = tl.minimum(seg_hi, first_pos + 1)
+        if TREE:
+            full_end = tl.minimum(full_end, tl.load(tree_start_ptr + b))
         full_hi = seg_lo + (tl.maximum(full_end - seg_lo, 0) // BLOCK_N) * BLOCK_N
 
     # ---- rows: (token, head) pairs of this tile ------------------------------------------------
@@ -421,9 +419,11 @@ def _paged_attn_fn(
     row_valid = (tok < q_end) & (hg < GROUP)
     qpos = ctx + (tok - q_start)  # [BLOCK_M]
     if TREE:
+        tree_lo = tl.load(tree_start_ptr + b)
         tree_bits = tl.load(tree_mask_ptr + tok, mask=tok < q_end, other=0)  # [BLOCK_M] int64
-    else:
-        tree_bits = tok.to(tl.int64) * 0
+    else:  # unused
+        tree_lo = seq_len
+        tree_bits = tok.to(tl.int64)
     q_rows = q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh  # [BLOCK_M, 1]
     k_base = k_cache_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_cache_ptr + kvh.to(tl.int64) * stride_vh

@@ -100,7 +100,7 @@ class PendingStep:
         self._draft_starts = draft_starts
         # With `keep_features`: per kept request, the target's features [n, H] of its n scheduled tokens.
         self.features = features or []
-        self._trees = trees or []  # sampling request s -> its tree drafts (None: a chain, or none)
+        self._trees = trees or []  # with drafts: sampling request s -> its tree drafts (None: a chain, or none)
 
     def result(self) -> StepResult:
         sampled: list[int | list[int] | None] = [None] * self.num_requests
@@ -122,7 +122,7 @@ class PendingStep:
         paths: dict[int, list[int]] = {}
         for s, i in enumerate(self._batch_index):
             start = self._draft_starts[s]
-            tree = self._trees[s] if self._trees else None
+            tree = self._trees[s]
             if tree is None:
                 rows: Sequence[int] = range(start, start + accepted[s] + 1)
                 sampled[i] = tokens_of(tokens, start, accepted[s])

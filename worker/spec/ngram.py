@@ -37,32 +37,22 @@ def lookup(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix of `tokens` of
     min_n..max_n tokens; [] when none occurs earlier. A continuation that runs into the end of `tokens` reads
     on through the drafts themselves (a repeating pattern continues with its period)."""
-    seq = np.asarray(tokens, dtype=np.int64)
-    length = len(seq)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        windows = sliding_window_view(seq[:-1], n)  # [L - n, n]: window i is seq[i : i + n], i + n < L
-        hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n  # first token after the occurrence; start < L
-            ext = list(tokens[start:start + k])
-            while len(ext) < k:  # seq[start + j] for j >= L - start is drafts[j - (L - start)]
-                ext.append(ext[len(ext) - (length - start)])
-            return ext
-    return []
+    found = continuations(tokens, k, min_n, max_n, 1)
+    return found[0] if found else []
 
 
 def continuations(tokens: Sequence[int], k: int, min_n: int, max_n: int, width: int) -> list[list[int]]:
     """Up to `width` distinct continuations of up to `k` tokens: after the earlier occurrences of the longest
-    suffix first, latest first, then of shorter suffixes. The first is `lookup`'s."""
+    suffix first, latest first, then of shorter suffixes (the first is `lookup`'s)."""
     seq = np.asarray(tokens, dtype=np.int64)
     length = len(seq)
     found: list[list[int]] = []
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        windows = sliding_window_view(seq[:-1], n)
+        windows = sliding_window_view(seq[:-1], n)  # [L - n, n]: window i is seq[i : i + n], i + n < L
         for hit in np.flatnonzero((windows == seq[-n:]).all(axis=1))[::-1]:
-            start = int(hit) + n
+            start = int(hit) + n  # first token after the occurrence; start < L
             cont = list(tokens[start:start + k])
-            while len(cont) < k:  # as in lookup: a run into the end reads on through the continuation itself
+            while len(cont) < k:  # seq[start + j] for j >= L - start is cont[j - (L - start)]
                 cont.append(cont[len(cont) - (length - start)])
             if cont not in found:
                 found.append(cont)

@@ -209,7 +209,7 @@ def _seeded(params: dict[str, Any], seed: int | None, i: int) -> dict[str, Any]:
 async def _completions(gw: Gateway, body: CompletionRequest, request: Request, authorization: str | None) -> Response:
     owner = gw.tenants.owner_for(authorization)
     body.check(gw.cfg.max_n)
-    worker = gw.pool.check_model(body.model)
+    worker = await gw.pool.require_model(body.model)
     params = body.sampling_params(gw.max_tokens(body.max_tokens, worker), body.logprobs)
     prompts = body.prompts()
     specs = []
@@ -233,7 +233,7 @@ async def _completions(gw: Gateway, body: CompletionRequest, request: Request, a
 async def _chat(gw: Gateway, body: ChatCompletionRequest, request: Request, authorization: str | None) -> Response:
     owner = gw.tenants.owner_for(authorization)
     body.check(gw.cfg.max_n)
-    worker = gw.pool.check_model(body.model)
+    worker = await gw.pool.require_model(body.model)
     params = body.sampling_params(gw.max_tokens(body.requested_max_tokens(), worker), body.logprobs_k())
     if body.chat_template_kwargs:
         params["extra"] = {"chat_template_kwargs": body.chat_template_kwargs}

@@ -139,6 +139,18 @@ class PoolView:
         ages = {name: now - changed for name, (_, changed) in self._progress.items()}
         return evaluate_health(self.stats, now - self.stats_at if self.stats else float("inf"), ages, self.cfg)
 
+    async def require_model(self, model: str) -> dict[str, Any]:
+        """check_model, but a model no worker serves in the view is looked up once more in a fresh STATS
+        reply before the error: the view is up to `stats_interval` old, and a worker that registered since
+        (or a gateway process that started a moment ago) must not answer 404 for a model being served."""
+        try:
+            return self.check_model(model)
+        except APIError as e:
+            if e.code not in ("model_not_found", "no_worker", "unavailable"):
+                raise
+        await self.poll_once()
+        return self.check_model(model)
+
     def check_model(self, model: str) -> dict[str, Any]:
         """The STATS entry of a worker serving `model` with the smallest context; 404 for a model no worker
         ever served (and not declared), 503 while none serves it (or the broker does not answer)."""

@@ -3,7 +3,9 @@ SSE chunks, usage, API keys."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +78,32 @@ def test_pool_view_tracks_progress_and_checks_models() -> None:
     with pytest.raises(APIError) as e:
         pool.check_model("m")
     assert e.value.status == 503  # once served, now gone: 503 not 404
+
+
+class _StatsClient:
+    """A stand-in for the AsyncClient: STATS answers from a list, one per call."""
+
+    def __init__(self, *answers: dict[str, Any]) -> None:
+        self.answers = list(answers)
+        self.calls = 0
+
+    async def stats(self, timeout: float) -> dict[str, Any]:
+        self.calls += 1
+        return self.answers.pop(0)
+
+
+def test_a_model_missing_from_a_stale_view_is_looked_up_once_more() -> None:
+    """A worker that registered after the last poll serves at once; an unknown model costs one more poll."""
+    client = _StatsClient(_stats(_worker()), _stats(_worker()))
+    pool = PoolView(client, GatewayConfig())
+    pool.update(_stats(), now=time.monotonic())  # the view from before the worker registered
+    assert asyncio.run(pool.require_model("m"))["name"] == "w0"
+    assert client.calls == 1
+    assert asyncio.run(pool.require_model("m"))["name"] == "w0"
+    assert client.calls == 1  # served in the view: no poll
+    with pytest.raises(APIError) as e:
+        asyncio.run(pool.require_model("nope"))
+    assert e.value.status == 404 and client.calls == 2
 
 
 def test_error_mapping() -> None:

@@ -8,6 +8,8 @@
 4. quantization: the continuous-batching step (same requests, prefix caching off) on an engine whose
    decoder-layer weights are quantized on load: INT8 weight-only (W8A16, per output channel; it runs on
    the CPU and on CUDA) and, on a GPU with FP8 (compute capability >= 8.9), FP8 W8A8 with the FP8 KV cache;
+   beside each, its accuracy against the unquantized model (perplexity change, mean KL and greedy agreement
+   on held-out ShareGPT replies, quant_accuracy's measure; real weights only, FP8 emulated on the CPU);
 5. speculative decoding: the same again with n-gram prompt lookup and with EAGLE (the head shipped for
    the model; none for other models), k = 3 drafts per step, the automatic switch as the engine sets it
    (on for CUDA, off on the CPU).
@@ -71,6 +73,11 @@ class Variant:
         return replace(base, quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
                        speculative=self.speculative)
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the variant changes what the model computes (weights or KV cache rounded)."""
+        return self.quantization != "auto" or self.kv_cache_dtype != "auto"
+
 
 QUANT_VARIANTS = (
     Variant("int8", "quantization: INT8 weight-only (W8A16, per output channel)", quantization="int8"),
@@ -83,6 +90,7 @@ SPEC_VARIANTS = (
     Variant("eagle", f"speculative decoding: EAGLE, the shipped head (k = {_K})", speculative="eagle"),
 )
 RUNGS = {"quantization": QUANT_VARIANTS, "speculative": SPEC_VARIANTS}  # suite section -> its rows
+ACCURACY_REPLIES = 32  # held-out ShareGPT exchanges the quantization rung's accuracy is measured on
 
 
 def why_not(variant: Variant, spec: ModelSpec) -> str | None:
@@ -135,9 +143,10 @@ def variant_row(base: ModelSpec, variant: Variant, workload: Workload) -> dict[s
 
 
 def rung_rows(base: ModelSpec, variants: tuple[Variant, ...], workload: Workload,
-              enough_time: Callable[[], bool] = lambda: True) -> list[dict[str, Any]]:
+              enough_time: Callable[[], bool] = lambda: True,
+              accuracy_replies: int = ACCURACY_REPLIES) -> list[dict[str, Any]]:
     """A row per variant; one that would not start in time (`enough_time()` False) says so, one that failed
-    records its error (and the next one runs)."""
+    records its error (and the next one runs). Quantized variants also get their accuracy (add_accuracy)."""
     rows = []
     for v in variants:
         if not enough_time():
@@ -148,7 +157,32 @@ def rung_rows(base: ModelSpec, variants: tuple[Variant, ...], workload: Workload
         except Exception as e:
             traceback.print_exc()
             rows.append({"step": v.step, "variant": v.key, "error": f"{type(e).__name__}: {e}"[:300]})
+    if any(v.quantized for v in variants) and accuracy_replies > 0 and enough_time():
+        add_accuracy(rows, variants, base, accuracy_replies)
     return rows
+
+
+def add_accuracy(rows: list[dict[str, Any]], variants: tuple[Variant, ...], base: ModelSpec, replies: int) -> None:
+    """Give each quantized variant's row `accuracy`: its perplexity change, mean KL and greedy agreement
+    against the unquantized model on `replies` held-out ShareGPT exchanges (quant_accuracy's measure, on the
+    CPU in float32, FP8 emulated; the device's kernels round the same way). Dummy weights have no accuracy
+    to measure: the rows say so. Rows whose engine could not run (FP8 on the CPU) still get it."""
+    quantized = {v.key: v for v in variants if v.quantized}
+    if base.dummy:
+        accuracy: dict[str, dict[str, Any]] = {k: {"not_measured": "dummy weights"} for k in quantized}
+    else:
+        from tokenmill.benchmarks.quant_accuracy import variant_accuracy
+
+        wanted = {k: (v.quantization, v.kv_cache_dtype == "fp8") for k, v in quantized.items()}
+        try:
+            accuracy = {k: r | {"replies": replies} for k, r in
+                        variant_accuracy(base.model, wanted, replies).items()}
+        except Exception as e:
+            traceback.print_exc()
+            accuracy = {k: {"not_measured": f"{type(e).__name__}: {e}"[:200]} for k in quantized}
+    for row in rows:
+        if row["variant"] in accuracy:
+            row["accuracy"] = accuracy[row["variant"]]
 
 
 def ladder_row(step: str, workload: Workload, run: EngineRun, engine: LLMEngine) -> dict[str, Any]:
@@ -314,21 +348,35 @@ def _mb(x: float) -> str:
     return f"{x / 2**20:,.1f} MiB" if x < 2**30 else f"{x / 2**30:.2f} GiB"
 
 
+def accuracy_cell(row: dict[str, Any]) -> str:
+    """The ladder's accuracy column: perplexity change (mean KL, greedy agreement) against the unquantized
+    model, or why it was not measured; empty for rows that do not quantize."""
+    a = row.get("accuracy")
+    if a is None:
+        return ""
+    if "not_measured" in a:
+        return f"not measured: {a['not_measured']}"
+    return (f"ppl {a['ppl_delta_pct']:+.2f}% (KL {a['mean_kl']:.4f}, {a['greedy_agreement']:.0%} greedy agree, "
+            f"{a['replies']} replies)")
+
+
 def ladder_table(rows: list[dict[str, Any]]) -> str:
     out = ["| step | workload | requests | output tok/s | TTFT p50 / p90 (ms) | TPOT p50 (ms) | "
-           "peak KV in use | weights | prompt tokens from cache |", "|---|---|---|---|---|---|---|---|---|"]
+           "peak KV in use | weights | prompt tokens from cache | accuracy vs unquantized |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        acc = accuracy_cell(r)
         if "not_run" in r:
-            out.append(f"| {r['step']} | not run: {r['not_run']} | | | | | | | |")
+            out.append(f"| {r['step']} | not run: {r['not_run']} | | | | | | | | {acc} |")
             continue
         if "error" in r:
-            out.append(f"| {r['step']} | failed: {r['error']} | | | | | | | |")
+            out.append(f"| {r['step']} | failed: {r['error']} | | | | | | | | {acc} |")
             continue
         t, p = r["ttft_ms"], r["tpot_ms"]
         share = r["cached_prompt_tokens"] / max(r["input_tokens"], 1)
         out.append(f"| {r['step']} | {r['workload']} | {r['requests']} | {r['output_tok_per_s']:.1f} | "
                    f"{t['p50']:.0f} / {t['p90']:.0f} | {p['p50']:.1f} | {_mb(r['peak_kv_bytes'])} | "
-                   f"{_mb(r['weights_bytes'])} | {share:.0%} |")
+                   f"{_mb(r['weights_bytes'])} | {share:.0%} | {acc} |")
     return "\n".join(out)
 
 
@@ -346,6 +394,8 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--sessions", type=int, default=None, help="conversations open at once (default: all)")
     ap.add_argument("--session-ramp", action="store_true", help="open the sessions one per engine step")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--accuracy-replies", type=int, default=ACCURACY_REPLIES,
+                    help="held-out ShareGPT exchanges for the quantization rung's accuracy (0: not measured)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu"))
     return ap
 
@@ -365,7 +415,7 @@ def run_cli(args: argparse.Namespace) -> int:
     del engine
     free_device_memory()  # each variant builds its own engine
     for variants in RUNGS.values():
-        rows += rung_rows(spec, variants, sg)
+        rows += rung_rows(spec, variants, sg, accuracy_replies=args.accuracy_replies)
     write_results(args.out, "ladder", {"model": spec.describe(), "rows": rows, "prefix_gain": prefix_gain(pre)},
                   ladder_table(rows))
     return 0

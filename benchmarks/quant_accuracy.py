@@ -191,15 +191,41 @@ def build_models(args: argparse.Namespace, formats: list[str], work: Path) -> di
     return models
 
 
+def variant_model(model: str, weights: str, fp8_kv: bool) -> LlamaForCausalLM:
+    """`model` on the CPU in float32 with its decoder projections quantized on load to `weights` ("auto": as
+    the checkpoint holds them; "int8"; "fp8", emulated) and, with `fp8_kv`, its keys and values stored as e4m3
+    with scales calibrated on the file's first exchange (the engine's variants, as build_models makes them)."""
+    source, backend = resolve_model(model), TorchRefBackend()
+    out = build_model(source, backend, torch.device("cpu"), torch.float32, weights, fp8_emulation=weights == "fp8")
+    if weights != "auto":
+        cache_dequantized(out)
+    if fp8_kv:
+        first = chat_exchanges(load_tokenizer(source), range(0, 1), 128, 128)[0]
+        calibrate_fp8_kv(out, backend, first)
+    return out
+
+
+def variant_accuracy(model: str, variants: dict[str, tuple[str, bool]], num_replies: int,
+                     ) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Perplexity change, mean KL and greedy agreement against the unquantized model of each variant
+    (name -> (weights, fp8_kv) as variant_model takes them) on the last `num_replies` held-out exchanges."""
+    models = {"reference": variant_model(model, "auto", False)}
+    models |= {name: variant_model(model, w, kv) for name, (w, kv) in variants.items()}
+    exchanges = chat_exchanges(load_tokenizer(resolve_model(model)), range(-num_replies, 0), 128, 128)
+    kv_dtypes = {name: FP8_KV for name, (_, kv) in variants.items() if kv}
+    return evaluate(models, exchanges, kv_dtypes)
+
+
 @torch.inference_mode()
-def evaluate(models: dict[str, LlamaForCausalLM], exchanges: list[ChatExchange]) -> dict[str, dict[str, float]]:
+def evaluate(models: dict[str, LlamaForCausalLM], exchanges: list[ChatExchange],
+             kv_dtypes: dict[str, torch.dtype] = KV_DTYPES) -> dict[str, dict[str, float]]:
     stats = {name: _Stats() for name in models}
     for i, ex in enumerate(exchanges):
         ref_logp, targets = reply_logprobs(models["reference"], ex)
         stats["reference"].add(ref_logp, targets, None)
         for name, model in models.items():
             if name != "reference":
-                stats[name].add(reply_logprobs(model, ex, KV_DTYPES.get(name, torch.float32))[0], targets, ref_logp)
+                stats[name].add(reply_logprobs(model, ex, kv_dtypes.get(name, torch.float32))[0], targets, ref_logp)
         if (i + 1) % 20 == 0:
             print(f"{i + 1}/{len(exchanges)} exchanges", flush=True)
     ref_ppl = stats["reference"].summary(None)["ppl"]

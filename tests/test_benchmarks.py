@@ -9,6 +9,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -16,6 +17,8 @@ from tokenmill.benchmarks.common import RequestTiming, goodput, latency_summary,
 from tokenmill.benchmarks.ladder import (
     QUANT_VARIANTS,
     SPEC_VARIANTS,
+    accuracy_cell,
+    add_accuracy,
     common_prefix,
     ladder_table,
     prefix_gain,
@@ -176,6 +179,27 @@ def test_eagle_and_int8_rows_on_the_embedded_model() -> None:
     assert e["draft_weights_bytes"] > 0 and e["weights_bytes"] == dense + e["draft_weights_bytes"]
     assert q["draft_weights_bytes"] == 0 and q["weights_bytes"] < 0.6 * dense
     assert e["cached_prompt_tokens"] == q["cached_prompt_tokens"] == 0
+
+
+def test_quantization_rung_accuracy_on_the_embedded_model_and_not_on_dummy_weights() -> None:
+    """INT8 and emulated FP8 + FP8 KV against the unquantized embedded model on two held-out replies: small,
+    measured changes (INT8's under 1%, as quant_accuracy's 200 replies show); dummy weights: none measured."""
+    (int8, fp8), (ngram, _) = QUANT_VARIANTS, SPEC_VARIANTS
+    rows: list[dict[str, Any]] = [{"step": int8.step, "variant": "int8"},
+                                  {"step": fp8.step, "variant": "fp8", "not_run": "needs a GPU"},
+                                  {"step": ngram.step, "variant": "ngram"}]
+    add_accuracy(rows, (int8, fp8, ngram), ModelSpec(threads=1), 2)
+    a8, f8 = rows[0]["accuracy"], rows[1]["accuracy"]
+    assert a8["replies"] == f8["replies"] == 2 and a8["tokens"] == f8["tokens"] > 100
+    assert abs(a8["ppl_delta_pct"]) < 1.0 and a8["greedy_agreement"] > 0.9 and 0 < a8["mean_kl"] < f8["mean_kl"]
+    assert abs(f8["ppl_delta_pct"]) < 5.0 and f8["greedy_agreement"] > 0.8
+    assert "accuracy" not in rows[2]
+    assert "ppl +" in accuracy_cell(rows[0]) or "ppl -" in accuracy_cell(rows[0])
+    table = ladder_table([rows[1]])
+    assert "not run: needs a GPU" in table and "2 replies" in table  # FP8's accuracy is the CPU emulation's
+    add_accuracy(rows, (int8, fp8), TINY, 2)
+    assert rows[0]["accuracy"] == {"not_measured": "dummy weights"}
+    assert accuracy_cell(rows[0]) == "not measured: dummy weights"
 
 
 # -- release order and arrivals --------------------------------------------------------------------------------
@@ -383,6 +407,7 @@ def test_suite_smallest_config_writes_json_md_png(tmp_path: Path) -> None:
     assert rows["int8"]["weights_bytes"] < cont["weights_bytes"]  # the quantized projections are smaller
     assert rows["ngram"]["weights_bytes"] == cont["weights_bytes"] and rows["ngram"]["draft_tokens"] > 0
     assert rows["fp8"]["not_run"] == "needs a GPU with FP8 (compute capability >= 8.9)"
+    assert rows["int8"]["accuracy"] == rows["fp8"]["accuracy"] == {"not_measured": "dummy weights"}
     assert rows["eagle"]["not_run"] == "no EAGLE head shipped for tiny-llama"
     md = (tmp_path / "suite.md").read_text()
     assert "## Headline" in md and "## Optimization ladder" in md and "![ladder](ladder.png)" in md

@@ -11,7 +11,8 @@ Checkpoint layouts read here (4-bit values v, W[n, k] = (v - z) * s, groups g(k)
   compressed-tensors (llm-compressor): pack-quantized int4 (weight_packed int32 [N, K/8], k = 8i + j at bits 4j,
       stored v + 8 for signed v; weight_scale [N, G]; asymmetric: weight_zero_point int32 [N/8, G] packed along
       N, stored zp + 8; actorder: weight_g_idx [K]; weight_shape [2]); int-quantized int8 channel (weight int8
-      [N, K], weight_scale [N, 1]); float-quantized fp8 (weight e4m3 [N, K], weight_scale [N, 1] or [1]) with
+      [N, K], weight_scale [N, 1]) or pack-quantized int8 (weight_packed int32 [N, K/4], k = 4i + j at bits 8j,
+      stored v + 128); float-quantized fp8 (weight e4m3 [N, K], weight_scale [N, 1] or [1]) with
       dynamic per-token activations.
   fp8 (vLLM's own): weight e4m3 [N, K], weight_scale per tensor ([] or [1]), activation_scheme dynamic.
 An unsupported method or option fails when the model is resolved, naming it; a tensor of the wrong shape or
@@ -123,10 +124,13 @@ def _ct_config(qc: dict[str, Any], where: Path) -> CheckpointQuant:
         if strategy not in ("group", "channel") or (strategy == "group" and w.get("group_size") is None):
             raise ModelLoadError(f"{where}: compressed-tensors int4 strategy {strategy!r} is not supported")
         g = _int4_group(4, w.get("group_size") or 128, "compressed-tensors int4", where)
-        act_order = w.get("actorder") in ("group", "weight", True)
+        # only "group" order stores weight_g_idx; "weight" and "static" quantize in activation order but keep
+        # contiguous groups, so their layout is the plain one
+        act_order = w.get("actorder") in ("group", True)
         return CheckpointQuant("compressed-tensors", QuantConfig("int4", g, bool(w.get("symmetric", True)), act_order),
                                (("ct_format", fmt),))
-    if fmt == "int-quantized" and kind == "int" and bits == 8 and a is None and strategy == "channel":
+    if fmt in ("int-quantized", "pack-quantized") and kind == "int" and bits == 8 and a is None \
+            and strategy == "channel":
         if not w.get("symmetric", True):
             raise ModelLoadError(f"{where}: asymmetric compressed-tensors int8 is not supported")
         return CheckpointQuant("compressed-tensors", QuantConfig("int8"), (("ct_format", fmt),))
@@ -138,7 +142,8 @@ def _ct_config(qc: dict[str, Any], where: Path) -> CheckpointQuant:
         return CheckpointQuant("compressed-tensors", QuantConfig("fp8"), (("ct_format", "float-quantized"),))
     raise ModelLoadError(f"{where}: compressed-tensors format {fmt!r} with weights {kind}{bits} "
                          f"({strategy}) and input activations {a} is not supported (supported: pack-quantized int4, "
-                         "int-quantized int8 per channel, float-quantized fp8 with dynamic per-token activations)")
+                         "int-quantized or pack-quantized int8 per channel, float-quantized fp8 with dynamic per-token "
+                         "activations)")
 
 
 def effective_quant(ckpt: CheckpointQuant | None, requested: str, model: str) -> QuantConfig:
@@ -314,10 +319,23 @@ def _ct_dense(parts: dict[str, torch.Tensor], config: QuantConfig) -> dict[str, 
     return {"qweight": weight.contiguous(), "scales": _channel_scales(scale, weight.shape[0])}
 
 
+def _ct_int8_packed(parts: dict[str, torch.Tensor], config: QuantConfig) -> dict[str, torch.Tensor]:
+    """pack-quantized int8 (what llm-compressor writes for W8A16): weight_packed int32 [N, K/4], element k at
+    bits 8 (k % 4) of word k // 4, stored v + 128; weight_scale per channel."""
+    packed, scale, shape = parts["weight_packed"], parts["weight_scale"], parts["weight_shape"]
+    n, k = (int(v) for v in shape.tolist())
+    _expect(packed, "weight_packed", (n, -(-k // 4)), torch.int32)
+    shifts = torch.arange(0, 32, 8, dtype=torch.int32)
+    stored = ((packed[..., None] >> shifts) & 0xFF).reshape(n, -1)[:, :k]
+    return _ct_dense({"weight": (stored - 128).to(torch.int8), "weight_scale": scale}, config)
+
+
 def _ct_converter(ckpt: CheckpointQuant) -> tuple[Callable[..., dict[str, torch.Tensor]],
                                                   Callable[[dict[str, torch.Tensor]], bool]]:
     if ckpt.option("ct_format") != "pack-quantized":
         return _ct_dense, _need("weight", "weight_scale")
+    if ckpt.config.method == "int8":
+        return _ct_int8_packed, _need("weight_packed", "weight_scale", "weight_shape")
     names = ["weight_packed", "weight_scale", "weight_shape"]
     names += [] if ckpt.config.symmetric else ["weight_zero_point"]
     names += ["weight_g_idx"] if ckpt.config.act_order else []

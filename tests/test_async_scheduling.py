@@ -436,7 +436,10 @@ def test_length_bound_request_is_not_scheduled_for_a_token_it_would_discard() ->
 def test_ship_and_host_copy_round_trip() -> None:
     host = {"a": torch.tensor([True, False, True]), "b": torch.arange(5, dtype=torch.int32),
             "c": torch.zeros((3, 0), dtype=torch.int64), "d": torch.tensor([[1.5, -2.0]]),
-            "e": torch.arange(7, dtype=torch.int64).reshape(7, 1)}
+            "e": torch.arange(7, dtype=torch.int64).reshape(7, 1),
+            "f": torch.tensor([1.25, -3.5, 7.0], dtype=torch.bfloat16),  # no numpy dtype: staged through torch
+            "g": torch.arange(12, dtype=torch.int32).reshape(3, 4).t(),  # not contiguous
+            "h": torch.arange(3, dtype=torch.int16)}  # ends off the 16-byte grid
     dev = ship(host, torch.device("cpu"))
     for name, t in host.items():
         assert dev[name].dtype == t.dtype and dev[name].shape == t.shape and torch.equal(dev[name], t)

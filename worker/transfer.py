@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -19,17 +20,45 @@ def ship(host: Mapping[str, Tensor], device: torch.device) -> dict[str, Tensor]:
     """Copy CPU tensors to `device` in one transfer; returns device tensors of the same names, dtypes
     and shapes (views of one buffer). On CUDA the staging buffer is pinned and the copy non_blocking.
     Each call stages into a fresh buffer: the caching host allocator keeps it alive until its copy has
-    run, so a later call never overwrites bytes an earlier copy has not read yet."""
-    parts = [t.contiguous().view(-1).view(torch.uint8) for t in host.values()]
-    sizes = [-(-p.numel() // _ALIGN) * _ALIGN for p in parts]
-    total = sum(sizes)
-    buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=device.type == "cuda")[:total]
-    for p, piece in zip(parts, buf.split(sizes)):
-        if p.numel():
-            piece[: p.numel()].copy_(p)
+    run, so a later call never overwrites bytes an earlier copy has not read yet.
+
+    Host cost matters here (once per step, ~20 small tensors): the parts are written through one numpy view
+    of the staging buffer, and each result is one slice of the device buffer viewed as its dtype (a view per
+    dtype, not per part)."""
+    items = list(host.items())
+    offsets, total = [], 0
+    for _, t in items:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    buf = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    staging = buf.numpy()
+    for (_, t), off in zip(items, offsets):
+        if t.numel():
+            a = _host_bytes(t)
+            staging[off : off + a.size] = a
     dev = buf if device.type == "cpu" else buf.to(device, non_blocking=True)
-    return {name: piece[: p.numel()].view(t.dtype).view(t.shape)
-            for (name, t), p, piece in zip(host.items(), parts, dev.split(sizes))}
+    typed: dict[torch.dtype, Tensor] = {}
+    out = {}
+    for (name, t), off in zip(items, offsets):
+        view = typed.get(t.dtype)
+        if view is None:
+            view = typed[t.dtype] = dev.view(t.dtype)
+        start = off // t.element_size()
+        part = view[start : start + t.numel()]
+        out[name] = part if t.dim() == 1 else part.view(t.shape)
+    return out
+
+
+def _host_bytes(t: Tensor) -> np.ndarray:
+    """The bytes of CPU tensor t as a flat uint8 array (a copy only when t is not contiguous)."""
+    assert t.device.type == "cpu", f"ship stages CPU tensors, got one on {t.device}"
+    if t.dtype in _NUMPY_DTYPES:
+        return t.numpy().reshape(-1).view(np.uint8)
+    return t.contiguous().view(-1).view(torch.uint8).numpy()  # bfloat16, float8: no numpy dtype
+
+
+_NUMPY_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                           torch.float16, torch.float32, torch.float64})
 
 
 class HostCopy:

@@ -1,6 +1,6 @@
 """On CUDA (bf16): piecewise CUDA graphs (steps with prompt tokens) give the same greedy tokens as the same
 engine without them, for tiny random models of each architecture, and serving after start-up compiles no
-attention kernel (the warm-up built every variant)."""
+attention kernel (the warm-up built every variant, the tree-draft ones too when trees are verified)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ import torch
 from tiny_hf import ARCHS, save_tiny_model
 
 from tokenmill.protocol import SamplingParams
-from tokenmill.worker.config import EngineConfig, SchedulerConfig
+from tokenmill.worker.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.worker.engine import LLMEngine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def engine(path: Path, piecewise: bool) -> LLMEngine:
+def engine(path: Path, piecewise: bool, speculative: SpeculativeConfig | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", device="cuda", attention_backend="triton",
-                                  piecewise_graphs=piecewise,
+                                  piecewise_graphs=piecewise, speculative=speculative or SpeculativeConfig(),
                                   scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=32)))
 
 
@@ -58,3 +58,23 @@ def test_no_attention_compile_after_start_up(tmp_path: Path) -> None:
     outs = eng.generate(ps, SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 40), ignore_eos=True))
     assert len(outs) == len(ps)
     assert _compiled_variants() == before, "attention kernels compiled while serving"
+
+
+def test_no_attention_compile_after_start_up_with_tree_drafts(tmp_path: Path) -> None:
+    """Tree verification launches the TREE variants: the warm-up builds them too (n-gram trees on prompts
+    that repeat themselves, so drafts are proposed)."""
+    path = save_tiny_model("llama", tmp_path)
+    eng = engine(path, True, SpeculativeConfig(method="ngram", tree_width=3, auto_switch=False))
+    before = _compiled_variants()
+    rng = random.Random(5)
+    ps = []
+    for _ in range(24):
+        motif = [rng.randrange(3, 384) for _ in range(rng.randrange(2, 6))]
+        ps.append((motif * 80)[: rng.randrange(8, 300)])
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    outs = eng.generate(ps, params)
+    assert len(outs) == len(ps) and eng.counters.accepted_draft_tokens > 0
+    assert _compiled_variants() == before, "attention kernels compiled while serving"
+    del eng
+    plain = engine(path, True).generate(ps, params)  # and the tree-verified tokens are plain decoding's
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]

@@ -254,12 +254,13 @@ class PiecewiseGraphs:
         return self.hidden[:t]
 
     @torch.inference_mode()
-    def warm_up_attention(self, max_num_seqs: int, max_model_len: int) -> int:
+    def warm_up_attention(self, max_num_seqs: int, max_model_len: int, trees: bool = False) -> int:
         """Compile every attention kernel variant a replay can launch, so that nothing compiles while serving.
         Variants differ only in compile-time choices (tile config, one tile per request, split or not, the
         reduce's split padding and dims per program), so this plans a grid of batch shapes on the host, one per
         token bucket x request count x query skew x context length, and launches one batch per distinct
-        variant. Returns the number of variants launched."""
+        variant; with `trees` (tree drafts are verified) each also with a tree mask (TREE). Returns the number
+        of variants launched."""
         call = self.calls[self.sizes[0]][0]
         kc, vc = call.k_cache, call.v_cache
         block_size = kc.shape[1]
@@ -286,8 +287,13 @@ class PiecewiseGraphs:
             plan = self._plan(q.shape, q.dtype, kc.shape, self.device, n, call.scale, max_query_len=max(q_lens),
                               max_seq_len=ctx, sliding_window=call.sliding_window)
             plan.launch(q, kc, vc, tables, seq_lens, qsl, self.attn_out[:t], kv_scales=call.kv_scales)
+            if trees:  # any mask will do: the outputs are discarded, only the compile matters
+                tree = (torch.full((t,), -1, dtype=torch.int64, device=self.device),
+                        (seq_lens - (qsl[1:] - qsl[:-1])).to(torch.int32))
+                plan.launch(q, kc, vc, tables, seq_lens, qsl, self.attn_out[:t], kv_scales=call.kv_scales,
+                            tree=tree)
         torch.cuda.synchronize()
-        return len(seen)
+        return len(seen) * (2 if trees else 1)
 
 
 def _even(t: int, n: int) -> list[int]:

@@ -198,7 +198,8 @@ class ModelRunner:
                                          mixed_graph_sizes(sched.max_num_batched_tokens), self.num_heads,
                                          self.arch.head_dim, self.arch.hidden_size, self.device, self.dtype)
         self.piecewise.capture()
-        variants = self.piecewise.warm_up_attention(sched.max_num_seqs, self.max_model_len)
+        trees = config.speculative.method != "off" and config.speculative.tree_width > 1
+        variants = self.piecewise.warm_up_attention(sched.max_num_seqs, self.max_model_len, trees)
         log.info("piecewise CUDA graphs and %d attention variants ready in %.1f s", variants,
                  time.perf_counter() - t0)
 

@@ -40,13 +40,15 @@ class WorkerInfo:
     role: str = "both"  # Ready.role: "prefill" / "decode" workers serve jobs disaggregated (dispatch.py)
     kv_address: str = ""  # Ready.kv_address: where a decode worker receives KV blocks
     prefills: set[str] = field(default_factory=set)  # job ids whose prompt it computes for another worker
+    sampling_defaults: dict[str, int | float] = field(default_factory=dict)  # Ready.sampling_defaults
 
     @classmethod
     def from_ready(cls, ident: bytes, msg: Ready, now: float) -> WorkerInfo:
         return cls(ident, msg.name, frozenset(msg.models), msg.capacity, msg.kv_blocks, msg.block_size,
                    msg.max_model_len, msg.heartbeat_interval, now, now + msg.heartbeat_interval,
                    load=WorkerHeartbeat(0, 0, msg.kv_blocks, 0), data_ident=msg.data_id.encode(),
-                   max_prompt_chars=msg.max_prompt_chars, role=msg.role, kv_address=msg.kv_address)
+                   max_prompt_chars=msg.max_prompt_chars, role=msg.role, kv_address=msg.kv_address,
+                   sampling_defaults=dict(msg.sampling_defaults))
 
     def serves(self, model: str) -> bool:
         """An empty model name means "any model"."""
@@ -78,7 +80,7 @@ class WorkerInfo:
                 # cumulative counters from the worker's heartbeat (the gateway's /health and /metrics)
                 "steps": self.load.steps, "prefix_queries": self.load.prefix_queries,
                 "prefix_hits": self.load.prefix_hits, "preemptions": self.load.preemptions,
-                "role": self.role, "prefilling": len(self.prefills)}
+                "role": self.role, "prefilling": len(self.prefills), "sampling_defaults": self.sampling_defaults}
 
 
 class WorkerTable:

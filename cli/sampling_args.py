@@ -11,11 +11,12 @@ A flag on the command line always wins.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tokenmill.worker.generation_defaults import MODEL_DEFAULT_KEYS, model_sampling_defaults
 
 # What Ollama and vLLM users expect of a chat when the model says nothing (Ollama: temperature 0.8,
 # top_p 0.9, repeat_penalty 1.1).
@@ -28,8 +29,6 @@ class SamplingFlag:
     parse: Callable[[str], Any]
     help: str
     neutral: Any  # the value that turns the feature off (SamplingParams' own default)
-    hf_key: str = ""  # key in generation_config.json
-    gguf_key: str = ""  # GGUF metadata key
     repeat: bool = False  # a list: the flag may be given several times
 
     @property
@@ -41,7 +40,7 @@ class SamplingFlag:
             return "none"
         if self.name in CHAT_DEFAULTS:
             return f"the model's generation config, else {CHAT_DEFAULTS[self.name]}"
-        if self.hf_key:
+        if self.name in MODEL_DEFAULT_KEYS:
             return f"the model's generation config, else {self.neutral}"
         return "random" if self.neutral is None else str(self.neutral)
 
@@ -56,16 +55,13 @@ def _bool(text: str) -> bool:
 
 
 FLAGS: tuple[SamplingFlag, ...] = (
-    SamplingFlag("max_tokens", int, "tokens to generate at most", 16, "max_new_tokens"),
+    SamplingFlag("max_tokens", int, "tokens to generate at most", 16),
     SamplingFlag("min_tokens", int, "tokens to generate before an end-of-sequence or stop counts", 0),
-    SamplingFlag("temperature", float, "sampling temperature (0: greedy)", 1.0, "temperature", "general.sampling.temp"),
-    SamplingFlag("top_p", float, "nucleus sampling: keep the most likely tokens up to this probability mass", 1.0,
-                 "top_p", "general.sampling.top_p"),
-    SamplingFlag("top_k", int, "keep the k most likely tokens (0: all)", 0, "top_k", "general.sampling.top_k"),
-    SamplingFlag("min_p", float, "drop tokens less likely than min_p x the most likely one", 0.0, "min_p",
-                 "general.sampling.min_p"),
-    SamplingFlag("repetition_penalty", float, "penalty (> 1) on tokens already in the prompt or output", 1.0,
-                 "repetition_penalty", "general.sampling.penalty_repeat"),
+    SamplingFlag("temperature", float, "sampling temperature (0: greedy)", 1.0),
+    SamplingFlag("top_p", float, "nucleus sampling: keep the most likely tokens up to this probability mass", 1.0),
+    SamplingFlag("top_k", int, "keep the k most likely tokens (0: all)", 0),
+    SamplingFlag("min_p", float, "drop tokens less likely than min_p x the most likely one", 0.0),
+    SamplingFlag("repetition_penalty", float, "penalty (> 1) on tokens already in the prompt or output", 1.0),
     SamplingFlag("presence_penalty", float, "penalty on tokens already generated, in [-2, 2]", 0.0),
     SamplingFlag("frequency_penalty", float, "penalty per occurrence of a generated token, in [-2, 2]", 0.0),
     SamplingFlag("seed", int, "seed of this request's sampling (the same seed gives the same reply)", None),
@@ -126,19 +122,12 @@ def parse_value(name: str, text: str) -> Any:
 
 
 def model_generation_defaults(model: str, load_format: str = "auto", download: bool = True) -> dict[str, Any]:
-    """The sampling defaults a model ships: generation_config.json of a Hugging Face folder, or the
-    general.sampling.* keys of a GGUF file; {} for a dummy model, a model that names none, or one that
-    cannot be found locally (`download=False`: the embedded model is read only if it is already cached)."""
+    """The sampling defaults a model ships (worker/generation_defaults.py); {} for a dummy model, a model that
+    names none, or one that cannot be found locally (`download=False`: the embedded model is read only if it
+    is already cached)."""
     if load_format == "dummy":
         return {}
-    path = _model_path(model, download)
-    if path is None:
-        return {}
-    if path.is_dir():
-        return _from_hf(path / "generation_config.json")
-    if path.suffix == ".gguf" or load_format == "gguf":
-        return _from_gguf(path)
-    return {}
+    return model_sampling_defaults(_model_path(model, download), load_format)
 
 
 def _model_path(model: str, download: bool) -> Path | None:
@@ -148,40 +137,3 @@ def _model_path(model: str, download: bool) -> Path | None:
         return fetch(EMBEDDED_MODEL) if download else cached_path(EMBEDDED_MODEL)
     path = Path(model).expanduser()
     return path if path.exists() else None
-
-
-def _from_hf(path: Path) -> dict[str, Any]:
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return _typed({f.name: cfg[f.hf_key] for f in FLAGS if f.hf_key and cfg.get(f.hf_key) is not None})
-
-
-def _from_gguf(path: Path) -> dict[str, Any]:
-    try:
-        import gguf
-    except ImportError:  # a broker-only install: no worker extras
-        return {}
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (OSError, ValueError):
-        return {}
-    keys = {f.gguf_key: f.name for f in FLAGS if f.gguf_key}
-    found: dict[str, Any] = {}
-    for key, name in keys.items():
-        field = reader.get_field(key)
-        if field is not None and field.data:
-            found[name] = field.parts[field.data[0]].tolist()[0]
-    return _typed(found)
-
-
-def _typed(values: Mapping[str, Any]) -> dict[str, Any]:
-    """Each value as its flag's type; values of the wrong type are left out."""
-    out: dict[str, Any] = {}
-    for name, v in values.items():
-        want = BY_NAME[name].parse
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            continue
-        out[name] = int(v) if want is int else float(v)
-    return out

@@ -42,6 +42,7 @@ from tokenmill.gateway.runner import ChoiceSpec, RequestRun, unless_disconnected
 from tokenmill.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from tokenmill.gateway.tenants import Tenants
 from tokenmill.protocol.logs import bind_job
+from tokenmill.protocol.wire import SAMPLING_DEFAULT_FIELDS
 
 log = structlog.get_logger("tokenmill.gateway")
 
@@ -76,8 +77,21 @@ class Gateway:
         return err.response()
 
     def max_tokens(self, requested: int | None, worker: dict[str, Any]) -> int:
-        """max_tokens, defaulting to the serving worker's context length (the worker stops at it)."""
-        return requested if requested is not None else max(1, int(worker.get("max_model_len", 2048)))
+        """max_tokens, defaulting to the model's generation config (max_new_tokens), else to the serving
+        worker's context length (the worker stops at it)."""
+        if requested is not None:
+            return requested
+        context = max(1, int(worker.get("max_model_len", 2048)))
+        return min(int((worker.get("sampling_defaults") or {}).get("max_tokens", context)), context)
+
+    @staticmethod
+    def with_model_defaults(params: dict[str, Any], given: set[str], worker: dict[str, Any]) -> dict[str, Any]:
+        """The model's own sampling defaults (its generation config, announced by the worker) for the fields
+        the request did not give, as vLLM applies them; OpenAI's defaults for the rest."""
+        for name, value in (worker.get("sampling_defaults") or {}).items():
+            if name in SAMPLING_DEFAULT_FIELDS and name != "max_tokens" and name not in given:
+                params[name] = value
+        return params
 
 
 def create_app(cfg: GatewayConfig | None = None) -> FastAPI:
@@ -210,7 +224,8 @@ async def _completions(gw: Gateway, body: CompletionRequest, request: Request, a
     owner = gw.tenants.owner_for(authorization)
     body.check(gw.cfg.max_n)
     worker = await gw.pool.require_model(body.model)
-    params = body.sampling_params(gw.max_tokens(body.max_tokens, worker), body.logprobs)
+    params = gw.with_model_defaults(body.sampling_params(gw.max_tokens(body.max_tokens, worker), body.logprobs),
+                                    body.model_fields_set, worker)
     prompts = body.prompts()
     specs = []
     for p_idx, prompt in enumerate(prompts):
@@ -234,7 +249,9 @@ async def _chat(gw: Gateway, body: ChatCompletionRequest, request: Request, auth
     owner = gw.tenants.owner_for(authorization)
     body.check(gw.cfg.max_n)
     worker = await gw.pool.require_model(body.model)
-    params = body.sampling_params(gw.max_tokens(body.requested_max_tokens(), worker), body.logprobs_k())
+    params = gw.with_model_defaults(
+        body.sampling_params(gw.max_tokens(body.requested_max_tokens(), worker), body.logprobs_k()),
+        body.model_fields_set, worker)
     if body.chat_template_kwargs:
         params["extra"] = {"chat_template_kwargs": body.chat_template_kwargs}
     messages = body.wire_messages()

@@ -48,6 +48,12 @@ CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "ipy
 # prompt to a "prefill" worker, which hands its KV blocks to the "decode" worker that streams the tokens.
 WORKER_ROLES = ("both", "prefill", "decode")
 
+# Ready.sampling_defaults: the fields a model's generation config may default, with their ranges (ints for
+# max_tokens and top_k, numbers otherwise); a value outside fails the READY as malformed.
+SAMPLING_DEFAULT_FIELDS: dict[str, tuple[type, float, float]] = {
+    "max_tokens": (int, 1, 1 << 24), "temperature": (float, 0.0, 100.0), "top_p": (float, 1e-9, 1.0),
+    "top_k": (int, 0, 1 << 24), "min_p": (float, 0.0, 1.0), "repetition_penalty": (float, 1e-9, 100.0)}
+
 FINISH_REASONS = frozenset({"stop", "length", "abort", "error"})
 
 # Codes of a FAIL reply; each maps to one exception class of tokenmill.protocol.errors.
@@ -707,7 +713,9 @@ class StatsReply(Message):
 @dataclass(frozen=True, slots=True)
 class Ready(Message):
     """A worker (re-)registers. `models`: names it answers to (engine name first, then aliases).
-    `heartbeat_interval`: seconds between heartbeats both ways for this worker. `data_id`: the routing id
+    `heartbeat_interval`: seconds between heartbeats both ways for this worker. `sampling_defaults`: the
+    model's own defaults for sampling fields a request leaves unset (SAMPLING_DEFAULT_FIELDS; from its
+    generation config, as vLLM applies them; {} for none). `data_id`: the routing id
     of the worker's second DEALER (its engine loop's, carrying TOKENS / FINISHED / ERROR straight from the
     engine thread); "" when everything comes over the socket that sent this READY. `max_prompt_chars`: a
     text prompt (or chat contents) longer than this many characters can never fit `max_model_len` on this
@@ -726,6 +734,7 @@ class Ready(Message):
     max_prompt_chars: int = 0
     role: str = "both"
     kv_address: str = ""
+    sampling_defaults: dict[str, int | float] = field(default_factory=dict)
 
     def to_wire(self) -> Any:
         d = {"name": self.name, "models": self.models, "capacity": self.capacity, "kv_blocks": self.kv_blocks,
@@ -739,13 +748,16 @@ class Ready(Message):
             d["role"] = self.role
         if self.kv_address:
             d["kv_address"] = self.kv_address
+        if self.sampling_defaults:
+            d["sampling_defaults"] = dict(self.sampling_defaults)
         return d
 
     @classmethod
     def from_wire(cls, obj: Any) -> Ready:
         d = _map(obj, "ready")
         _keys(d, "ready", ("name", "models", "capacity", "kv_blocks", "block_size", "max_model_len",
-                           "heartbeat_interval"), ("data_id", "max_prompt_chars", "role", "kv_address"))
+                           "heartbeat_interval"), ("data_id", "max_prompt_chars", "role", "kv_address",
+                                                   "sampling_defaults"))
         role = d.get("role", "both")
         if role not in WORKER_ROLES:
             raise _fail(f"ready.role: {str(role)[:64]!r} is not one of {list(WORKER_ROLES)}")
@@ -758,7 +770,20 @@ class Ready(Message):
                    _float(d["heartbeat_interval"], "heartbeat_interval", 0.01, 60.0),
                    _ident(d["data_id"], "data_id") if "data_id" in d else "",
                    _int(d.get("max_prompt_chars", 0), "max_prompt_chars"), role,
-                   _str(d.get("kv_address", ""), "kv_address", 512))
+                   _str(d.get("kv_address", ""), "kv_address", 512),
+                   _sampling_defaults(d.get("sampling_defaults", {})))
+
+
+def _sampling_defaults(v: Any) -> dict[str, int | float]:
+    d = _map(v, "ready.sampling_defaults")
+    out: dict[str, int | float] = {}
+    for key, value in d.items():
+        if key not in SAMPLING_DEFAULT_FIELDS:
+            raise _fail(f"ready.sampling_defaults: {str(key)[:64]!r} is not one of {list(SAMPLING_DEFAULT_FIELDS)}")
+        kind, lo, hi = SAMPLING_DEFAULT_FIELDS[key]
+        name = f"ready.sampling_defaults.{key}"
+        out[key] = _int(value, name, int(lo), int(hi)) if kind is int else _float(value, name, lo, hi)
+    return out
 
 
 @dataclass(frozen=True, slots=True)

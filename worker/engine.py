@@ -20,6 +20,7 @@ from tokenmill.protocol.wire import max_tokens_error
 from tokenmill.worker.block_manager import BlockManager, prefix_hashes
 from tokenmill.worker.config import EngineConfig
 from tokenmill.worker.detokenizer import IncrementalDetokenizer
+from tokenmill.worker.generation_defaults import from_gguf_metadata, model_sampling_defaults
 from tokenmill.worker.kv_transfer.blocks import dtype_name, gather_blocks, scatter_blocks
 from tokenmill.worker.kv_transfer.frames import Geometry
 from tokenmill.worker.loader import ModelLoadError, ModelSource, resolve_model
@@ -97,6 +98,9 @@ class LLMEngine:
         self.config = config
         source = resolve_model(config.model, config.load_format)
         self.model_name = source.name
+        # what the model ships as its sampling defaults (announced in READY; the gateway fills unset fields)
+        self.sampling_defaults = (from_gguf_metadata(source.gguf_metadata) if source.gguf_metadata is not None
+                                  else model_sampling_defaults(source.path, source.kind))
         self.tokenizer = load_tokenizer(source)
         arch = source.arch
         self.max_model_len = min(config.max_model_len or arch.max_position_embeddings,

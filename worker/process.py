@@ -44,6 +44,7 @@ from tokenmill.protocol import InvalidRequest, SamplingParams
 from tokenmill.protocol import wire as p
 from tokenmill.protocol.errors import ProtocolError
 from tokenmill.protocol.keys import apply_client_curve
+from tokenmill.worker.generation_defaults import announced_defaults
 from tokenmill.worker.kv_transfer.channel import KVArrival
 from tokenmill.worker.kv_transfer.roles import KVRoles
 from tokenmill.worker.prompt_guard import INLINE_TOKENIZE_CHARS, Tokenized, TokenizerThread
@@ -499,7 +500,8 @@ def ready_message(engine: EngineLike, opts: WorkerOptions) -> p.Ready:
     capacity = opts.capacity or int(getattr(getattr(getattr(engine, "config", None), "scheduler", None),
                                             "max_num_seqs", 64))
     return p.Ready(opts.name, models[:16], capacity, s.num_total_blocks, s.block_size, engine.max_model_len,
-                   opts.heartbeat_interval, max_prompt_chars=int(getattr(engine, "max_prompt_chars", 0)))
+                   opts.heartbeat_interval, max_prompt_chars=int(getattr(engine, "max_prompt_chars", 0)),
+                   sampling_defaults=announced_defaults(getattr(engine, "sampling_defaults", {})))
 
 
 def run_worker(engine: EngineLike, opts: WorkerOptions, stop: threading.Event | None = None,

@@ -36,8 +36,8 @@ from tokenmill.worker.model_runner import attention_metadata
 from tokenmill.worker.request import Request
 from tokenmill.worker.spec.eagle import DenseCausalBackend, EagleHead, load_eagle_head
 from tokenmill.worker.spec.eagle_proposer import EagleProposer
-from tokenmill.worker.spec.eagle_tree import select_tree, tree_levels
 from tokenmill.worker.spec.eagle_train import target_features
+from tokenmill.worker.spec.eagle_tree import select_tree, tree_levels
 from tokenmill.worker.spec.tree import TreeDrafts, kv_moves
 
 
@@ -299,7 +299,7 @@ def test_an_eagle_tree_width_out_of_range_is_refused(width: int) -> None:
 def test_eagle_trees_with_a_sliding_window_are_a_clear_error(tmp_path: Path) -> None:
     model = save_tiny_model("mistral-swa", tmp_path)
     head = save_head(model, tmp_path / "head")
-    with pytest.raises(ModelLoadError, match="tree drafts .* not built for sliding-window attention"):
+    with pytest.raises(ModelLoadError, match=r"tree drafts .* not built for sliding-window attention"):
         make_engine(str(model), False, speculative=eagle_tree(head))
 
 

@@ -124,7 +124,8 @@ class PathReference:
     def tree(self, k: int, width: int) -> TreeDrafts:
         """The rule of eagle_tree.py, node by node: each node's children from F of its own path."""
         score, tok = self.log_probs(()).topk(width)
-        frontier = [((int(t),), float(s)) for s, t in zip(score, tok)]  # (path, cumulative log-prob)
+        # the frontier: (path, cumulative log-prob) per node
+        frontier: list[tuple[tuple[int, ...], float]] = [((int(t),), float(s)) for s, t in zip(score, tok)]
         levels = [([p[-1] for p, _ in frontier], [0] * width, [s for _, s in frontier])]
         for _ in range(1, tree_levels(k, width)):
             child_s, child_t = zip(*(self.log_probs(p).topk(width) for p, _ in frontier))

@@ -22,14 +22,14 @@ from typing import Any
 
 import pytest
 from test_async_scheduling import Job, make_engine, results, run
-from test_eagle_spec import mixed_prompts, save_head, spec_and_plain
+from test_eagle_spec import mixed_prompts, save_head, shipped_head_chats_are_identical, spec_and_plain
 from test_spec import repetitive
 from test_spec_tree import recording_moves
 from tiny_hf import ARCHS, save_tiny_model
 from torch import Tensor
 
 from tokenmill.protocol import SamplingParams
-from tokenmill.worker.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+from tokenmill.worker.config import SchedulerConfig, SpeculativeConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.loader import ModelLoadError
 from tokenmill.worker.model_runner import attention_metadata
@@ -273,18 +273,21 @@ def test_the_switch_measures_the_tree_rounds_draft_cost(tiny: tuple[Path, Path])
 
 @pytest.mark.slow
 def test_eagle_trees_on_the_embedded_model_with_its_shipped_head_are_identical() -> None:
-    engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", max_model_len=256,
-                                    speculative=SpeculativeConfig(method="eagle", num_speculative_tokens=4,
-                                                                  tree_width=3),
-                                    scheduler=SchedulerConfig(max_num_seqs=2)))
-    chats = [[{"role": "user", "content": "What is the capital of France?"}],
-             [{"role": "user", "content": "Write a Python function that adds two numbers."}]]
-    prompts = [engine.tokenizer.encode(engine.tokenizer.apply_chat_template(c), add_special_tokens=False)
-               for c in chats]
-    greedy = SamplingParams(temperature=0.0, max_tokens=24)
-    plain = engine.generate(prompts, dataclasses.replace(greedy, num_speculative_tokens=0))
-    spec = engine.generate(prompts, greedy)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    shipped_head_chats_are_identical(SpeculativeConfig(method="eagle", num_speculative_tokens=4, tree_width=3))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_eagle_trees_on_cuda_with_the_triton_backend_are_identical(tiny: tuple[Path, Path], graphs: bool) -> None:
+    """On the GPU (float32): the head's tree rows and the target's tree verify through the Triton kernels, with
+    and without the target's CUDA graphs."""
+    model, head = tiny
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    jobs = [(f"r{i}", p, params) for i, p in enumerate(repetitive(384, 6, seed=8) + mixed_prompts(4, seed=8))]
+    cuda = dict(device="cuda", dtype="float32", cuda_graphs=graphs)
+    spec = dataclasses.replace(eagle_tree(head, k=6, width=3), auto_switch=False)
+    engine = identical(model, jobs, spec, **cuda)
     assert engine.counters.accepted_draft_tokens > 0
 
 

@@ -204,7 +204,7 @@ class EagleProposer(DraftProposer):
             assert req.num_computed_tokens == req.num_known_tokens - 1, "drafts follow a decoding request"
             scratch = list(range(base + s * self.scratch_per_request, base + (s + 1) * self.scratch_per_request))
             plan.add(req, self._states[req], num_drafts[i], scratch, self._span(num_drafts[i]))
-        drafts = self._draft(plan) if self.tree_width == 1 else self._draft_tree(plan)
+        drafts = self._round(plan)
         for s, i in enumerate(ready):
             out[i] = drafts[s]
             state, m = self._states[requests[i]], plan.starts[s]
@@ -225,8 +225,11 @@ class EagleProposer(DraftProposer):
         plan.q_lens, plan.tables, plan.starts, plan.ks = [1] * batch, [blocks] * batch, [m] * batch, [k] * batch
         plan.features = [torch.zeros(batch, h, dtype=self.runner.dtype, device=self.runner.device)]
         with torch.inference_mode():
-            return timed(lambda: self._draft(plan) if self.tree_width == 1 else self._draft_tree(plan),
-                         self.runner.device, 5)
+            return timed(lambda: self._round(plan), self.runner.device, 5)
+
+    def _round(self, plan: _Plan) -> list[list[int]]:
+        """The drafts of a round: chains, or trees when the tree width is above 1."""
+        return self._draft(plan) if self.tree_width == 1 else self._draft_tree(plan)
 
     def _catch_up(self, plan: _Plan) -> Tensor:
         """The catch-up forward: the head's rows from real features; returns f^_m per request [S, H]."""

@@ -9,7 +9,9 @@ request at a time (batch 1), greedy, up to --max-tokens tokens or EOS. Both runs
 lookup's good case, output copying input; see `workload_text`). Also recorded: drafts accepted per verify step,
 and the time of a decode step against a verify step (the host times a step synchronously on the CPU).
 EAGLE runs the `chat` workload on a second engine (`--speculative eagle`), its prompts taken from after the
-ShareGPT pairs the head was trained on (spec_gpu.heldout_offset); its step times include the drafting.
+ShareGPT pairs the head was trained on (spec_gpu.heldout_offset); its step times include the drafting. With
+`--tree-width W ...`, one EAGLE engine per width (1: chains; W > 1: trees of at most k nodes, the head's top W
+per level: worker/spec/eagle_tree.py); "drafts accepted" of a tree counts every node it drafted.
 
     python -m tokenmill.benchmarks.spec_cpu --out benchmarks/results/cpu
     python -m tokenmill.benchmarks.spec_cpu --methods eagle --requests 4 --max-tokens 64 --threads 1 \
@@ -136,6 +138,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
                            for n, ms in r["verify_step_ms_p50"].items())
         base = name.split("_k")[0]
         method, workload = base.split("_") if base.startswith("eagle_") else ("ngram", base)
+        if r.get("tree_width", 1) > 1:
+            method += f" (tree w{r['tree_width']})"
         rows.append(f"| {method} | {workload} | {r['k']} | {r['requests']} | {r['output_tokens']} | "
                     f"{r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | "
                     f"{r['acceptance_rate']:.0%} | {r['tokens_per_spec_step']:.2f} | "
@@ -161,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--methods", nargs="+", default=["ngram", "eagle"], choices=["ngram", "eagle"])
     ap.add_argument("--draft-model", default=None, help="eagle: head folder (default: the one shipped)")
+    ap.add_argument("--tree-width", type=int, nargs="+", default=[1],
+                    help="eagle: tree widths, one engine each (1: chain drafts)")
     ap.add_argument("--name", default="spec_cpu", help="result file name (<name>.json / .md in --out)")
     args = ap.parse_args(argv)
     if args.threads:
@@ -174,9 +180,12 @@ def main(argv: list[str] | None = None) -> None:
                                               args.max_tokens)
                     for w in args.workloads for k in args.k}
     if head is not None:
-        engine = spec_engine(SpeculativeConfig(method="eagle", draft_model=str(head)))
-        chats = heldout_prompts(engine, heldout_offset(head), args.requests, args.max_prompt)
-        results |= {f"eagle_chat_k{k}": run_workload(engine, chats, k, args.max_tokens) for k in args.k}
+        for width in args.tree_width:
+            engine = spec_engine(SpeculativeConfig(method="eagle", draft_model=str(head), tree_width=width))
+            chats = heldout_prompts(engine, heldout_offset(head), args.requests, args.max_prompt)
+            tail = "" if width == 1 else f"_w{width}"
+            results |= {f"eagle_chat_k{k}{tail}": {**run_workload(engine, chats, k, args.max_tokens),
+                                                    "tree_width": width} for k in args.k}
     payload = {"benchmark": "spec_cpu", "config": vars(args) | {"out": str(args.out)},
                "eagle_head": None if head is None else str(head),
                "eagle_head_training": None if head is None else

@@ -297,8 +297,9 @@ SETTINGS: tuple[Setting, ...] = (
        "EngineConfig.speculative.prompt_lookup_max"),
     _s("prompt_lookup_min", integer(1), 1, "ngram: shortest suffix looked up", ENGINE_CMDS,
        "EngineConfig.speculative.prompt_lookup_min"),
-    _s("speculative_tree_width", integer(1), 1, "ngram: merge up to this many different continuations into one "
-       "tree of at most --num-speculative-tokens nodes, verified in one forward (1: a chain)", ENGINE_CMDS,
+    _s("speculative_tree_width", integer(1), 1, "draft a tree of at most --num-speculative-tokens nodes, verified "
+       "in one forward (1: a chain); ngram: merge up to this many different continuations; eagle: the head's top "
+       "this-many per level, the best nodes by cumulative log-prob", ENGINE_CMDS,
        "EngineConfig.speculative.tree_width"),
     # -- up
     _s("workers", integer(1), 1, "workers to start", _U),

@@ -208,12 +208,10 @@ def test_the_embedded_model_has_its_shipped_head() -> None:
     assert head_folder("~/h", "embedded") == Path("~/h").expanduser()
 
 
-@pytest.mark.slow
-def test_the_shipped_head_drafts_for_the_embedded_model_and_greedy_output_is_identical() -> None:
-    """`--speculative eagle` without --draft-model on the embedded model: its shipped head, accepted drafts,
-    the same tokens as plain decoding (requests with num_speculative_tokens=0 on the same engine)."""
-    engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", max_model_len=256,
-                                    speculative=SpeculativeConfig(method="eagle"),
+def shipped_head_chats_are_identical(spec: SpeculativeConfig) -> None:
+    """The embedded model with `spec` (its shipped head): two chats greedily, without drafts
+    (num_speculative_tokens=0) and with them, batched: the same tokens, and drafts accepted."""
+    engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", max_model_len=256, speculative=spec,
                                     scheduler=SchedulerConfig(max_num_seqs=2)))
     chats = [[{"role": "user", "content": "What is the capital of France?"}],
              [{"role": "user", "content": "Write a Python function that adds two numbers."}]]
@@ -222,9 +220,16 @@ def test_the_shipped_head_drafts_for_the_embedded_model_and_greedy_output_is_ide
     greedy = SamplingParams(temperature=0.0, max_tokens=24)
     plain = engine.generate(prompts, dataclasses.replace(greedy, num_speculative_tokens=0))
     assert engine.counters.draft_tokens == 0
-    spec = engine.generate(prompts, greedy)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    spec_out = engine.generate(prompts, greedy)
+    assert [o.token_ids for o in spec_out] == [o.token_ids for o in plain]
     assert engine.counters.accepted_draft_tokens > 0
+
+
+@pytest.mark.slow
+def test_the_shipped_head_drafts_for_the_embedded_model_and_greedy_output_is_identical() -> None:
+    """`--speculative eagle` without --draft-model on the embedded model: its shipped head, accepted drafts,
+    the same tokens as plain decoding (requests with num_speculative_tokens=0 on the same engine)."""
+    shipped_head_chats_are_identical(SpeculativeConfig(method="eagle"))
 
 
 def test_an_unknown_speculative_method_is_refused() -> None:

@@ -183,7 +183,7 @@ def test_tree_drafts_on_the_embedded_model_are_identical() -> None:
     assert engine.counters.accepted_draft_tokens > 0
 
 
-@pytest.mark.parametrize("kw", [dict(tree_width=0), dict(tree_width=9), dict(method="eagle", tree_width=2)])
+@pytest.mark.parametrize("kw", [dict(tree_width=0), dict(tree_width=9), dict(method="eagle", tree_width=9)])
 def test_bad_tree_settings_are_refused(kw: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="tree"):
         SpeculativeConfig(**{"method": "ngram", **kw})

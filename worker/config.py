@@ -112,7 +112,7 @@ class SchedulerConfig:
 SpeculativeMethod = Literal["off", "ngram", "eagle"]
 
 
-MAX_TREE_WIDTH = 8  # different continuations one n-gram tree merges
+MAX_TREE_WIDTH = 8  # n-gram: different continuations one tree merges; eagle: nodes per tree level
 
 
 @dataclass(frozen=True)
@@ -123,8 +123,9 @@ class SpeculativeConfig:
     "eagle": an EAGLE-1 draft head (worker/spec/eagle.py) from the folder `draft_model` (None: the head shipped
     for the model, if there is one; ignored by the other methods). A request's `num_speculative_tokens`
     overrides k (0: off for it).
-    `tree_width` > 1 (ngram): up to that many different continuations (earlier occurrences of the suffix) merged
-    into a tree of at most k nodes, verified in one forward (worker/spec/tree.py); 1: one chain.
+    `tree_width` > 1: a tree of at most k nodes, verified in one forward (worker/spec/tree.py); 1: one chain.
+    ngram: up to that many different continuations (earlier occurrences of the suffix) merged; eagle: the head's
+    top-`tree_width` expansion per level, the k best nodes by cumulative log-prob (worker/spec/eagle_tree.py).
     `auto_switch` (None: on for CUDA) turns speculation off while the batch is large enough that a verify
     step costs more than the tokens it gains (worker/spec/switch.py, costs measured at start-up)."""
 
@@ -141,8 +142,6 @@ class SpeculativeConfig:
             raise ValueError(f"unknown speculative method {self.method!r}; use off, ngram or eagle")
         if not 1 <= self.tree_width <= MAX_TREE_WIDTH:
             raise ValueError(f"tree_width must be in [1, {MAX_TREE_WIDTH}], got {self.tree_width}")
-        if self.tree_width > 1 and self.method == "eagle":
-            raise ValueError(f"tree drafts (tree_width > 1) are built for the ngram method, not {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
                              f"got {self.num_speculative_tokens}")

@@ -338,8 +338,10 @@ class LLMEngine:
         """Wait for a launched step, append its tokens to their requests and emit them."""
         result = launched.pending.result()
         batch = launched.batch
-        if result.tree_paths:  # before commit: the accepted nodes' KV onto their tokens' slots
+        if result.tree_paths:  # before commit: the accepted nodes' KV (and features) onto their tokens' slots
             self.runner.move_tree_kv(batch.requests, result.tree_paths)
+            if self.proposer is not None:
+                self.proposer.accept_paths(batch.requests, result.tree_paths)
         logprobs = dict(zip(batch.requests, result.logprobs))
         outputs = []
         for req in self.scheduler.commit(batch, result.sampled):
@@ -526,7 +528,8 @@ def make_proposer(config: EngineConfig, runner: ModelRunner, model_name: str) ->
         from tokenmill.worker.spec.eagle import EagleHeadError, head_folder
 
         try:
-            return EagleProposer(runner, head_folder(spec.draft_model, model_name), config.scheduler.max_num_seqs)
+            return EagleProposer(runner, head_folder(spec.draft_model, model_name), config.scheduler.max_num_seqs,
+                                 spec.tree_width)
         except EagleHeadError as e:
             raise ModelLoadError(f"speculative eagle: {e}") from None
     assert spec.method == "off", spec.method

@@ -8,6 +8,10 @@ known tokens x_0..x_m (x_m not yet computed by the target, every earlier one com
      at t; the last row (t = m-1) predicts f^_m and so d_1 = argmax lm_head(f^_m);
   2. k-1 single-row steps: position m+j-1 reads (embed(d_j), f^_{m+j-1}) -> f^_{m+j} -> d_{j+1}.
 All requests run batched (varlen rows, one forward per step), and the drafts reach the host in one copy.
+With a tree width W > 1 the steps after the catch-up expand a tree instead (worker/spec/eagle_tree.py: W rows
+per request and level, the head's attention under a tree mask); after the target's verify step the features
+of an accepted path off the first branch are moved onto the positions its tokens now own (`accept_paths`),
+as the target's KV is.
 
 Draft KV cache: one layer, paged like the target's and indexed by the target's own block ids, plus a few
 scratch blocks per request for draft positions past the blocks it holds. Speculative rows (positions >= m,
@@ -38,7 +42,9 @@ from tokenmill.protocol.sampling import MAX_SPECULATIVE_TOKENS
 from tokenmill.worker.model_runner import ModelRunner, attention_metadata
 from tokenmill.worker.request import Request
 from tokenmill.worker.spec.eagle import EagleHead, load_eagle_head
+from tokenmill.worker.spec.eagle_tree import head_tree_rows, row_bit, select_tree, tree_levels
 from tokenmill.worker.spec.proposer import DraftProposer
+from tokenmill.worker.spec.tree import MAX_TREE_NODES, kv_moves
 
 # Target feature rows one request keeps for the head at most: past that (a long pause of speculation), they
 # are dropped and the head goes on from the next ones, reading what its KV holds for the positions between.
@@ -64,6 +70,12 @@ class _HeadState:
         self.chunks = [whole]
         return whole[start - self.feat_start : end - self.feat_start]
 
+    def move(self, moves: Sequence[tuple[int, int]]) -> None:
+        """Feature rows (from position, to position), done at once (every source past every destination)."""
+        whole = self.features(self.feat_start, self.feat_end)
+        src, dst = (torch.tensor([m[i] - self.feat_start for m in moves], device=whole.device) for i in (0, 1))
+        whole[dst] = whole[src]
+
     def keep_before(self, pos: int) -> None:
         """Drop the features of positions >= pos (the target recomputes them: rejected drafts, preemption)."""
         if pos <= self.feat_start:
@@ -87,9 +99,10 @@ class _Plan:
         self.ks: list[int] = []
         self.features: list[Tensor] = []
 
-    def add(self, req: Request, state: _HeadState, k: int, scratch: list[int]) -> None:
+    def add(self, req: Request, state: _HeadState, k: int, scratch: list[int], span: int) -> None:
+        """`span`: the head rows the round writes at cache indices >= m (a chain: k - 1)."""
         m, h, bs = req.num_computed_tokens, state.head_pos, self.block_size
-        need = (m + k - 2) // bs + 1  # blocks covering every position the round writes (m-1 .. m+k-2)
+        need = (m + span - 1) // bs + 1  # blocks covering every index the round writes (m-1 .. m+span-1)
         table = list(req.block_ids[:need]) + scratch[: max(0, need - len(req.block_ids))]
         assert len(table) >= need, "scratch blocks cover k drafts"
         pos = np.arange(h, m)
@@ -108,18 +121,30 @@ class _Plan:
         pos = [m + j - 1 for m in self.starts[:n]]
         return pos, [t[p // bs] * bs + p % bs for t, p in zip(self.tables, pos)]
 
+    def tree_step(self, level: int, n: int, width: int) -> tuple[list[int], list[int], list[int]]:
+        """(positions, slots, seq_lens) of the head rows of tree level `level` (1..) for the first n requests:
+        `width` rows each, at rotary position m + level - 1 and cache indices m + (level - 1) * width + w."""
+        bs = self.block_size
+        pos, slots = [], []
+        for m, table in zip(self.starts[:n], self.tables):
+            pos += [m + level - 1] * width
+            first = m + (level - 1) * width
+            slots += [table[c // bs] * bs + c % bs for c in range(first, first + width)]
+        return pos, slots, [m + level * width for m in self.starts[:n]]
+
 
 class EagleProposer(DraftProposer):
     name = "eagle"
     wants_features = True
 
-    def __init__(self, runner: ModelRunner, head_dir: Path, max_num_seqs: int) -> None:
-        self.runner = runner
+    def __init__(self, runner: ModelRunner, head_dir: Path, max_num_seqs: int, tree_width: int = 1) -> None:
+        assert 1 <= tree_width <= MAX_TREE_NODES, f"tree width {tree_width}"
+        self.runner, self.tree_width = runner, tree_width
         self.head: EagleHead = load_eagle_head(head_dir, runner.arch, runner.backend, dtype=runner.dtype,
                                                device=runner.device)
         self.head.eval()
         a, bs = runner.arch, runner.block_size
-        self.scratch_per_request = -(-MAX_SPECULATIVE_TOKENS // bs) + 1
+        self.scratch_per_request = -(-max(MAX_SPECULATIVE_TOKENS, self._span(MAX_SPECULATIVE_TOKENS)) // bs) + 1
         self.num_scratch = max_num_seqs * self.scratch_per_request
         shape = (runner.num_blocks + self.num_scratch, bs, a.num_kv_heads, a.head_dim)
         # [num_blocks + scratch, block_size, Hkv, D]: block b < num_blocks is the head's rows of target block b
@@ -144,6 +169,21 @@ class EagleProposer(DraftProposer):
             state.chunks, state.feat_start = [], state.feat_end
             state.head_pos = state.feat_start
 
+    @torch.inference_mode()
+    def accept_paths(self, requests: Sequence[Request], paths: dict[int, list[int]]) -> None:
+        """After a verify step of tree drafts, before its tokens are committed: the target's feature rows of each
+        accepted path move onto the positions its tokens now own (as the target's KV: spec/tree.py's kv_moves;
+        node j's row holds position num_known_tokens + j)."""
+        for i, path in paths.items():
+            state, base = self._states.get(requests[i]), requests[i].num_known_tokens
+            moves = [(base + a, base + b) for a, b in kv_moves(path)]
+            if state is not None and moves and state.feat_start <= base and base + max(path) < state.feat_end:
+                state.move(moves)
+
+    def _span(self, k: int) -> int:
+        """Head rows a round of k drafts writes at cache indices >= m."""
+        return k - 1 if self.tree_width == 1 else head_tree_rows(k, self.tree_width)
+
     def _ready(self, req: Request) -> bool:
         state = self._states.get(req)
         m = req.num_computed_tokens
@@ -163,8 +203,8 @@ class EagleProposer(DraftProposer):
             req = requests[i]
             assert req.num_computed_tokens == req.num_known_tokens - 1, "drafts follow a decoding request"
             scratch = list(range(base + s * self.scratch_per_request, base + (s + 1) * self.scratch_per_request))
-            plan.add(req, self._states[req], num_drafts[i], scratch)
-        drafts = self._draft(plan)
+            plan.add(req, self._states[req], num_drafts[i], scratch, self._span(num_drafts[i]))
+        drafts = self._round(plan)
         for s, i in enumerate(ready):
             out[i] = drafts[s]
             state, m = self._states[requests[i]], plan.starts[s]
@@ -177,17 +217,22 @@ class EagleProposer(DraftProposer):
         from tokenmill.worker.spec.switch import timed
 
         bs, h = self.runner.block_size, self.runner.arch.hidden_size
-        blocks = list(range(min(-(-(context + k) // bs), self.runner.num_blocks)))
-        m = max(1, min(context, len(blocks) * bs - k))
+        span = self._span(k)
+        blocks = list(range(min(-(-(context + span + 1) // bs), self.runner.num_blocks)))
+        m = max(1, min(context, len(blocks) * bs - span - 1))
         plan = _Plan(bs)
         plan.ids, plan.positions, plan.slots = [0] * batch, [m - 1] * batch, [-1] * batch
         plan.q_lens, plan.tables, plan.starts, plan.ks = [1] * batch, [blocks] * batch, [m] * batch, [k] * batch
         plan.features = [torch.zeros(batch, h, dtype=self.runner.dtype, device=self.runner.device)]
         with torch.inference_mode():
-            return timed(lambda: self._draft(plan), self.runner.device, 5)
+            return timed(lambda: self._round(plan), self.runner.device, 5)
 
-    def _draft(self, plan: _Plan) -> list[list[int]]:
-        """Run the round: catch-up forward, then k-1 single-row steps; drafts per request (plan order)."""
+    def _round(self, plan: _Plan) -> list[list[int]]:
+        """The drafts of a round: chains, or trees when the tree width is above 1."""
+        return self._draft(plan) if self.tree_width == 1 else self._draft_tree(plan)
+
+    def _catch_up(self, plan: _Plan) -> Tensor:
+        """The catch-up forward: the head's rows from real features; returns f^_m per request [S, H]."""
         device, model = self.runner.device, self.runner.model
         seq_lens = plan.starts
         meta = attention_metadata(plan.q_lens, seq_lens, plan.tables, plan.slots, device)
@@ -196,7 +241,12 @@ class EagleProposer(DraftProposer):
         feats = torch.cat(plan.features) if len(plan.features) > 1 else plan.features[0]
         hidden = self.head(model.model.embed_tokens(ids), feats.to(self.runner.dtype), positions, self.kv_cache, meta)
         last = torch.tensor(np.cumsum(plan.q_lens) - 1, dtype=torch.int64, device=device)
-        hidden = hidden[last]  # [S, H] f^_m
+        return hidden[last]  # [S, H] f^_m
+
+    def _draft(self, plan: _Plan) -> list[list[int]]:
+        """Run the round: catch-up forward, then k-1 single-row steps; drafts per request (plan order)."""
+        device, model = self.runner.device, self.runner.model
+        hidden = self._catch_up(plan)  # [S, H] f^_m
         tokens = model.compute_logits(hidden).argmax(dim=-1)  # [S] d_1
         steps = [tokens]
         for j in range(1, max(plan.ks)):
@@ -215,3 +265,64 @@ class EagleProposer(DraftProposer):
                 drafts[s].append(flat[offset + s])
             offset += step.shape[0]
         return drafts
+
+    def _draft_tree(self, plan: _Plan) -> list[list[int]]:
+        """Run a tree round (worker/spec/eagle_tree.py): catch-up, then one head forward per level with W rows
+        per request still expanding; the trees per request (plan order)."""
+        width, levels = self.tree_width, [tree_levels(k, self.tree_width) for k in plan.ks]
+        hidden = self._catch_up(plan)  # [S, H] f^_m
+        score, tokens = self._log_probs(hidden).topk(width, dim=-1)  # [S, W] depth 1, best first
+        parent = torch.zeros_like(tokens)
+        feats = hidden.repeat_interleave(width, dim=0)  # [S * W, H]: the feature each frontier row reads
+        bits = torch.tensor([row_bit(1, w, width) for w in range(width)], device=hidden.device)
+        masks = bits.expand(len(plan.ks), width)  # [S, W] int64: the rows each frontier row sees
+        frontiers = [(tokens, parent, score)]
+        for level in range(1, max(levels)):
+            n = sum(d > level for d in levels)  # requests still expanding: a prefix (sorted by k)
+            hidden = self._tree_step(plan, level, n, tokens[:n].flatten(), feats[: n * width], masks[:n].flatten())
+            score, tokens, parent = self._expand(self._log_probs(hidden), score[:n])
+            rows = hidden.view(n, width, -1)  # [n, W, H]
+            feats = rows.gather(1, parent[..., None].expand(-1, -1, rows.shape[-1])).flatten(0, 1)
+            bits = torch.tensor([row_bit(level + 1, w, width) for w in range(width)], device=hidden.device)
+            masks = masks[:n].gather(1, parent) | bits
+            frontiers.append((tokens, parent, score))
+        # the round's device-to-host copies: tokens and parents, then scores
+        flat_ids = torch.cat([torch.cat([t.flatten(), p.flatten()]) for t, p, _ in frontiers]).tolist()
+        flat_scores = torch.cat([s.flatten() for _, _, s in frontiers]).tolist()
+        per_level: list[list[tuple[list[int], list[int], list[float]]]] = [[] for _ in plan.ks]
+        offset = score_offset = 0
+        for t, _, _ in frontiers:
+            n = t.shape[0]
+            for s in range(n):
+                ids = slice(offset + s * width, offset + (s + 1) * width)
+                par = slice(offset + (n + s) * width, offset + (n + s + 1) * width)
+                per_level[s].append((flat_ids[ids], flat_ids[par],
+                                     flat_scores[score_offset + s * width : score_offset + (s + 1) * width]))
+            offset, score_offset = offset + 2 * n * width, score_offset + n * width
+        return [select_tree([t for t, _, _ in lv], [p for _, p, _ in lv], [c for _, _, c in lv], k)
+                for lv, k in zip(per_level, plan.ks)]
+
+    def _tree_step(self, plan: _Plan, level: int, n: int, tokens: Tensor, feats: Tensor, masks: Tensor) -> Tensor:
+        """One head forward over the W frontier rows of the first n requests at depth `level` under the tree
+        mask: each row sees the real prefix (cache indices < m) and its ancestors-or-self. Returns [n * W, H]."""
+        device, width = self.runner.device, self.tree_width
+        pos, slots, seq_lens = plan.tree_step(level, n, width)
+        meta = attention_metadata([width] * n, seq_lens, plan.tables[:n], slots, device)
+        meta.tree_mask = masks
+        meta.tree_start = torch.tensor(plan.starts[:n], dtype=torch.int32, device=device)
+        positions = torch.tensor(pos, dtype=torch.int64, device=device)
+        return self.head(self.runner.model.model.embed_tokens(tokens), feats, positions, self.kv_cache, meta)
+
+    def _expand(self, log_probs: Tensor, score: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The next frontier from the head's log-probs [n * W, V] after each frontier row and the frontier's
+        cumulative scores [n, W]: the W best of the W * W top children -> (scores, tokens, parent slots), each
+        [n, W]."""
+        width, n = self.tree_width, score.shape[0]
+        child_score, child = log_probs.topk(width, dim=-1)  # [n * W, W]
+        total = (score.reshape(-1, 1) + child_score).view(n, width * width)
+        best, pick = total.topk(width, dim=-1)  # [n, W] indices into (parent slot, child rank)
+        return best, child.view(n, width * width).gather(1, pick), pick // width
+
+    def _log_probs(self, hidden: Tensor) -> Tensor:
+        """The head's next-token log-probs [R, V] (float32) from its predicted features [R, H]."""
+        return torch.log_softmax(self.runner.model.compute_logits(hidden).float(), dim=-1)

@@ -23,6 +23,12 @@ class DraftProposer(ABC):
         tensor) are its rows there. Only called when `wants_features`."""
         return None
 
+    def accept_paths(self, requests: Sequence[Request], paths: dict[int, list[int]]) -> None:
+        """After a verify step of tree drafts, before its tokens are committed: `paths` maps a batch index of
+        `requests` to its accepted nodes, root-first (spec/tree.py). For a proposer that keeps per-position
+        state of the target's rows (the EAGLE features)."""
+        return None
+
     @abstractmethod
     def propose(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> list[list[int]]:
         """Per request, at most `num_drafts[i]` (>= 1) tokens to follow `requests[i].token_ids`; [] for none."""

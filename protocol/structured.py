@@ -3,7 +3,8 @@
 On the wire it is a mapping of exactly one kind to its value (vLLM's guided_* parameters, OpenAI's
 response_format map onto these):
 
-    {"json_schema": {...}}       output is JSON valid against the schema (a JSON object or a boolean)
+    {"json_schema": {...}}       output is JSON valid against the schema (a JSON object or a boolean, or
+                                 its JSON text: what to_wire sends, so a deep schema meets no nesting limit)
     {"json_object": true}        output is one JSON object (any keys)
     {"regex": "..."}             output matches the regular expression (whole output)
     {"choice": ["a", "b"]}       output is exactly one of the strings
@@ -56,8 +57,6 @@ class StructuredOutput:
         return json.loads(self.spec)
 
     def to_wire(self) -> dict[str, Any]:
-        if self.kind == "json_schema":
-            return {"json_schema": self.schema}
         if self.kind == "json_object":
             return {"json_object": True}
         return {self.kind: list(self.spec) if isinstance(self.spec, tuple) else self.spec}
@@ -71,7 +70,7 @@ class StructuredOutput:
             raise InvalidRequest(f"structured_output must be a mapping of exactly one of {list(KINDS)} to its value")
         ((kind, v),) = value.items()
         if kind == "json_schema":
-            return cls("json_schema", schema_text(v))
+            return cls("json_schema", schema_text(_parsed(v) if isinstance(v, str) else v))
         if kind == "json_object":
             if v is not True:
                 raise InvalidRequest("structured output json_object must be true")
@@ -96,6 +95,15 @@ def schema_text(schema: object) -> str:
     if len(text) > MAX_SPEC_CHARS:
         raise InvalidRequest(f"the JSON schema is {len(text)} characters of JSON, at most {MAX_SPEC_CHARS}")
     return text
+
+
+def _parsed(text: str) -> Any:
+    if len(text) > MAX_SPEC_CHARS:
+        raise InvalidRequest(f"the JSON schema is {len(text)} characters of JSON, at most {MAX_SPEC_CHARS}")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise InvalidRequest(f"the JSON schema's text is not JSON: {e}") from None
 
 
 def _check_choices(choices: object) -> None:

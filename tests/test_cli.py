@@ -26,6 +26,7 @@ from tokenmill.cli.main import build_parser, main
 from tokenmill.cli.sampling_args import CHAT_DEFAULTS, FLAGS, model_generation_defaults, resolve_sampling
 from tokenmill.cli.settings import build_config
 from tokenmill.protocol import InvalidRequest, SamplingParams
+from tokenmill.protocol.structured import StructuredOutput
 from tokenmill.worker import registry_fetch
 from tokenmill.worker.registry_fetch import EMBEDDED_MODEL, WheelAsset, embedded_model_path
 
@@ -80,7 +81,7 @@ def test_structured_output_flags(tmp_path: Path) -> None:
         assert "structured_output" not in resolve_sampling(build_parser().parse_args(command), {})
         for argv, wire in cases:
             params = SamplingParams(**resolve_sampling(build_parser().parse_args([*command, *argv]), {}))
-            assert params.structured_output is not None and params.structured_output.to_wire() == wire
+            assert params.structured_output == StructuredOutput.from_wire(wire)
     with pytest.raises(SystemExit):  # at most one
         build_parser().parse_args(["chat", "--regex", "a", "--choice", "a"])
     (tmp_path / "bad.json").write_text("{not json")

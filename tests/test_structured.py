@@ -35,8 +35,25 @@ def test_constraint_round_trips_through_msgpack(wire: dict[str, Any]) -> None:
     p = SamplingParams(max_tokens=4, structured_output=wire)
     assert isinstance(p.structured_output, StructuredOutput)
     d = msgpack.unpackb(msgpack.packb(p.to_dict()))
-    assert d["structured_output"] == wire
     assert SamplingParams.from_dict(d) == p
+    ((kind, value),) = d["structured_output"].items()
+    if kind == "json_schema":  # sent as its JSON text
+        assert json.loads(value) == wire[kind] and p.structured_output.schema == wire[kind]
+    else:
+        assert d["structured_output"] == wire
+
+
+def test_a_deep_schema_passes_the_wire_decoder() -> None:
+    from tokenmill.protocol import wire as w
+
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(20):  # deeper than the decoder lets a params map nest
+        schema = {"type": "object", "properties": {"x": schema}}
+    params = SamplingParams(max_tokens=4, structured_output={"json_schema": schema}).to_dict()
+    msg = w.decode(w.encode(w.Submit("j", "m", w.RequestInput(prompt="p"), params)))
+    assert isinstance(msg, w.Submit)
+    constraint = SamplingParams.from_dict(msg.params).structured_output
+    assert constraint is not None and constraint.schema == schema
 
 
 def test_no_constraint_is_left_off_the_wire_and_a_missing_field_means_none() -> None:
@@ -62,6 +79,8 @@ def test_schema_keys_keep_their_order() -> None:  # the order of properties is t
     ({"choice": "a"}, "list of strings"),
     ({"json_object": False}, "must be true"),
     ({"json_schema": [1]}, "JSON object"),
+    ({"json_schema": "[1]"}, "JSON object"),
+    ({"json_schema": "{nope"}, "not JSON"),
     ({"json_schema": {"maximum": float("nan")}}, "not JSON-serializable"),
     ({"json_schema": {"enum": {1, 2}}}, "not JSON-serializable"),
     ({"json_schema": {"description": "x" * MAX_SPEC_CHARS}}, "at most"),

@@ -201,11 +201,10 @@ def test_constrained_outputs_in_a_batch_leave_unconstrained_neighbours_unchanged
     assert [a.token_ids for a in again] == [json_greedy.token_ids, json_sampled.token_ids]
 
 
-@pytest.mark.slow
 def test_async_scheduling_gives_the_same_tokens_with_constrained_requests(engine: LLMEngine) -> None:
-    prompts = [_chat_ids(engine, ASK[0]["content"]), _chat_ids(engine, "Name a color.")]
-    params = [SamplingParams(max_tokens=48, temperature=0.0, structured_output={"json_schema": PERSON}),
-              SamplingParams(max_tokens=16, temperature=0.0)]
+    prompts = [_chat_ids(engine, "Give me a code."), _chat_ids(engine, "Name a color.")]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, structured_output={"regex": "[0-9]{3}-[a-z]{2,5}"}),
+              SamplingParams(max_tokens=12, temperature=0.0)]
     sync = engine.generate(prompts, params)
     engine.async_scheduling = True  # on CPU it is off by default; the engine reads the flag each step
     try:
@@ -213,7 +212,7 @@ def test_async_scheduling_gives_the_same_tokens_with_constrained_requests(engine
     finally:
         engine.async_scheduling = False
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in sync]
-    _check_person(overlapped[0].text)
+    assert re.fullmatch("[0-9]{3}-[a-z]{2,5}", overlapped[0].text), overlapped[0].text
 
 
 def test_a_bad_schema_fails_that_request_alone(engine: LLMEngine) -> None:
@@ -230,6 +229,7 @@ def test_a_bad_schema_fails_that_request_alone(engine: LLMEngine) -> None:
     assert [o.request_id for o in outs if o.finished] == ["ok"] and outs[-1].error is None
 
 
+@pytest.mark.slow
 def test_a_resumed_request_replays_its_delivered_tokens(engine: LLMEngine) -> None:
     params = SamplingParams(max_tokens=40, temperature=0.0, structured_output={"json_schema": PERSON})
     ids = _chat_ids(engine, ASK[0]["content"])

@@ -358,13 +358,14 @@ class LLMEngine:
             self.runner.move_tree_kv(batch.requests, result.tree_paths)
         logprobs = dict(zip(batch.requests, result.logprobs))
         outputs = []
+        constrained = len(self.constraints) > 0
         for req in self.scheduler.commit(batch, result.sampled):
             live = self._live[req.request_id]
             assert live.req is req, "a committed request is the live one (finished ones are skipped)"
             lp = logprobs[req]
             if lp is not None:  # one per token it got (a stop drops the tokens after it)
                 live.logprobs += lp[: req.num_known_tokens - req.num_prompt_tokens - live.emitted]
-            if not req.is_finished and req.request_id in self.constraints:
+            if constrained and not req.is_finished and req.request_id in self.constraints:
                 self._advance_constraint(live)
             outputs.append(self._emit(live))
         return outputs

@@ -131,13 +131,20 @@ def tiny() -> LLMEngine:
 
 
 def test_constrained_requests_do_not_speculate(tiny: LLMEngine) -> None:
+    constrained = SamplingParams(max_tokens=20, temperature=0.0, structured_output={"regex": "(ab){8}c"})
+    plain = SamplingParams(max_tokens=20, temperature=0.0)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7], [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6, 7]]
     before = tiny.counters.draft_tokens
-    [out] = tiny.generate([[5, 6, 7, 5, 6, 7, 5, 6, 7]],
-                          SamplingParams(max_tokens=20, temperature=0.0, structured_output={"regex": "(ab)+c"}))
+    [out] = tiny.generate(prompts[:1], constrained)
     assert tiny.counters.draft_tokens == before  # no drafts were verified for it
-    assert re.fullmatch("(ab)+c?", out.text), out.text
-    tiny.generate([[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6, 7]], SamplingParams(max_tokens=20, temperature=0.0))
+    assert re.fullmatch("(ab){8}c", out.text) and out.finish_reason == "stop", out
+    [free] = tiny.generate(prompts[1:], plain)
     assert tiny.counters.draft_tokens > before  # the same engine drafts for an unconstrained request
+    # together: the neighbour's verify steps carry the constrained request as a plain, masked row
+    before = tiny.counters.draft_tokens
+    both = tiny.generate(prompts, [constrained, plain])
+    assert tiny.counters.draft_tokens > before
+    assert [o.token_ids for o in both] == [out.token_ids, free.token_ids]
 
 
 def test_an_empty_mask_fails_that_request_alone(tiny: LLMEngine) -> None:

@@ -121,6 +121,39 @@ def test_bitmask_unpacks_as_llguidance_applies_it() -> None:
     assert torch.equal(torch.isfinite(y[4]), allowed[0]) and torch.equal(torch.isfinite(y[1]), allowed[1])
 
 
+# ---- backend and constraints --------------------------------------------------------------------------
+
+
+def test_backend_compiles_each_constraint_once_and_matchers_are_independent(tiny: LLMEngine) -> None:
+    from tokenmill.worker.structured.llguidance_backend import LLGuidanceBackend
+
+    backend = LLGuidanceBackend(tiny.tokenizer.backend.to_str(), tiny.runner.arch.vocab_size, tiny.eos_token_ids)
+    regex = StructuredOutput.from_wire({"regex": "ab|ac"})
+    a, b = backend.matcher(regex), backend.matcher(StructuredOutput.from_wire({"regex": "ab|ac"}))
+    assert len(backend._compiled) == 1
+    assert a.advance(ord("a")) and a.advance(ord("b")) and a.is_finished()
+    assert not b.is_finished() and not b.advance(ord("b")) and b.error  # b is still at the start
+    bits = backend.fill_bitmask([backend.matcher(regex)])
+    assert bits.dtype == torch.int32 and bits.shape == (1, -(-tiny.runner.arch.vocab_size // 32))
+    assert torch.nonzero(unpack_bitmask(bits, tiny.runner.arch.vocab_size)[0]).flatten().tolist() == [ord("a")]
+
+
+def test_a_backend_that_cannot_be_made_is_tried_once() -> None:
+    from tokenmill.worker.structured.constraints import Constraints
+
+    calls = []
+
+    def make() -> Any:
+        calls.append(1)
+        raise InvalidRequest("structured outputs are unavailable: no tokenizer.json")
+
+    constraints = Constraints(make)
+    for _ in range(2):
+        with pytest.raises(InvalidRequest, match="unavailable"):
+            constraints.add("r", StructuredOutput.from_wire({"regex": "a"}), [])
+    assert calls == [1] and len(constraints) == 0
+
+
 # ---- the engine on a byte-level tiny model (fast) ------------------------------------------------------
 
 

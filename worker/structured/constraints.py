@@ -18,6 +18,7 @@ class Constraints:
     def __init__(self, make_backend: Callable[[], GrammarBackend]) -> None:
         self._make_backend = make_backend
         self._backend: GrammarBackend | None = None
+        self._unavailable: InvalidRequest | None = None  # why no backend could be made (kept: not retried)
         self._matchers: dict[str, GrammarMatcher] = {}
 
     def __len__(self) -> int:
@@ -29,14 +30,23 @@ class Constraints:
     def add(self, request_id: str, constraint: StructuredOutput, delivered: Sequence[int]) -> None:
         """A matcher for a new request, moved past the output tokens an earlier attempt delivered (a resumed
         request). InvalidRequest when the constraint does not compile or refuses those tokens."""
-        if self._backend is None:
-            self._backend = self._make_backend()
-        matcher = self._backend.matcher(constraint)
+        matcher = self._backend_or_raise().matcher(constraint)
         for i, token in enumerate(delivered):
             if not matcher.advance(token):
                 raise InvalidRequest(f"delivered output token {i} ({token}) breaks the structured output "
                                      f"constraint: {matcher.error}")
         self._matchers[request_id] = matcher
+
+    def _backend_or_raise(self) -> GrammarBackend:
+        if self._backend is None:
+            if self._unavailable is not None:
+                raise InvalidRequest(str(self._unavailable))
+            try:
+                self._backend = self._make_backend()
+            except InvalidRequest as e:
+                self._unavailable = e
+                raise
+        return self._backend
 
     def discard(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)

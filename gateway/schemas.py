@@ -3,8 +3,9 @@ translation into tokenmill sampling parameters.
 
 Parameters follow vLLM's OpenAI server: the OpenAI ones plus top_k, min_p, repetition_penalty,
 ignore_eos, min_tokens, stop_token_ids, skip_special_tokens and chat_template_kwargs. Structured outputs:
-OpenAI's response_format (json_object, json_schema) and vLLM's guided_json, guided_regex, guided_choice and
-guided_grammar (a Lark grammar), on both endpoints, at most one per request. Fields OpenAI defines that
+OpenAI's response_format (json_object, json_schema), vLLM's guided_json, guided_regex, guided_choice and
+guided_grammar (a Lark grammar) and its newer structured_outputs object, on both endpoints, at most one per
+request. Fields OpenAI defines that
 tokenmill cannot honour (logit_bias, suffix, tools, images) are refused with 400 rather than silently
 ignored; unknown fields are ignored, as vLLM does."""
 
@@ -65,6 +66,30 @@ class ResponseFormat(BaseModel):
                        "(text, json_object or json_schema)", param="response_format")
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` body field: one of json (a schema or its text), regex, choice, grammar,
+    json_object."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def wire(self) -> dict[str, Any]:
+        given = {k: v for k, v in (("json_schema", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                   ("grammar", self.grammar), ("json_object", self.json_object or None))
+                 if v is not None}
+        if len(given) != 1:
+            raise APIError(400, "structured_outputs: give exactly one of json, regex, choice, grammar, json_object",
+                           param="structured_outputs")
+        if self.json_ is not None:
+            return {"json_schema": _schema(self.json_, "structured_outputs")}
+        return given
+
+
 class _Sampling(BaseModel):
     """The sampling parameters both endpoints share."""
 
@@ -95,6 +120,8 @@ class _Sampling(BaseModel):
     guided_regex: str | None = Field(None, description="vLLM: a regular expression the output matches")
     guided_choice: list[str] | None = Field(None, description="vLLM: the output is one of these strings")
     guided_grammar: str | None = Field(None, description="vLLM: a Lark grammar of the output")
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM: one of json, regex, choice, "
+                                                         "grammar, json_object")
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -120,6 +147,7 @@ class _Sampling(BaseModel):
         given = {name: value for name, value in (
             ("response_format", self.response_format.wire() if self.response_format is not None else None),
             ("guided_json", None if self.guided_json is None else {"json_schema": _schema(self.guided_json)}),
+            ("structured_outputs", None if self.structured_outputs is None else self.structured_outputs.wire()),
             ("guided_regex", None if self.guided_regex is None else {"regex": self.guided_regex}),
             ("guided_choice", None if self.guided_choice is None else {"choice": self.guided_choice}),
             ("guided_grammar", None if self.guided_grammar is None else {"grammar": self.guided_grammar}),
@@ -262,14 +290,14 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def _schema(value: dict[str, Any] | bool | str) -> dict[str, Any] | bool:
-    """guided_json's schema: a JSON object, a boolean, or the JSON text of one (as vLLM accepts)."""
+def _schema(value: dict[str, Any] | bool | str, param: str = "guided_json") -> dict[str, Any] | bool:
+    """A schema parameter's schema: a JSON object, a boolean, or the JSON text of one (as vLLM accepts)."""
     if not isinstance(value, str):
         return value
     try:
         schema = json.loads(value)
     except ValueError as e:
-        raise APIError(400, f"guided_json is not valid JSON: {e}", param="guided_json") from None
+        raise APIError(400, f"{param} is not valid JSON: {e}", param=param) from None
     if not isinstance(schema, dict | bool):
-        raise APIError(400, "guided_json must be a JSON schema (an object)", param="guided_json")
+        raise APIError(400, f"{param} must be a JSON schema (an object)", param=param)
     return schema  # type: ignore[no-any-return]

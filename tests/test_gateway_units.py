@@ -166,6 +166,10 @@ SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type
     ({"guided_regex": "[a-z]+"}, {"regex": "[a-z]+"}),
     ({"guided_choice": ["x", "y"]}, {"choice": ["x", "y"]}),
     ({"guided_grammar": 'start: "a"'}, {"grammar": 'start: "a"'}),
+    ({"structured_outputs": {"json": SCHEMA}}, {"json_schema": SCHEMA}),
+    ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, {"json_schema": SCHEMA}),
+    ({"structured_outputs": {"choice": ["x", "y"]}}, {"choice": ["x", "y"]}),
+    ({"structured_outputs": {"json_object": True}}, {"json_object": True}),
 ])
 def test_structured_outputs_reach_the_wire(extra: dict[str, Any], wire: dict[str, Any] | None) -> None:
     for body in ({"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "hi"}):
@@ -189,6 +193,9 @@ def test_structured_outputs_reach_the_wire(extra: dict[str, Any], wire: dict[str
     ({"guided_choice": []}, "non-empty strings"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "at most one"),
     ({"response_format": {"type": "json_object"}, "guided_json": SCHEMA}, "at most one"),
+    ({"structured_outputs": {"regex": "a", "grammar": "start: a"}}, "exactly one"),
+    ({"structured_outputs": {}}, "exactly one"),
+    ({"structured_outputs": {"json": "[1]"}}, "JSON schema"),
 ])
 def test_malformed_structured_outputs_are_400(extra: dict[str, Any], why: str) -> None:
     r = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra})

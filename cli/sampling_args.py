@@ -6,6 +6,9 @@ may change between turns (`/set` in the interactive chat). Their defaults are th
 them (a Hugging Face folder's generation_config.json, a GGUF file's general.sampling.* keys, as vLLM and
 llama.cpp read them), otherwise what suits a chat (CHAT_DEFAULTS): greedy decoding of a small model loops.
 A flag on the command line always wins.
+
+Structured outputs are four flags of one SamplingParams field (structured_output), at most one given:
+--json-schema FILE, --regex REGEX, --choice TEXT (repeatable) and --grammar FILE (Lark).
 """
 
 from __future__ import annotations
@@ -71,6 +74,9 @@ FLAGS: tuple[SamplingFlag, ...] = (
     SamplingFlag("skip_special_tokens", _bool, "leave special tokens out of the text (true/false)", True),
 )
 BY_NAME: dict[str, SamplingFlag] = {f.name: f for f in FLAGS}
+# structured_output's flags: the kind each sets (protocol/structured.py)
+STRUCTURED_FLAGS: Mapping[str, str] = {"json_schema": "--json-schema", "regex": "--regex", "choice": "--choice",
+                                       "grammar": "--grammar"}
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -84,6 +90,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
         else:
             group.add_argument(f.flag, dest=f.name, type=f.parse, default=None, help=text,
                                metavar=f.name.upper() if f.parse is not _bool else "{true,false}")
+    structured = group.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
+                            help="hold the output to the JSON schema in FILE (default: none)")
+    structured.add_argument("--regex", default=None, help="hold the output to this regular expression (default: none)")
+    structured.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                            help="the output is one of these strings (repeatable; default: none)")
+    structured.add_argument("--grammar", type=Path, default=None, metavar="FILE",
+                            help="hold the output to the Lark grammar in FILE (default: none)")
 
 
 def resolve_sampling(args: argparse.Namespace, model_defaults: Mapping[str, Any]) -> dict[str, Any]:
@@ -100,7 +114,29 @@ def resolve_sampling(args: argparse.Namespace, model_defaults: Mapping[str, Any]
             out[f.name] = CHAT_DEFAULTS[f.name]
         else:
             out[f.name] = f.neutral
+    constraint = structured_output(args)
+    if constraint is not None:
+        out["structured_output"] = constraint
     return out
+
+
+def structured_output(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The wire's structured_output of --json-schema / --regex / --choice / --grammar (None without one);
+    FileNotFoundError or InvalidRequest (not JSON) for a bad file."""
+    from tokenmill.protocol import InvalidRequest
+
+    kind = next((k for k in STRUCTURED_FLAGS if getattr(args, k, None) is not None), None)
+    if kind is None:
+        return None
+    value = getattr(args, kind)
+    if kind == "json_schema":
+        try:
+            return {kind: json.loads(Path(value).read_text())}
+        except ValueError as e:
+            raise InvalidRequest(f"--json-schema {value}: not JSON ({e})") from None
+    if kind == "grammar":
+        return {kind: Path(value).read_text()}
+    return {kind: value}
 
 
 def parse_value(name: str, text: str) -> Any:

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tokenmill.protocol.errors import InvalidRequest
+from tokenmill.protocol.structured import StructuredOutput
 
 MAX_SPECULATIVE_TOKENS = 16  # draft tokens one request may verify per step
 
@@ -34,8 +35,13 @@ class SamplingParams:
     # Speculative decoding on a worker that has a proposer: draft tokens per step (0: off for this request;
     # None: the worker's setting). Output is the same either way; a worker without a proposer decodes plainly.
     num_speculative_tokens: int | None = None
+    # Constrained decoding (protocol/structured.py); on the wire a mapping such as {"json_schema": {...}},
+    # left out when None (so a peer that predates it reads the same params). Such a request never speculates.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
+        if self.structured_output is not None:
+            object.__setattr__(self, "structured_output", StructuredOutput.from_wire(self.structured_output))
         # Lists from JSON/msgpack are accepted and frozen into tuples.
         object.__setattr__(self, "stop", _as_tuple(self.stop, str, "stop"))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, int, "stop_token_ids"))
@@ -69,6 +75,10 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["stop"], d["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
+        if self.structured_output is None:
+            del d["structured_output"]
+        else:
+            d["structured_output"] = self.structured_output.to_wire()
         return d
 
     @classmethod

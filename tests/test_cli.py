@@ -25,7 +25,8 @@ from tokenmill.cli import bench, errors, sampling_args
 from tokenmill.cli.main import build_parser, main
 from tokenmill.cli.sampling_args import CHAT_DEFAULTS, FLAGS, model_generation_defaults, resolve_sampling
 from tokenmill.cli.settings import build_config
-from tokenmill.protocol import SamplingParams
+from tokenmill.protocol import InvalidRequest, SamplingParams
+from tokenmill.protocol.structured import StructuredOutput
 from tokenmill.worker import registry_fetch
 from tokenmill.worker.registry_fetch import EMBEDDED_MODEL, WheelAsset, embedded_model_path
 
@@ -49,8 +50,10 @@ def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_every_sampling_parameter_is_a_flag_of_generate_and_chat() -> None:
-    # logprobs, extra: output detail, gateway-only; num_speculative_tokens: the engine's --num-speculative-tokens
-    settable = {f.name for f in fields(SamplingParams)} - {"logprobs", "extra", "num_speculative_tokens"}
+    # logprobs, extra: output detail, gateway-only; num_speculative_tokens: the engine's --num-speculative-tokens;
+    # structured_output: four flags of its own (test_structured_output_flags)
+    settable = {f.name for f in fields(SamplingParams)} - {"logprobs", "extra", "num_speculative_tokens",
+                                                           "structured_output"}
     assert {f.name for f in FLAGS} == settable
     argv = ["--max-tokens", "7", "--min-tokens", "2", "--temperature", "0.3", "--top-p", "0.8", "--top-k", "5",
             "--min-p", "0.05", "--repetition-penalty", "1.2", "--presence-penalty", "0.5", "--frequency-penalty",
@@ -64,6 +67,26 @@ def test_every_sampling_parameter_is_a_flag_of_generate_and_chat() -> None:
             0.05, 1.2, 0.5, -0.5)
         assert (params.seed, params.stop, params.stop_token_ids) == (9, ("END", "\n\n"), (7,))
         assert params.ignore_eos is True and params.skip_special_tokens is False
+
+
+def test_structured_output_flags(tmp_path: Path) -> None:
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    (tmp_path / "g.lark").write_text('start: "a"+')
+    cases = [(["--json-schema", str(tmp_path / "s.json")], {"json_schema": schema}),
+             (["--regex", "[0-9]+"], {"regex": "[0-9]+"}),
+             (["--choice", "yes", "--choice", "no"], {"choice": ["yes", "no"]}),
+             (["--grammar", str(tmp_path / "g.lark")], {"grammar": 'start: "a"+'})]
+    for command in (["generate", "p"], ["chat"]):
+        assert "structured_output" not in resolve_sampling(build_parser().parse_args(command), {})
+        for argv, wire in cases:
+            params = SamplingParams(**resolve_sampling(build_parser().parse_args([*command, *argv]), {}))
+            assert params.structured_output == StructuredOutput.from_wire(wire)
+    with pytest.raises(SystemExit):  # at most one
+        build_parser().parse_args(["chat", "--regex", "a", "--choice", "a"])
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(InvalidRequest, match="not JSON"):
+        resolve_sampling(build_parser().parse_args(["chat", "--json-schema", str(tmp_path / "bad.json")]), {})
 
 
 def test_chat_defaults_are_not_greedy_and_the_models_own_win(tmp_path: Path) -> None:

@@ -167,9 +167,9 @@ def test_features_are_kept_only_for_requests_that_speculate(tiny: tuple[Path, Pa
     kept: list[int] = []
     launch = engine.runner.launch
 
-    def recording(batch: Any, eos: Any, prev: Any = None, keep: Sequence[int] = ()) -> Any:
+    def recording(batch: Any, eos: Any, prev: Any = None, keep: Sequence[int] = (), bitmask: Any = None) -> Any:
         kept.extend(keep)
-        pending = launch(batch, eos, prev, keep)
+        pending = launch(batch, eos, prev, keep, bitmask)
         assert [f.shape[0] for f in pending.features] == [batch.num_new_tokens[i] for i in keep]
         return pending
 

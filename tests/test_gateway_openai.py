@@ -1,7 +1,7 @@
 """The HTTP gateway through the official `openai` client, sync and async, against `tokenmill serve` on the
 embedded model (one pool for the module, on free 127.0.0.1 ports): completions and chat, streamed and
-not, n=2, logprobs, stop, seed reproducibility, usage, 400 / 401 / 404 / 429, tenants, /metrics counts,
-cancel on disconnect (KV blocks freed), /health through SIGSTOP / SIGCONT of the only worker."""
+not, n=2, logprobs, stop, seed reproducibility, usage, structured outputs, 400 / 401 / 404 / 429, tenants,
+/metrics counts, cancel on disconnect (KV blocks freed), /health through SIGSTOP / SIGCONT of the only worker."""
 
 from __future__ import annotations
 
@@ -217,6 +217,49 @@ def test_chat_logprobs(pool: Pool) -> None:
         assert bytes(t.bytes).decode("utf-8", "replace") == t.token and len(t.top_logprobs) == 3
         assert t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob
         assert abs(t.top_logprobs[0].logprob - t.logprob) < 1e-4  # greedy
+
+
+# ---- structured outputs ------------------------------------------------------------------------------
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}}}
+
+
+def test_chat_response_format_json_schema(pool: Pool) -> None:
+    r = pool.sync().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=60,
+        temperature=0, response_format={"type": "json_schema",
+                                        "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    person = json.loads(r.choices[0].message.content or "")
+    assert set(person) == {"name", "age"} and isinstance(person["name"], str) and type(person["age"]) is int
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_completion_json_object_and_guided_choice(pool: Pool) -> None:
+    c = pool.sync()
+    r = c.completions.create(model=MODEL, prompt="A JSON object describing a cat:", max_tokens=60, temperature=0,
+                             extra_body={"response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(r.choices[0].text), dict)
+    r = c.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=8, temperature=0,
+                             extra_body={"guided_choice": ["yes", "no"]})
+    assert r.choices[0].text in ("yes", "no") and r.choices[0].finish_reason == "stop"
+
+
+def test_structured_output_errors_are_400(pool: Pool) -> None:
+    c = pool.sync()
+    with pytest.raises(openai.BadRequestError) as e:  # refused by the worker: llguidance cannot compile it
+        c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}})
+    assert e.value.status_code == 400 and "does not compile" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:  # refused by the gateway
+        c.completions.create(model=MODEL, prompt="x", max_tokens=4,
+                             extra_body={"guided_regex": "a", "guided_choice": ["a"]})
+    assert "at most one" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4,
+                                  tools=[{"type": "function", "function": {"name": "f"}}])
+    assert "tools are not supported" in str(e.value)
+    assert _greedy(pool, "The capital of France is", 4)  # the worker goes on serving
 
 
 # ---- errors ----------------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from tokenmill.gateway.responses import ChunkWriter, chat_logprobs, event_logpro
 from tokenmill.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from tokenmill.gateway.tenants import Tenants, owner_of_key
 from tokenmill.protocol.errors import BrokerUnavailable, DeadlineExceeded, InvalidRequest, JobFailed, Overloaded
+from tokenmill.protocol.sampling import SamplingParams
+from tokenmill.protocol.structured import StructuredOutput
 
 CFG = GatewayConfig(heartbeat_stale=2.5, progress_stall=10.0)
 
@@ -148,6 +150,57 @@ def test_what_tokenmill_refuses_is_400(extra: dict[str, Any]) -> None:
     with pytest.raises(APIError) as e:
         r.check(8)
         r.wire_messages()
+    assert e.value.status == 400
+
+
+SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+
+
+@pytest.mark.parametrize("extra, wire", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}}},
+     {"json_schema": SCHEMA}),
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"response_format": {"type": "text"}}, None),
+    ({"guided_json": SCHEMA}, {"json_schema": SCHEMA}),
+    ({"guided_json": json.dumps(SCHEMA)}, {"json_schema": SCHEMA}),
+    ({"guided_regex": "[a-z]+"}, {"regex": "[a-z]+"}),
+    ({"guided_choice": ["x", "y"]}, {"choice": ["x", "y"]}),
+    ({"guided_grammar": 'start: "a"'}, {"grammar": 'start: "a"'}),
+    ({"structured_outputs": {"json": SCHEMA}}, {"json_schema": SCHEMA}),
+    ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, {"json_schema": SCHEMA}),
+    ({"structured_outputs": {"choice": ["x", "y"]}}, {"choice": ["x", "y"]}),
+    ({"structured_outputs": {"json_object": True}}, {"json_object": True}),
+])
+def test_structured_outputs_reach_the_wire(extra: dict[str, Any], wire: dict[str, Any] | None) -> None:
+    for body in ({"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "hi"}):
+        model = ChatCompletionRequest if "messages" in body else CompletionRequest
+        r = model.model_validate({"model": "m", **body, **extra})
+        r.check(8)
+        params = r.sampling_params(5, None)
+        if wire is None:
+            assert "structured_output" not in params
+        else:  # as the broker and the worker read it
+            constraint = SamplingParams.from_dict(params).structured_output
+            assert constraint is not None and constraint == StructuredOutput.from_wire(wire)
+
+
+@pytest.mark.parametrize("extra, why", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p"}}}, "json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, "not supported"),
+    ({"guided_json": "{not json"}, "not valid JSON"),
+    ({"guided_json": "[1, 2]"}, "JSON schema"),
+    ({"guided_regex": ""}, "non-empty"),
+    ({"guided_choice": []}, "non-empty strings"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "at most one"),
+    ({"response_format": {"type": "json_object"}, "guided_json": SCHEMA}, "at most one"),
+    ({"structured_outputs": {"regex": "a", "grammar": "start: a"}}, "exactly one"),
+    ({"structured_outputs": {}}, "exactly one"),
+    ({"structured_outputs": {"json": "[1]"}}, "JSON schema"),
+])
+def test_malformed_structured_outputs_are_400(extra: dict[str, Any], why: str) -> None:
+    r = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra})
+    with pytest.raises(APIError, match=why) as e:
+        r.check(8)
     assert e.value.status == 400
 
 

@@ -325,9 +325,9 @@ def test_options_are_generated_from_the_rows() -> None:
         for s in settings_for(command):
             assert s.flag is not None
             want |= {s.flag, "--no-" + s.flag[2:]} if s.kind.is_bool else {s.flag}
-        from tokenmill.cli.sampling_args import FLAGS
+        from tokenmill.cli.sampling_args import FLAGS, STRUCTURED_FLAGS
 
-        extra = {"generate": {"--broker", "-v", "--verbose", *(f.flag for f in FLAGS)}}
+        extra = {"generate": {"--broker", "-v", "--verbose", *(f.flag for f in FLAGS), *STRUCTURED_FLAGS.values()}}
         extra["chat"] = extra["generate"] | {"--system"}
         assert flags == want | extra.get(command, set()), command
 

@@ -1,7 +1,8 @@
 """The engine: requests in, token deltas out. schedule -> forward -> sample -> detokenize, one step at
 a time, or with async scheduling one step ahead (the host schedules step N+1 while the device runs
 step N). With speculative decoding, a proposer drafts tokens for the decoding requests before each
-schedule and the step verifies them (worker/spec/). Not thread-safe: one thread drives it (the worker
+schedule and the step verifies them (worker/spec/). Structured outputs (worker/structured/) mask each
+constrained request's next token by its grammar. Not thread-safe: one thread drives it (the worker
 process's engine loop, or the caller)."""
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from tokenmill.worker.spec.eagle_proposer import EagleProposer
 from tokenmill.worker.spec.ngram import NgramProposer
 from tokenmill.worker.spec.proposer import DraftProposer, draft_budget
 from tokenmill.worker.spec.switch import SpeculationSwitch, measure_step_costs
+from tokenmill.worker.structured.backend import GrammarBackend
+from tokenmill.worker.structured.constraints import Constraints
 from tokenmill.worker.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenmill.engine")
@@ -72,6 +75,7 @@ class _Live:
     added: float = 0.0
     first_scheduled: float | None = None
     first_token: float | None = None
+    error: str | None = None  # why it finished with an error (a structured output's token refused)
 
 
 def load_tokenizer(source: ModelSource) -> Tokenizer:
@@ -118,6 +122,7 @@ class LLMEngine:
         self.switch = make_switch(config, self.runner, self.proposer, self.max_model_len)
         self._inflight: deque[_Launched] = deque()  # launched, not yet completed; at most 1 kept between steps
         self._live: dict[str, _Live] = {}
+        self.constraints = Constraints(self._grammar_backend)  # matchers of the live constrained requests
         self._pending: list[RequestOutput] = []  # outputs produced outside a step (aborts)
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
@@ -153,6 +158,8 @@ class LLMEngine:
         ids = self._prompt_ids(prompt, prompt_token_ids, messages, _template_kwargs(params))
         resume = list(resume_token_ids)
         self._validate(ids, resume, params)
+        if params.structured_output is not None:  # compiled (or refused) now: a bad schema fails here alone
+            self.constraints.add(request_id, params.structured_output, resume)
         req = Request(request_id, ids, params,
                       seed=params.seed if params.seed is not None else self._seeds.getrandbits(62),
                       arrival_seq=next(self._arrivals), priority=int(priority), token_ids=ids + resume)
@@ -236,6 +243,7 @@ class LLMEngine:
         live = self._live.pop(request_id, None)
         if live is None:
             return False
+        self.constraints.discard(request_id)
         self.scheduler.finish(live.req, "abort")
         self._pending.append(self._final(live, [], "", live.req.num_output_tokens))
         return True
@@ -248,19 +256,23 @@ class LLMEngine:
     # Synchronous: schedule, launch, wait, update. Async scheduling keeps one step in flight: step()
     # schedules and launches step N+1 (with the tokens step N is sampling still in flight), then
     # waits for step N and emits its outputs while N+1 runs on the device. While a request speculates,
-    # steps run synchronously: drafts follow known tokens only (the proposer reads them on the host).
+    # steps run synchronously: drafts follow known tokens only (the proposer reads them on the host). So do
+    # they while a constrained request runs: its next token's mask is computed from its previous token.
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         speculating = self.proposer is not None and self._speculating()
+        sync = speculating or self.constraints.any_running(self.scheduler.running)
         drafted = accepted = 0
-        if speculating:
+        if sync:
             while self._inflight:
                 outputs += self._complete(self._inflight.popleft())
+        if speculating:
             drafted, accepted = self._propose_drafts(), self.counters.accepted_draft_tokens
         launched = self._schedule_and_launch(outputs)
         if launched is not None:
             self._inflight.append(launched)
-        keep = 1 if self.async_scheduling and launched is not None and not speculating else 0
+        sync = sync or self.constraints.any_running(self.scheduler.running)  # one admitted by this step
+        keep = 1 if self.async_scheduling and launched is not None and not sync else 0
         while len(self._inflight) > keep:
             outputs += self._complete(self._inflight.popleft())
         if drafted and self.switch is not None:
@@ -268,6 +280,10 @@ class LLMEngine:
         return outputs
 
     def _num_drafts(self, params: SamplingParams) -> int:
+        """Draft tokens a request verifies per step: none for a constrained one (its drafts would need masks
+        of their own, one per draft position; it decodes plainly)."""
+        if params.structured_output is not None:
+            return 0
         k = params.num_speculative_tokens
         return self.config.speculative.num_speculative_tokens if k is None else k
 
@@ -301,6 +317,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         for req in batch.failed:
             live = self._live.pop(req.request_id)
+            self.constraints.discard(req.request_id)
             outputs.append(self._final(live, [], "", req.num_output_tokens, error=str(req.stop_reason)))
         if not batch.requests:
             return None
@@ -308,11 +325,14 @@ class LLMEngine:
         prev = self._inflight[-1].pending if self._inflight else None
         observer = self.step_observer
         keep = self._feature_requests(batch) if self.proposer is not None and self.proposer.wants_features else ()
+        bitmask = None
+        if len(self.constraints):
+            bitmask = self.constraints.step_bitmask([r for i, r in enumerate(batch.requests) if batch.samples(i)])
         if observer is None:
-            pending = self.runner.launch(batch, self.eos_token_ids, prev, keep)
+            pending = self.runner.launch(batch, self.eos_token_ids, prev, keep, bitmask)
         else:
             t0 = time.perf_counter()
-            pending = self.runner.launch(batch, self.eos_token_ids, prev, keep)
+            pending = self.runner.launch(batch, self.eos_token_ids, prev, keep, bitmask)
             observer(StepRecord(batch, time.perf_counter() - t0))
         if keep:
             assert self.proposer is not None
@@ -344,14 +364,29 @@ class LLMEngine:
                 self.proposer.accept_paths(batch.requests, result.tree_paths)
         logprobs = dict(zip(batch.requests, result.logprobs))
         outputs = []
+        constrained = len(self.constraints) > 0
         for req in self.scheduler.commit(batch, result.sampled):
             live = self._live[req.request_id]
             assert live.req is req, "a committed request is the live one (finished ones are skipped)"
             lp = logprobs[req]
             if lp is not None:  # one per token it got (a stop drops the tokens after it)
                 live.logprobs += lp[: req.num_known_tokens - req.num_prompt_tokens - live.emitted]
+            if constrained and not req.is_finished and req.request_id in self.constraints:
+                self._advance_constraint(live)
             outputs.append(self._emit(live))
         return outputs
+
+    def _advance_constraint(self, live: _Live) -> None:
+        """Move a constrained request's matcher past its committed tokens: a complete constraint finishes it
+        ("stop", as EOS would: nothing but EOS could follow, even before min_tokens), a refused token (sampled
+        from an empty mask) with an error."""
+        req = live.req
+        verdict = self.constraints.advance(req.request_id, req.token_ids[req.num_prompt_tokens + live.emitted :])
+        if verdict == "":
+            self.scheduler.finish(req, "stop")
+        elif verdict is not None:
+            live.error = verdict
+            self.scheduler.finish(req, "error", verdict)
 
     def _emit(self, live: _Live) -> RequestOutput:
         """The delta of the request's known output tokens not emitted yet (stop strings applied)."""
@@ -367,9 +402,10 @@ class LLMEngine:
             live.first_token = time.monotonic()
         if req.is_finished:
             self._live.pop(req.request_id)
+            self.constraints.discard(req.request_id)
             if stop is None:
                 text += live.detok.flush()
-            return self._final(live, new_ids, text, first_index)
+            return self._final(live, new_ids, text, first_index, live.error)
         logprobs, live.logprobs = live.logprobs or None, []
         return RequestOutput(req.request_id, new_ids, text, first_index, logprobs=logprobs)
 
@@ -425,6 +461,16 @@ class LLMEngine:
                              finish_reason=reason,  # type: ignore[arg-type]
                              stop_reason=None if error else req.stop_reason, error=error,
                              logprobs=live.logprobs or None, usage=usage, timeline=timeline)
+
+    def _grammar_backend(self) -> GrammarBackend:
+        """The structured outputs' backend (made on the first constrained request): llguidance on the model
+        tokenizer's tokenizer.json text and the logits' vocabulary."""
+        try:
+            from tokenmill.worker.structured.llguidance_backend import LLGuidanceBackend
+        except ImportError:
+            raise InvalidRequest("structured outputs need llguidance on the worker "
+                                 "(pip install 'tokenmill[worker]')") from None
+        return LLGuidanceBackend(self.tokenizer.backend.to_str(), self.runner.arch.vocab_size, self.eos_token_ids)
 
     # -- convenience ----------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,

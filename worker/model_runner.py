@@ -40,6 +40,7 @@ from tokenmill.worker.spec.tree import (
     path_tokens,
 )
 from tokenmill.worker.spec.verifier import DraftLayout, accept_drafts, tokens_of
+from tokenmill.worker.structured.bitmask import StepBitmask
 from tokenmill.worker.transfer import HostCopy, ship
 
 log = logging.getLogger("tokenmill.runner")
@@ -324,9 +325,10 @@ class ModelRunner:
             log.info("fp8 KV cache: K/V scales calibrated on the first step (%d tokens)", ids.shape[0])
 
     def _host_sampling(self, reqs: list[Request], eos_token_ids: tuple[int, ...], prev: PendingStep | None,
-                       ) -> tuple[SamplingMetadata, dict[str, Tensor]]:
+                       bitmask: StepBitmask | None = None) -> tuple[SamplingMetadata, dict[str, Tensor]]:
         """SamplingMetadata on the CPU plus, for penalties, where in-flight outputs go: one is padded (pad
-        id V counts for nothing) and filled on the device from `prev`'s sampled ids."""
+        id V counts for nothing) and filled on the device from `prev`'s sampled ids. `bitmask`: the masks of
+        the constrained requests among `reqs` (row r = request r)."""
         vocab = self.arch.vocab_size
         outputs: list[list[int]] = []
         fix: list[tuple[int, int, int]] = []  # (row, column, row of prev.sampled)
@@ -337,18 +339,20 @@ class ModelRunner:
                 out.append(vocab)
             outputs.append(out)
         meta = SamplingMetadata.build([r.params for r in reqs], [r.prompt_token_ids for r in reqs], outputs,
-                                      [r.seed for r in reqs], eos_token_ids, vocab, torch.device("cpu"))
+                                      [r.seed for r in reqs], eos_token_ids, vocab, torch.device("cpu"),
+                                      _bitmask_rows(bitmask, reqs, range(len(reqs))))
         tensors = _sampling_tensors(meta)
         if fix and meta.output_ids.shape[1]:
             rows, cols, src = zip(*fix)
             tensors |= {"pen.rows": _i64(rows), "pen.cols": _i64(cols), "pen.src": _i64(src)}
         return meta, tensors
 
-    def _host_draft_sampling(self, reqs: list[Request], eos_token_ids: tuple[int, ...],
-                             ) -> tuple[SamplingMetadata, dict[str, Tensor]]:
+    def _host_draft_sampling(self, reqs: list[Request], eos_token_ids: tuple[int, ...], starts: Sequence[int],
+                             bitmask: StepBitmask | None = None) -> tuple[SamplingMetadata, dict[str, Tensor]]:
         """SamplingMetadata of the rows of requests verifying drafts: request r with drafts d_1..d_k has k+1 rows,
         row j sampled as plain decoding samples output position n+j after d_1..d_j (its outputs, penalties,
-        min_tokens bans and seeded position). No token is in flight in such a step."""
+        min_tokens bans and seeded position). No token is in flight in such a step. A constrained request
+        (`bitmask`) has no drafts: its one row starts[r] is masked."""
         params, prompts, outputs, seeds = [], [], [], []
         for r in reqs:
             out, drafts = r.output_token_ids, r.draft_token_ids
@@ -359,7 +363,7 @@ class ModelRunner:
                 outputs.append(out + path_tokens(drafts, parents, j - 1))
                 seeds.append(r.seed)
         meta = SamplingMetadata.build(params, prompts, outputs, seeds, eos_token_ids, self.arch.vocab_size,
-                                      torch.device("cpu"))
+                                      torch.device("cpu"), _bitmask_rows(bitmask, reqs, starts))
         return meta, _sampling_tensors(meta)
 
     @staticmethod
@@ -373,12 +377,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
-               prev: PendingStep | None = None, keep_features: Sequence[int] = ()) -> PendingStep:
+               prev: PendingStep | None = None, keep_features: Sequence[int] = (),
+               bitmask: StepBitmask | None = None) -> PendingStep:
         """Enqueue the forward and sampling of `batch` without waiting for the device. Inputs still in
         flight are read on the device from `prev`, which must be the step launched just before (it
         samples them). Call before the scheduler marks the batch launched (`begin_step`). `keep_features`:
         indices of the batch's requests whose features (final-normed hidden states of all their scheduled
-        tokens) the PendingStep keeps (EAGLE drafts read them); nothing is kept or copied without them."""
+        tokens) the PendingStep keeps (EAGLE drafts read them); nothing is kept or copied without them.
+        `bitmask`: structured outputs' token masks of sampling requests (shipped with the step's inputs)."""
         sampling = [i for i in range(len(batch.requests)) if batch.samples(i)]
         reqs = [batch.requests[i] for i in sampling]
         host = self._host_inputs(batch, prev)
@@ -387,9 +393,9 @@ class ModelRunner:
             rows = [t for i in keep_features for t in range(ends[i] - host.q_lens[i], ends[i])]
             host.tensors["feature_rows"] = _i64(rows)
         if any(r.draft_token_ids for r in reqs):
-            return self._launch_verify(batch, sampling, reqs, host, ends, eos_token_ids, keep_features)
+            return self._launch_verify(batch, sampling, reqs, host, ends, eos_token_ids, keep_features, bitmask)
         tensors = host.tensors | {"logits_rows": _i64([ends[i] - 1 for i in sampling])}  # last token of each
-        smeta, stensors = self._host_sampling(reqs, eos_token_ids, prev) if reqs else (None, {})
+        smeta, stensors = self._host_sampling(reqs, eos_token_ids, prev, bitmask) if reqs else (None, {})
         dev = self._ship(tensors | stensors)  # the step's one host-to-device copy
         hidden = self._forward(*self._device_inputs(dev, host, prev))
         features = _kept_features(hidden, dev, [host.q_lens[i] for i in keep_features])
@@ -405,14 +411,15 @@ class ModelRunner:
                            features=features)
 
     def _launch_verify(self, batch: ScheduledBatch, sampling: list[int], reqs: list[Request], host: _HostInputs,
-                       ends: list[int], eos_token_ids: tuple[int, ...], keep_features: Sequence[int]) -> PendingStep:
+                       ends: list[int], eos_token_ids: tuple[int, ...], keep_features: Sequence[int],
+                       bitmask: StepBitmask | None = None) -> PendingStep:
         """`launch` of a step that verifies drafts (spec/verifier.py): the same forward, then every sampling
         request's k+1 last rows are sampled and compared with its drafts on the device."""
         assert not any(r.num_inflight for r in batch.requests), "drafts are verified with no token in flight"
         layout = DraftLayout.build([r.draft_token_ids for r in reqs])
         rows = [ends[i] - 1 - len(r.draft_token_ids) + j
                 for i, r in zip(sampling, reqs) for j in range(len(r.draft_token_ids) + 1)]
-        smeta, stensors = self._host_draft_sampling(reqs, eos_token_ids)
+        smeta, stensors = self._host_draft_sampling(reqs, eos_token_ids, layout.starts, bitmask)
         tensors = host.tensors | stensors | {"logits_rows": _i64(rows), "spec.rows": layout.rows,
                                              "spec.drafts": layout.drafts}
         dev = self._ship(tensors)  # the step's one host-to-device copy
@@ -490,6 +497,16 @@ def _top_logprobs(ids: list[int], vals: list[float], n: int) -> dict[int, float]
 def _sampling_tensors(meta: SamplingMetadata) -> dict[str, Tensor]:
     """The metadata's tensors, keyed "s.<field>" for the step's one shipped copy."""
     return {f"s.{f.name}": getattr(meta, f.name) for f in fields(meta) if isinstance(getattr(meta, f.name), Tensor)}
+
+
+def _bitmask_rows(bitmask: StepBitmask | None, reqs: list[Request], rows: Sequence[int],
+                  ) -> tuple[list[int], Tensor] | None:
+    """(sampling rows, masks) of a step's constrained requests, request r's row being rows[r]."""
+    if bitmask is None:
+        return None
+    row_of = {r: row for r, row in zip(reqs, rows)}
+    assert all(not r.draft_token_ids for r in bitmask.requests), "a constrained request never verifies drafts"
+    return [row_of[r] for r in bitmask.requests], bitmask.bits
 
 
 def _i64(vals: Sequence[int]) -> Tensor:

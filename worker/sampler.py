@@ -10,10 +10,12 @@ Pipeline of `Sampler.__call__` (all rows, vectorised over N):
   1. penalties: repetition (HF: on prompt+output tokens, positive logits divided, negative multiplied),
      then frequency/presence (OpenAI: on output tokens, subtracted);
   2. min_tokens: ban EOS / stop ids (-inf) for requests that are still shorter than min_tokens;
+     structured outputs: tokens a constrained row's bitmask forbids are -inf too (worker/structured/);
   3. greedy rows take argmax of these logits;
   4. random rows: divide by temperature, top-k, top-p (on the renormalised top-k distribution),
      min-p, then the exponential race.
-Logprobs (when asked for) are log_softmax of the raw logits given to the sampler (vLLM's default).
+Logprobs (when asked for) are log_softmax of the raw logits given to the sampler (vLLM's default): before
+penalties, bans and a structured-output mask, so a constrained row's logprobs are the model's own.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from torch import Tensor
 
 from tokenmill.protocol.sampling import SamplingParams
+from tokenmill.worker.structured.bitmask import apply_token_bitmask
 
 log = logging.getLogger("tokenmill.sampler")
 
@@ -134,6 +137,10 @@ class SamplingMetadata:
     no_top_p: bool
     no_min_p: bool
     no_banned: bool
+    # Structured outputs: row bitmask_rows[m] may sample only the tokens set in bitmask[m] (None: no row is
+    # constrained). [M] i64 and [M, ceil(V/32)] int32 (worker/structured/bitmask.py).
+    bitmask_rows: Tensor | None = None
+    bitmask: Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -149,8 +156,10 @@ class SamplingMetadata:
         eos_token_ids: Sequence[int],
         vocab_size: int,
         device: torch.device,
+        bitmask: tuple[Sequence[int], Tensor] | None = None,
     ) -> SamplingMetadata:
-        """Gather the per-request inputs; `seeds` are resolved by the engine, positions = len(output)."""
+        """Gather the per-request inputs; `seeds` are resolved by the engine, positions = len(output).
+        `bitmask`: (rows, [M, ceil(V/32)] int32 masks) of the constrained rows."""
         n = len(params)
         if not (len(prompt_ids) == len(output_ids) == len(seeds) == n):
             raise ValueError("params, prompt_ids, output_ids and seeds must have one entry per row")
@@ -192,6 +201,8 @@ class SamplingMetadata:
             no_top_p=all(p.top_p >= 1.0 for p, g in zip(params, greedy) if not g),
             no_min_p=all(p.min_p <= 0.0 for p, g in zip(params, greedy) if not g),
             no_banned=not any(banned),
+            bitmask_rows=None if bitmask is None else i64(list(bitmask[0])),
+            bitmask=None if bitmask is None else bitmask[1].to(device),
         )
 
 
@@ -248,6 +259,9 @@ class Sampler:
         x = raw if meta.no_penalties else apply_penalties(raw, meta)
         if not meta.no_banned:
             x = x.masked_fill(_id_mask(meta.banned_ids, x.shape[1]), _NEG_INF)
+        if meta.bitmask is not None:
+            assert meta.bitmask_rows is not None
+            x = apply_token_bitmask(x, meta.bitmask_rows, meta.bitmask)
         sampled = self._sample(x, meta)
         if meta.max_num_logprobs is None:
             return SamplerOutput(sampled, None, None)

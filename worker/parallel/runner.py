@@ -34,6 +34,7 @@ from tokenmill.worker.parallel.group import RankSpec, TPGroup, join_group, leave
 from tokenmill.worker.parallel.layers import TensorParallelLayers
 from tokenmill.worker.parallel.step_sync import OP_LOGITS_ALL, OP_STEP, OP_STOP, StepChannel
 from tokenmill.worker.scheduler import ScheduledBatch
+from tokenmill.worker.structured.bitmask import StepBitmask
 
 log = logging.getLogger("tokenmill.parallel")
 
@@ -111,8 +112,9 @@ class TPModelRunner(ModelRunner):
         return super()._ship(tensors)
 
     def launch(self, batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
-               prev: PendingStep | None = None, keep_features: Sequence[int] = ()) -> PendingStep:
-        pending = super().launch(batch, eos_token_ids, prev, keep_features)
+               prev: PendingStep | None = None, keep_features: Sequence[int] = (),
+               bitmask: StepBitmask | None = None) -> PendingStep:
+        pending = super().launch(batch, eos_token_ids, prev, keep_features, bitmask)
         if pending.sampled is not None:  # one id per logits row: the other ranks' tokens in flight
             self.group.broadcast(pending.sampled)
         return pending

@@ -14,6 +14,7 @@ Structured outputs are four flags of one SamplingParams field (structured_output
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path

@@ -150,7 +150,7 @@ def load_eagle_head(path: Path, target: ModelArch, backend: AttentionBackend, *,
     except (OSError, json.JSONDecodeError) as e:
         raise EagleHeadError(f"{path}: no readable {CONFIG_FILE} ({e})") from None
     if not isinstance(config, dict) or config.get("format") not in (EAGLE_FORMAT, EAGLE3_FORMAT):
-        raise EagleHeadError(f"{path}: not a {EAGLE_FORMAT} or {EAGLE3_FORMAT} checkpoint")
+        raise EagleHeadError(f"{path}: not a {EAGLE_FORMAT} checkpoint (nor {EAGLE3_FORMAT})")
     fusion = _fusion_layers(path, config, target)
     try:
         arch = _arch_from_json(config["arch"])

@@ -8,6 +8,7 @@ EAGLE-1 heads (the shipped one) load as before."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -233,6 +234,19 @@ def test_a_fused_head_refuses_what_it_is_not_built_for(fused: tuple[Path, Path],
     with pytest.raises(EagleHeadError, match=want):
         EagleProposer(runner, head, 4)
     assert runner.feature_layers == ()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_fused_head_on_cuda_without_graphs_is_identical_and_refused_with_them(fused: tuple[Path, Path]) -> None:
+    """On the GPU (float32, Triton backend): chain and tree token-identical with --no-cuda-graphs; graphs refused."""
+    model, head = fused
+    jobs = [(f"r{i}", p, greedy(24)) for i, p in enumerate(repetitive(384, 4, seed=8) + mixed_prompts(3, seed=8))]
+    cuda: dict[str, Any] = dict(device="cuda", dtype="float32", cuda_graphs=False)
+    for spec in (eagle(head, k=4), eagle_tree(head, k=6, width=3)):
+        identical(model, jobs, dataclasses.replace(spec, auto_switch=False), **cuda)
+    with pytest.raises(ModelLoadError, match="need --no-cuda-graphs"):
+        make_engine(str(model), True, speculative=eagle(head), device="cuda", dtype="float32")
 
 
 def test_eagle1_heads_load_and_run_as_before(tmp_path: Path) -> None:

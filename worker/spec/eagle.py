@@ -84,11 +84,10 @@ def draft_arch(target: ModelArch) -> ModelArch:
 def auto_fusion_layers(num_layers: int) -> FusionLayers:
     """EAGLE-3's usual choice of low / middle / high layers for a target of `num_layers` decoder layers:
     2, num_layers // 2, num_layers - 3 (in order from 6 layers up). Raises ValueError below that."""
-    layers = (2, num_layers // 2, num_layers - 3)
     if num_layers < 6:
         raise ValueError(f"automatic fusion layers (2, n // 2, n - 3) need a target of at least 6 layers, this one "
                          f"has {num_layers}: name three layers in [0, {num_layers}) instead")
-    return layers
+    return 2, num_layers // 2, num_layers - 3
 
 
 def check_fusion_layers(layers: Sequence[int], num_layers: int) -> FusionLayers:
@@ -132,7 +131,8 @@ class EagleHead(nn.Module):
         return h + residual
 
     def save(self, out: Path, target: dict[str, Any], training: dict[str, Any]) -> None:
-        """model.safetensors (fc and layer) and eagle_config.json (format, arch, target, training) in `out`."""
+        """model.safetensors (fc and layer, and fuse_fc with fusion layers) and eagle_config.json (format, fusion
+        layers if any, arch, target, training) in `out`."""
         out.mkdir(parents=True, exist_ok=True)
         save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(out / WEIGHTS_FILE))
         config: dict[str, Any] = {"format": EAGLE_FORMAT, "arch": _arch_to_json(self.arch)}

@@ -1,4 +1,4 @@
-"""`tokenmill train-eagle`: train an EAGLE-1 draft head for a model (worker/spec/eagle_train.py).
+"""`tokenmill train-eagle`: train an EAGLE draft head for a model (worker/spec/eagle_train.py).
 
     tokenmill train-eagle --model embedded --data sharegpt --out heads/smollm2 --steps 2000
     tokenmill train-eagle --model /models/llama --data chats.jsonl --out heads/llama --device cuda
@@ -8,7 +8,11 @@ the model's chat template), a ShareGPT-format .json file (read the same way) or 
 per line with "token_ids" (a list of ints) or "text". With --replies self, each ShareGPT reply is replaced by
 the target's own greedy reply to the same prompt (up to --max-len tokens in all), so the head learns the
 distribution it will draft for. The last --heldout sequences are held out (none of them is trained on). The
-head, its config and the training summary go to --out (model.safetensors, eagle_config.json)."""
+head, its config and the training summary go to --out (model.safetensors, eagle_config.json).
+
+--fusion-layers auto|L,M,H trains an EAGLE-3-style head instead: its input fuses the target's residual streams
+after decoder layers L, M and H (0-based; auto: 2, n // 2, n - 3 of an n-layer target), trained on token
+cross-entropy alone. Serve it with --no-cuda-graphs."""
 
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ FEATURE_BATCH = 32  # sequences per target forward while caching features (the K
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("train-eagle", help="train an EAGLE-1 draft head for a model",
+    p = sub.add_parser("train-eagle", help="train an EAGLE draft head for a model",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="embedded", help="HF folder, .gguf file, or 'embedded'")
     p.add_argument("--load-format", default="auto", choices=["auto", "hf", "gguf", "dummy"])
@@ -40,6 +44,9 @@ def register(sub: Any) -> None:
                    help="write the token sequences read or generated (JSON lines, token_ids) here, to reuse")
     p.add_argument("--online-features", action="store_true",
                    help="run the target at every step instead of caching its features once (less memory)")
+    p.add_argument("--fusion-layers", default=None,
+                   help="EAGLE-3 fusion of three target layers: 'auto' (2, n // 2, n - 3) or L,M,H (0-based); "
+                        "default: none (EAGLE-1)")
     p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of the saved head")
     p.add_argument("--steps", type=int, default=1000)
@@ -94,18 +101,38 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
         with open(args.save_sequences, "w") as f:
             f.writelines(json.dumps({"token_ids": s}) + "\n" for s in seqs)
     train_seqs, heldout = seqs[: -args.heldout], seqs[-args.heldout :]
+    try:
+        fusion = _fusion_layers(args.fusion_layers, engine.runner.arch.num_layers)
+    except ValueError as e:
+        print(f"tokenmill: error: --fusion-layers: {e}", file=sys.stderr)
+        return 2
     head, summary = train(engine.runner, train_seqs, heldout, config,
-                          progress=lambda h: print(json.dumps(h), file=sys.stderr, flush=True))
+                          progress=lambda h: print(json.dumps(h), file=sys.stderr, flush=True), fusion_layers=fusion)
     arch = engine.runner.arch
     target = {"model": engine.model_name, "arch": arch.arch, "vocab_size": arch.vocab_size,
               "hidden_size": arch.hidden_size, "num_layers": arch.num_layers}
     training = {"command": " ".join(["tokenmill", *sys.argv[1:]]), "data": args.data, "replies": args.replies,
-                "max_len": args.max_len,
+                "max_len": args.max_len, "fusion_layers": None if fusion is None else list(fusion),
                 **{k: getattr(config, k) for k in ("steps", "batch_sequences", "lr", "cls_weight", "noise", "seed")},
                 "summary": summary}
     head.to(getattr(torch, args.save_dtype)).save(args.out, target, training)
     print(json.dumps(summary))
     return 0
+
+
+def _fusion_layers(value: str | None, num_layers: int) -> tuple[int, int, int] | None:
+    """--fusion-layers: None (EAGLE-1), 'auto' or 'L,M,H', checked against the target's layers (ValueError)."""
+    from tokenmill.worker.spec.eagle import auto_fusion_layers, check_fusion_layers
+
+    if value is None:
+        return None
+    if value == "auto":
+        return auto_fusion_layers(num_layers)
+    try:
+        layers = [int(v) for v in value.split(",")]
+    except ValueError:
+        raise ValueError(f"want 'auto' or three comma-separated layer indices, got {value!r}") from None
+    return check_fusion_layers(layers, num_layers)
 
 
 def _training_engine(args: argparse.Namespace) -> Any:

@@ -23,17 +23,35 @@ from tokenmill.protocol import SamplingParams
 from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.loader import ModelLoadError
-from tokenmill.worker.model_runner import attention_metadata
+from tokenmill.worker.model_runner import ModelRunner, attention_metadata
 from tokenmill.worker.request import Request
-from tokenmill.worker.spec.eagle import CONFIG_FILE, HEADS_DIR, DenseCausalBackend, head_folder, load_eagle_head
+from tokenmill.worker.spec.eagle import (
+    CONFIG_FILE,
+    HEADS_DIR,
+    DenseCausalBackend,
+    EagleHead,
+    FusionLayers,
+    head_folder,
+    load_eagle_head,
+)
 from tokenmill.worker.spec.eagle_train import new_head, target_features
 
 
-def save_head(model: Path, out: Path, seed: int = 0) -> Path:
-    """An untrained head (eagle_train's initialisation) for the model in `model`, saved in `out`."""
+def save_head(model: Path, out: Path, seed: int = 0, fusion_layers: FusionLayers | None = None) -> Path:
+    """An untrained head (eagle_train's initialisation; EAGLE-3's fusion of `fusion_layers` if given) for the model
+    in `model`, saved in `out`."""
     engine = LLMEngine(EngineConfig(model=str(model), device="cpu", dtype="float32", cache=CacheConfig(num_blocks=8)))
-    new_head(engine.runner, seed).save(out, {"model": model.name}, {})
+    new_head(engine.runner, seed, fusion_layers).save(out, {"model": model.name}, {})
     return out
+
+
+def head_inputs(runner: ModelRunner, head: EagleHead, tokens: Sequence[int]) -> torch.Tensor:
+    """The head's feature inputs [len(tokens), H] from the target run cache-free over `tokens`: its final-normed
+    features f_t (EAGLE-1), or its fusion layers' states fused into g_t."""
+    layers = head.fusion_layers or ()
+    whole = target_features(runner, tokens, layers)  # [L, H (+ 3H)]
+    with torch.no_grad():
+        return head.fuse(whole[:, runner.arch.hidden_size :] if layers else whole)
 
 
 def eagle(head: Path, k: int = 3) -> SpeculativeConfig:
@@ -70,7 +88,7 @@ def reference_drafts(engine: LLMEngine, head_dir: Path, tokens: Sequence[int], k
     embed, logits = runner.model.model.embed_tokens, runner.model.compute_logits
     m = len(tokens) - 1
     with torch.no_grad():
-        feats = target_features(runner, tokens[:m])  # [m, H]
+        feats = head_inputs(runner, head, tokens[:m])  # [m, H]
         ids = list(tokens[1:])
         drafts: list[int] = []
         for _ in range(k):
@@ -86,7 +104,11 @@ def reference_drafts(engine: LLMEngine, head_dir: Path, tokens: Sequence[int], k
 
 
 def test_drafts_equal_the_cache_free_reference_of_the_head(tiny: tuple[Path, Path]) -> None:
-    model, head = tiny
+    assert_drafts_are_the_heads(*tiny)
+
+
+def assert_drafts_are_the_heads(model: Path, head: Path) -> None:
+    """Batched and chunked: every chain the engine drafts equals reference_drafts."""
     engine = make_engine(str(model), False, speculative=eagle(head, k=4),
                          scheduler=SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=4))
     assert engine.proposer is not None

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from test_async_scheduling import Job, make_engine, results, run
-from test_eagle_spec import mixed_prompts, save_head, shipped_head_chats_are_identical, spec_and_plain
+from test_eagle_spec import head_inputs, mixed_prompts, save_head, shipped_head_chats_are_identical, spec_and_plain
 from test_spec import repetitive
 from test_spec_tree import recording_moves
 from tiny_hf import ARCHS, save_tiny_model
@@ -36,7 +36,6 @@ from tokenmill.worker.model_runner import attention_metadata
 from tokenmill.worker.request import Request
 from tokenmill.worker.spec.eagle import DenseCausalBackend, EagleHead, load_eagle_head
 from tokenmill.worker.spec.eagle_proposer import EagleProposer
-from tokenmill.worker.spec.eagle_train import target_features
 from tokenmill.worker.spec.eagle_tree import select_tree, tree_levels
 from tokenmill.worker.spec.tree import TreeDrafts, kv_moves
 
@@ -102,7 +101,7 @@ class PathReference:
 
     def __init__(self, engine: LLMEngine, head: EagleHead, tokens: Sequence[int]) -> None:
         self.runner, self.head, self.tokens = engine.runner, head, list(tokens)
-        self.real = target_features(self.runner, self.tokens[:-1])  # [m, H]
+        self.real = head_inputs(self.runner, head, self.tokens[:-1])  # [m, H]
         self.memo: dict[tuple[int, ...], Tensor] = {}
 
     def out(self, path: tuple[int, ...]) -> Tensor:
@@ -185,10 +184,13 @@ def test_each_tree_rows_head_output_equals_the_head_on_its_root_to_node_path(tin
 
 
 def test_the_engines_trees_equal_the_cache_free_rule_across_rounds(tiny: tuple[Path, Path]) -> None:
+    assert_trees_are_the_rule(*tiny)
+
+
+def assert_trees_are_the_rule(model: Path, head_dir: Path) -> None:
     """Batched, chunked, with requests of other k: every tree the engine drafts is the rule applied node by
     node to a cache-free head (so the catch-up after a tree round and the moved features of accepted paths off
     the first branch feed the head the target's real features)."""
-    model, head_dir = tiny
     engine = make_engine(str(model), False, speculative=eagle_tree(head_dir, k=6, width=3),
                          scheduler=SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=4))
     calls, paths = recording_proposals(engine), recording_moves(engine)

@@ -23,12 +23,13 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def save_tiny_model(name: str, root: Path, seed: int = 0) -> Path:
-    """Write config.json + safetensors for architecture `name` under root/name; returns the folder."""
+def save_tiny_model(name: str, root: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Write config.json + safetensors for architecture `name` under root/name; returns the folder. `overrides`:
+    HF config fields to change (num_hidden_layers=6, ...)."""
     import transformers
 
     cls_name, extra = ARCHS[name]
-    config = getattr(transformers, cls_name)(**{**COMMON, **extra})
+    config = getattr(transformers, cls_name)(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

@@ -120,9 +120,9 @@ class SpeculativeConfig:
     """Speculative decoding: each step a proposer drafts up to `num_speculative_tokens` tokens per request and
     one target forward verifies them (worker/spec/). "ngram": prompt lookup, the tokens that followed the latest
     earlier occurrence of the request's last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`).
-    "eagle": an EAGLE-1 draft head (worker/spec/eagle.py) from the folder `draft_model` (None: the head shipped
-    for the model, if there is one; ignored by the other methods). A request's `num_speculative_tokens`
-    overrides k (0: off for it).
+    "eagle": an EAGLE draft head (worker/spec/eagle.py: EAGLE-1, or with EAGLE-3's layer fusion) from the folder
+    `draft_model` (None: the head shipped for the model, if there is one; ignored by the other methods). A
+    request's `num_speculative_tokens` overrides k (0: off for it).
     `tree_width` > 1: a tree of at most k nodes, verified in one forward (worker/spec/tree.py); 1: one chain.
     ngram: up to that many different continuations (earlier occurrences of the suffix) merged; eagle: the head's
     top-`tree_width` expansion per level, the k best nodes by cumulative log-prob (worker/spec/eagle_tree.py).

@@ -166,6 +166,9 @@ class ModelRunner:
         self.model = build_model(source, self.backend, self.device, self.dtype, config.quantization,
                                  gguf_native=gguf_native, layers=layers)
         self.sampler = Sampler()
+        # The decoder layers whose residual streams are a kept request's features instead of the final-normed
+        # hidden states (an EAGLE-3 head's fusion layers, set by its proposer; such steps run eagerly).
+        self.feature_layers: tuple[int, ...] = ()
         self.sampler.warm_up(self.arch.vocab_size, self.device)
         # The torch reference attention indexes by masks (host syncs): its steps run eagerly, without graphs.
         graphs = self.device.type == "cuda" and config.cuda_graphs and self.backend.graph_safe
@@ -304,6 +307,20 @@ class ModelRunner:
             ids[dev["fix_index"]] = prev.sampled[dev["fix_source"]]  # on the device, after prev's sampler
         return ids, dev["positions"], _attention_meta(dev, host.q_lens, host.seq_lens)
 
+    def _forward_keeping(self, inputs: tuple[Tensor, Tensor, AttentionMetadata], dev: dict[str, Tensor],
+                         lens: list[int]) -> tuple[Tensor, list[Tensor]]:
+        """The step's hidden states [T, H] and the kept requests' features, one [n, F] per request (`lens`: their
+        scheduled tokens): the hidden rows `dev["feature_rows"]` (F = H), or with `feature_layers` the residual
+        streams of those layers at those rows, concatenated in order (F = len(feature_layers) * H; eager)."""
+        if not (lens and self.feature_layers):
+            hidden = self._forward(*inputs)
+            return hidden, _kept_features(hidden, dev, lens)
+        ids, positions, meta = inputs
+        assert self.graphs is None and self.piecewise is None and not self._calibrate_kv, "fusion heads run eagerly"
+        hidden, states = self.model.forward_recording(ids, positions, self.kv_caches, meta, self.feature_layers,
+                                                      dev["feature_rows"])
+        return hidden, list(torch.cat(states, dim=-1).split(lens))
+
     def _forward(self, ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         if self._calibrate_kv:
             return self._calibrating_forward(ids, positions, meta)
@@ -397,8 +414,8 @@ class ModelRunner:
         tensors = host.tensors | {"logits_rows": _i64([ends[i] - 1 for i in sampling])}  # last token of each
         smeta, stensors = self._host_sampling(reqs, eos_token_ids, prev, bitmask) if reqs else (None, {})
         dev = self._ship(tensors | stensors)  # the step's one host-to-device copy
-        hidden = self._forward(*self._device_inputs(dev, host, prev))
-        features = _kept_features(hidden, dev, [host.q_lens[i] for i in keep_features])
+        hidden, features = self._forward_keeping(self._device_inputs(dev, host, prev), dev,
+                                                 [host.q_lens[i] for i in keep_features])
         if smeta is None:
             return PendingStep(len(batch.requests), {}, [], [], None, None, features=features)
         logits = self.model.compute_logits(hidden[dev["logits_rows"]])
@@ -423,8 +440,8 @@ class ModelRunner:
         tensors = host.tensors | stensors | {"logits_rows": _i64(rows), "spec.rows": layout.rows,
                                              "spec.drafts": layout.drafts}
         dev = self._ship(tensors)  # the step's one host-to-device copy
-        hidden = self._forward(*self._device_inputs(dev, host, None))
-        features = _kept_features(hidden, dev, [host.q_lens[i] for i in keep_features])
+        hidden, features = self._forward_keeping(self._device_inputs(dev, host, None), dev,
+                                                 [host.q_lens[i] for i in keep_features])
         logits = self.model.compute_logits(hidden[dev["logits_rows"]])  # [R, V]
         out = self.sampler(logits, self._device_sampling(smeta, dev, None))
         accepted = accept_drafts(out.sampled_token_ids, dev["spec.rows"], dev["spec.drafts"])  # [S]

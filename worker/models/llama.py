@@ -7,7 +7,7 @@ and `gate_up_proj` ([gate|up] rows); `load_weights` takes HF names and fills the
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -192,15 +192,34 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: [T] int64; kv_caches[i] belongs to layer i. Returns [T, hidden]."""
+        return self.forward_recording(input_ids, positions, kv_caches, meta, ())[0]
+
+    def forward_recording(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        layers: Sequence[int],
+        rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """forward(), also recording the residual stream after each decoder layer of `layers` (0-based; an EAGLE-3
+        head's fusion layers): for layer i, h + residual as layer i returns them, i.e. the un-normed hidden
+        state [T, hidden] that layer i + 1 reads (what HF's output_hidden_states[i + 1] is, for i below the last
+        layer), in the order of `layers`; only its rows `rows` ([R] int64 indices; None: all T) are kept, each
+        [R, hidden]. With no layers nothing is recorded and nothing is added to the forward."""
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.model.layers)} layers")
         h = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        recorded: dict[int, torch.Tensor] = {}
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             h, residual = layer(positions, h, residual, kv_cache, meta)
+            if i in layers:  # a new tensor: later layers may fuse their adds into h or residual in place
+                recorded[i] = h + residual if rows is None else h[rows] + residual[rows]
         assert residual is not None
         out, _ = self.model.norm.add_forward(h, residual)
-        return out
+        return out, [recorded[i] for i in layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] float32 (through embed_tokens.weight when tied)."""

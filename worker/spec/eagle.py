@@ -1,4 +1,5 @@
-"""EAGLE-1 draft head: one decoder layer over the target's own features.
+"""EAGLE draft head: one decoder layer over the target's own features (EAGLE-1), optionally fused from three
+of the target's layers (EAGLE-3).
 
 At position t the head reads the target's feature f_t (its final-normed hidden state, what the target's LM
 head turns into the logits of token t+1) and the embedding of the token that followed, x_{t+1}:
@@ -11,12 +12,21 @@ The layer has the target's shape (ModelArch with one layer, no sliding window) a
 attention backend; `DenseCausalBackend` is the cache-free one training uses. The head is trained by
 worker/spec/eagle_train.py (`tokenmill train-eagle`); the engine drafts with it through
 worker/spec/eagle_proposer.py. Heads shipped with the package live in worker/spec/heads/<name>/
-(`SHIPPED_HEADS`: the model each one is for)."""
+(`SHIPPED_HEADS`: the model each one is for).
+
+EAGLE-3's fusion (a head with `fusion_layers` (low, mid, high), format "tokenmill-eagle-3"): the target feature
+of position t is instead
+    g_t = fuse([s^low_t; s^mid_t; s^high_t])        fuse: [3H] -> [H], no bias
+s^i_t the target's residual stream after decoder layer i (un-normed; LlamaForCausalLM.forward_recording), and
+g_t takes f_t's place above. Drafting steps past the first read the head's own output f^ where g would be (as
+EAGLE-3 does). Without fusion layers the head, its weights and its config are EAGLE-1's, byte for byte
+("tokenmill-eagle-1"), so heads saved before the option existed load unchanged."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from torch import nn
+from torch import Tensor, nn
 
 from tokenmill.kernels.attention_ref import rotary_embedding_ref
 from tokenmill.worker.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata, KVCache
@@ -32,7 +42,9 @@ from tokenmill.worker.config import ModelArch, RopeScaling
 from tokenmill.worker.models.layers import Linear, RotaryEmbedding
 from tokenmill.worker.models.llama import LlamaDecoderLayer
 
-EAGLE_FORMAT = "tokenmill-eagle-1"
+EAGLE_FORMAT = "tokenmill-eagle-1"  # a head without fusion layers
+EAGLE3_FORMAT = "tokenmill-eagle-3"  # a head with fusion layers (its config's "fusion_layers")
+FusionLayers = tuple[int, int, int]  # (low, mid, high) decoder-layer indices of the target, 0-based
 CONFIG_FILE = "eagle_config.json"
 WEIGHTS_FILE = "model.safetensors"
 HEADS_DIR = Path(__file__).parent / "heads"
@@ -69,18 +81,48 @@ def draft_arch(target: ModelArch) -> ModelArch:
     return dataclasses.replace(target, num_layers=1, sliding_window=None)
 
 
+def auto_fusion_layers(num_layers: int) -> FusionLayers:
+    """EAGLE-3's usual choice of low / middle / high layers for a target of `num_layers` decoder layers:
+    2, num_layers // 2, num_layers - 3 (in order from 6 layers up). Raises ValueError below that."""
+    if num_layers < 6:
+        raise ValueError(f"automatic fusion layers (2, n // 2, n - 3) need a target of at least 6 layers, this one "
+                         f"has {num_layers}: name three layers in [0, {num_layers}) instead")
+    return 2, num_layers // 2, num_layers - 3
+
+
+def check_fusion_layers(layers: Sequence[int], num_layers: int) -> FusionLayers:
+    """`layers` as FusionLayers if they are three decoder-layer indices of a `num_layers`-layer target, else
+    ValueError saying what is wrong."""
+    if len(layers) != 3 or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+        raise ValueError(f"fusion layers must be three layer indices (low, mid, high), got {list(layers)}")
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"fusion layer {bad[0]} is out of range for a target of {num_layers} layers "
+                         f"(indices 0 .. {num_layers - 1})")
+    return layers[0], layers[1], layers[2]
+
+
 class EagleHead(nn.Module):
     """forward(token_embeds [T, H], features [T, H], positions [T], kv_cache, meta) -> predicted features
-    [T, H]: row t is f^_{t+1} from (embed(x_{t+1}), f_t)."""
+    [T, H]: row t is f^_{t+1} from (embed(x_{t+1}), f_t). The target's rows reach `features` through
+    `fuse` (EAGLE-1: f_t as is; with fusion layers: g_t from the three recorded layer states)."""
 
     def __init__(self, arch: ModelArch, backend: AttentionBackend, *, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, fusion_layers: FusionLayers | None = None) -> None:
         super().__init__()
         self.arch = arch
+        self.fusion_layers = fusion_layers
         with torch.device(device):
             rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
             self.fc = Linear(2 * arch.hidden_size, arch.hidden_size, True, dtype=dtype)
             self.layer = LlamaDecoderLayer(arch, backend, rotary, None, dtype)  # its attention keeps the table
+            # EAGLE-3: [s^low; s^mid; s^high] [T, 3H] -> g [T, H]
+            self.fuse_fc = Linear(3 * arch.hidden_size, arch.hidden_size, False, dtype=dtype) if fusion_layers else None
+
+    def fuse(self, target_rows: Tensor) -> Tensor:
+        """The head's feature input [T, H] from the target's kept rows: [T, H] final-normed features f_t
+        (EAGLE-1: returned as they are), or [T, 3H] layer states [s^low; s^mid; s^high] -> g_t."""
+        return target_rows if self.fuse_fc is None else self.fuse_fc(target_rows)
 
     def forward(self, token_embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -89,10 +131,14 @@ class EagleHead(nn.Module):
         return h + residual
 
     def save(self, out: Path, target: dict[str, Any], training: dict[str, Any]) -> None:
-        """model.safetensors (fc and layer) and eagle_config.json (format, arch, target, training) in `out`."""
+        """model.safetensors (fc and layer, and fuse_fc with fusion layers) and eagle_config.json (format, fusion
+        layers if any, arch, target, training) in `out`."""
         out.mkdir(parents=True, exist_ok=True)
         save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(out / WEIGHTS_FILE))
-        config = {"format": EAGLE_FORMAT, "arch": _arch_to_json(self.arch), "target": target, "training": training}
+        config: dict[str, Any] = {"format": EAGLE_FORMAT, "arch": _arch_to_json(self.arch)}
+        if self.fusion_layers is not None:
+            config = {"format": EAGLE3_FORMAT, "fusion_layers": list(self.fusion_layers), "arch": config["arch"]}
+        config |= {"target": target, "training": training}
         (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -103,8 +149,9 @@ def load_eagle_head(path: Path, target: ModelArch, backend: AttentionBackend, *,
         config = json.loads((path / CONFIG_FILE).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise EagleHeadError(f"{path}: no readable {CONFIG_FILE} ({e})") from None
-    if not isinstance(config, dict) or config.get("format") != EAGLE_FORMAT:
-        raise EagleHeadError(f"{path}: not a {EAGLE_FORMAT} checkpoint")
+    if not isinstance(config, dict) or config.get("format") not in (EAGLE_FORMAT, EAGLE3_FORMAT):
+        raise EagleHeadError(f"{path}: not a {EAGLE_FORMAT} checkpoint (nor {EAGLE3_FORMAT})")
+    fusion = _fusion_layers(path, config, target)
     try:
         arch = _arch_from_json(config["arch"])
     except (KeyError, TypeError, ValueError) as e:
@@ -115,7 +162,7 @@ def load_eagle_head(path: Path, target: ModelArch, backend: AttentionBackend, *,
               if f.name not in ("bos_token_id", "eos_token_ids") and getattr(arch, f.name) != getattr(want, f.name)]
     if misfit:
         raise EagleHeadError(f"{path}: the head does not fit the target: " + "; ".join(misfit))
-    head = EagleHead(arch, backend, dtype=dtype, device=device)
+    head = EagleHead(arch, backend, dtype=dtype, device=device, fusion_layers=fusion)
     try:
         weights = load_file(str(path / WEIGHTS_FILE))
     except (OSError, SafetensorError) as e:
@@ -129,6 +176,19 @@ def load_eagle_head(path: Path, target: ModelArch, backend: AttentionBackend, *,
                              f"the head expects {tuple(expected[bad[0]].shape)}")
     head.load_state_dict(weights)
     return head
+
+
+def _fusion_layers(path: Path, config: dict[str, Any], target: ModelArch) -> FusionLayers | None:
+    """The fusion layers of a checkpoint's config (None for EAGLE-1), checked against the target's layers."""
+    if config["format"] == EAGLE_FORMAT:
+        return None
+    layers = config.get("fusion_layers")
+    try:
+        if not isinstance(layers, list):
+            raise ValueError(f"fusion layers must be a list of three layer indices, got {layers!r}")
+        return check_fusion_layers(layers, target.num_layers)
+    except ValueError as e:
+        raise EagleHeadError(f"{path}: the head does not fit the target: {e}") from None
 
 
 def head_folder(draft_model: str | None, model_name: str) -> Path:

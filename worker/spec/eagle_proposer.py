@@ -25,7 +25,12 @@ Greedy drafting (argmax, no sampling): the drafts are a deterministic function o
 the target's features, so q is a point mass and spec/verifier.py's rule (accept iff the draft equals the
 target's seeded token of its row) is exactly rejection sampling for every sampling setting; sampling drafts
 from the head's distribution would need q(d) at verify time and the residual max(0, p - q) resample, and
-it would make the drafts depend on a random stream of their own."""
+it would make the drafts depend on a random stream of their own.
+
+An EAGLE-3 head (fusion layers, worker/spec/eagle.py): the runner keeps the residual streams of its three layers
+instead of f_t ([n, 3H] per step and request), `observe` fuses them into g_t [n, H] at once, and everything
+above reads g_t where it reads f_t (the head's own outputs still stand in past the first draft). Those steps run
+eagerly: the CUDA graphs do not keep the layer states (refused at start-up), nor does tensor parallelism."""
 
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ from torch import Tensor
 from tokenmill.protocol.sampling import MAX_SPECULATIVE_TOKENS
 from tokenmill.worker.model_runner import ModelRunner, attention_metadata
 from tokenmill.worker.request import Request
-from tokenmill.worker.spec.eagle import EagleHead, load_eagle_head
+from tokenmill.worker.spec.eagle import EagleHead, EagleHeadError, load_eagle_head
 from tokenmill.worker.spec.eagle_tree import head_tree_rows, row_bit, select_tree, tree_levels
 from tokenmill.worker.spec.proposer import DraftProposer
 from tokenmill.worker.spec.tree import MAX_TREE_NODES, kv_moves
@@ -143,6 +148,9 @@ class EagleProposer(DraftProposer):
         self.head: EagleHead = load_eagle_head(head_dir, runner.arch, runner.backend, dtype=runner.dtype,
                                                device=runner.device)
         self.head.eval()
+        if self.head.fusion_layers is not None:
+            _check_fusion_support(runner)
+            runner.feature_layers = self.head.fusion_layers
         a, bs = runner.arch, runner.block_size
         self.scratch_per_request = -(-max(MAX_SPECULATIVE_TOKENS, self._span(MAX_SPECULATIVE_TOKENS)) // bs) + 1
         self.num_scratch = max_num_seqs * self.scratch_per_request
@@ -152,8 +160,11 @@ class EagleProposer(DraftProposer):
                          torch.zeros(shape, dtype=runner.dtype, device=runner.device))
         self._states: weakref.WeakKeyDictionary[Request, _HeadState] = weakref.WeakKeyDictionary()
 
+    @torch.inference_mode()
     def observe(self, req: Request, start: int, features: Tensor) -> None:
-        """The target computed `req`'s positions start .. start + n - 1; features [n, H] are its feature rows."""
+        """The target computed `req`'s positions start .. start + n - 1; features [n, H] are its feature rows
+        (a fusion head: its layer states [n, 3H], fused here)."""
+        features = self.head.fuse(features)
         state = self._states.get(req)
         if state is None:
             state = self._states[req] = _HeadState(feat_start=start, head_pos=start)
@@ -326,3 +337,14 @@ class EagleProposer(DraftProposer):
     def _log_probs(self, hidden: Tensor) -> Tensor:
         """The head's next-token log-probs [R, V] (float32) from its predicted features [R, H]."""
         return torch.log_softmax(self.runner.model.compute_logits(hidden).float(), dim=-1)
+
+
+def _check_fusion_support(runner: ModelRunner) -> None:
+    """EagleHeadError unless the runner can keep a fusion head's layer states: eager steps on one device."""
+    if runner.tp is not None:
+        raise EagleHeadError("EAGLE-3 fusion heads are not built for tensor parallelism")
+    if runner.graphs is not None or runner.piecewise is not None:
+        raise EagleHeadError("EAGLE-3 fusion heads need --no-cuda-graphs for now (the captured steps do not keep "
+                             "the fusion layers' states)")
+    if runner.kv_dtype == torch.float8_e4m3fn:
+        raise EagleHeadError("EAGLE-3 fusion heads are not built with an fp8 KV cache")

@@ -18,6 +18,8 @@ Not a timed test: a benchmark (minutes on the CPU).
 
     python -m tokenmill.benchmarks.quant_accuracy --num-replies 200 --out benchmarks/results/cpu
     python -m tokenmill.benchmarks.quant_accuracy --formats fp8_kv --name quant_accuracy_fp8_kv --out ...
+    python -m tokenmill.benchmarks.quant_accuracy --formats int4_rtn,int4_gptq --int4-asymmetric --act-order \
+        --num-calibration 64 --clip 0.5 --name quant_accuracy_int4_clip --out ...   # GPTQ's rounding options
 """
 
 from __future__ import annotations

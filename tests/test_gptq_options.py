@@ -145,7 +145,7 @@ def test_quantize_cli_options_reach_the_quantizer(capsys: pytest.CaptureFixture[
     from tokenmill.cli.main import build_parser, main
     from tokenmill.worker.quant.gptq import DAMP
 
-    assert (cq.DAMP, cq.CLIP_MIN_SHRINK) == (DAMP, MseClip().min_shrink)
+    assert (DAMP, MseClip().min_shrink) == (cq.DAMP, cq.CLIP_MIN_SHRINK)
     parse = build_parser().parse_args
     args = parse(["quantize", "--method", "int4", "--gptq", "--out", "x"])
     assert (args.clip, args.true_sequential, args.damp) == (None, False, DAMP)

@@ -80,7 +80,7 @@ def int4_group_params(w: torch.Tensor, symmetric: bool, scale_dtype: torch.dtype
     scale, zero = _range_params(lo, hi, symmetric, scale_dtype)
     if clip is None:
         return scale, zero
-    cw = torch.ones(w32.shape[1]) if column_weight is None else column_weight.float()
+    cw = torch.ones(w32.shape[1], device=w32.device) if column_weight is None else column_weight.to(w32)
     best = _group_error(w32, scale, zero, cw)
     for p in clip.factors()[1:]:
         s, z = _range_params(lo * p, hi * p, symmetric, scale_dtype)

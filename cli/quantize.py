@@ -88,9 +88,10 @@ def quantize(args: argparse.Namespace) -> Path:
 
     if args.method != "int4" and (args.gptq or args.asymmetric or args.act_order or args.clip is not None):
         raise ValueError("--gptq, --asymmetric, --act-order and --clip are INT4 options")
-    if (args.act_order or args.true_sequential or args.damp != DAMP) and not args.gptq:
-        raise ValueError("--act-order, --true-sequential and --damp need --gptq (round to nearest has no column "
-                         "order and no calibration)")
+    if args.act_order and not args.gptq:
+        raise ValueError("--act-order needs --gptq (round to nearest has no column order)")
+    if (args.true_sequential or args.damp != DAMP) and not args.gptq:
+        raise ValueError("--true-sequential and --damp need --gptq (round to nearest has no calibration)")
     clip = None if args.clip is None else MseClip(args.clip)
     options = GptqOptions(args.damp, clip, args.true_sequential)
     config = QuantConfig(args.method, args.group_size, not args.asymmetric, args.act_order)

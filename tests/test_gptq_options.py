@@ -154,8 +154,8 @@ def test_quantize_cli_options_reach_the_quantizer(capsys: pytest.CaptureFixture[
     assert (args.clip, args.true_sequential, args.damp) == (0.75, True, 0.1)
     assert parse(["quantize", "--method", "int4", "--clip", "0.6", "--out", "x"]).clip == 0.6
     for argv, message in ((["--method", "int8", "--clip"], "INT4 options"),
-                          (["--method", "int4", "--true-sequential"], "need --gptq"),
-                          (["--method", "int4", "--damp", "0.1"], "need --gptq"),
+                          (["--method", "int4", "--true-sequential"], "--damp need --gptq"),
+                          (["--method", "int4", "--damp", "0.1"], "--damp need --gptq"),
                           (["--method", "int4", "--clip", "1.5"], "min_shrink"),
                           (["--method", "int4", "--gptq", "--damp", "0"], "damp")):
         assert main(["quantize", "--model", "embedded", *argv, "--out", "unused"]) == 2

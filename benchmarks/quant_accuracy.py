@@ -18,6 +18,8 @@ Not a timed test: a benchmark (minutes on the CPU).
 
     python -m tokenmill.benchmarks.quant_accuracy --num-replies 200 --out benchmarks/results/cpu
     python -m tokenmill.benchmarks.quant_accuracy --formats fp8_kv --name quant_accuracy_fp8_kv --out ...
+    python -m tokenmill.benchmarks.quant_accuracy --formats int4_rtn,int4_gptq --int4-asymmetric --act-order \
+        --num-calibration 64 --clip 0.5 --name quant_accuracy_int4_clip --out ...   # GPTQ's rounding options
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ def build_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--calibration-tokens", type=int, default=512)
     p.add_argument("--int4-asymmetric", action="store_true", help="INT4 with zero points (default: symmetric)")
     p.add_argument("--act-order", action="store_true", help="GPTQ quantizes columns in descending Hessian order")
+    p.add_argument("--true-sequential", action="store_true", help="GPTQ: o / down Hessians after qkv / gate_up")
+    p.add_argument("--damp", type=float, default=0.01, help="GPTQ: fraction of mean(diag H) on H's diagonal")
+    p.add_argument("--clip", type=float, nargs="?", const=0.75, default=None, metavar="MIN_SHRINK",
+                   help="GPTQ: each group's range by least H-weighted squared error, shrunk down to MIN_SHRINK")
+    p.add_argument("--rtn-clip", type=float, nargs="?", const=0.75, default=None, metavar="MIN_SHRINK",
+                   help="INT4 RTN: each group's range by least squared error, shrunk down to MIN_SHRINK")
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--work", default=None, help="folder for the INT4 checkpoints (default: a temporary one)")
     p.add_argument("--threads", type=int, default=0)
@@ -108,14 +116,16 @@ def reply_logprobs(model: LlamaForCausalLM, ex: ChatExchange, kv_dtype: torch.dt
 
 
 def _checkpoint(model: str, work: Path, gptq: bool, args: argparse.Namespace) -> Path:
-    """An INT4 g128 checkpoint by `tokenmill quantize` (written once per work folder)."""
+    """An INT4 g128 checkpoint by `tokenmill quantize` (written once per work folder: a new folder for new
+    options)."""
     from tokenmill.cli.quantize import quantize
 
     out = work / ("int4_gptq" if gptq else "int4_rtn")
     if not (out / "model.safetensors").is_file():
         ns = argparse.Namespace(model=model, load_format="auto", method="int4", group_size=GROUP_SIZE,
                                 asymmetric=args.int4_asymmetric, gptq=gptq, act_order=gptq and args.act_order,
-                                calibration="sharegpt",
+                                calibration="sharegpt", true_sequential=gptq and args.true_sequential,
+                                damp=args.damp, clip=args.clip if gptq else args.rtn_clip,
                                 num_calibration=args.num_calibration, calibration_tokens=args.calibration_tokens,
                                 format="gptq", dtype="float32", out=str(out))
         quantize(ns)
@@ -232,11 +242,15 @@ def evaluate(models: dict[str, LlamaForCausalLM], exchanges: list[ChatExchange],
     return {name: s.summary(None if name == "reference" else ref_ppl) for name, s in stats.items()}
 
 
-def table(results: dict[str, dict[str, float]], n: int, asymmetric: bool = False, act_order: bool = False) -> str:
+def table(results: dict[str, dict[str, float]], n: int, asymmetric: bool = False, act_order: bool = False,
+          gptq_extra: tuple[str, ...] = (), rtn_extra: tuple[str, ...] = ()) -> str:
+    """The results as a markdown table; *_extra: the INT4 options to name in the rows' labels."""
     grid = "asym" if asymmetric else "sym"
     labels = {"reference": "reference (Q4_1 dequantized, fp32)", "int8": "INT8 W8A16 per channel",
-              "fp8": "FP8 W8A8 e4m3 (CPU emulation)", "int4_rtn": f"INT4 RTN g128 {grid}",
-              "int4_gptq": f"INT4 GPTQ g128 {grid}" + (", act-order" if act_order else ""),
+              "fp8": "FP8 W8A8 e4m3 (CPU emulation)", "int4_rtn": f"INT4 RTN g128 {grid}" + "".join(
+                  f", {e}" for e in rtn_extra),
+              "int4_gptq": f"INT4 GPTQ g128 {grid}" + (", act-order" if act_order else "") + "".join(
+                  f", {e}" for e in gptq_extra),
               "fp8_kv": "FP8 KV cache e4m3, per-head scales (torch reference of the kernels' rounding)"}
     rows = [f"SmolLM2-135M-Instruct (embedded; its weights are Q4_1 blocks of 32, dequantized = the reference; "
             f"INT4 in groups of 128), {n} held-out ShareGPT replies, teacher-forced.", "",
@@ -248,6 +262,17 @@ def table(results: dict[str, dict[str, float]], n: int, asymmetric: bool = False
             rows.append(f"| {labels[name]} | {r['ppl']:.4f} | {r['ppl_delta_pct']:+.2f}% | {r['mean_kl']:.5f} | "
                         f"{100 * r['greedy_agreement']:.2f}% |")
     return "\n".join(rows)
+
+
+def _gptq_labels(args: argparse.Namespace) -> tuple[str, ...]:
+    out = [f"{args.num_calibration} calibration exchanges"]
+    if args.true_sequential:
+        out.append("true-sequential")
+    if args.clip is not None:
+        out.append(f"H-weighted MSE clip >= {args.clip}")
+    if args.damp != 0.01:
+        out.append(f"damp {args.damp}")
+    return tuple(out)
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -269,13 +294,15 @@ def run_cli(args: argparse.Namespace) -> int:
         "benchmark": "quant_accuracy", "model": args.model, "reference": "embedded GGUF Q4_1 dequantized, float32",
         "group_size": GROUP_SIZE, "replies": len(exchanges), "max_prompt_tokens": args.max_prompt_tokens,
         "max_reply_tokens": args.max_reply_tokens, "gptq_calibration": {
-            "exchanges": args.num_calibration, "tokens_each": args.calibration_tokens, "damp": 0.01,
-            "act_order": args.act_order}, "int4_asymmetric": args.int4_asymmetric,
+            "exchanges": args.num_calibration, "tokens_each": args.calibration_tokens, "damp": args.damp,
+            "act_order": args.act_order, "true_sequential": args.true_sequential, "clip_min_shrink": args.clip},
+        "int4_rtn_clip_min_shrink": args.rtn_clip, "int4_asymmetric": args.int4_asymmetric,
         "fp8": "emulated on the CPU (fake-quantized weights and activations)",
         "fp8_kv": "the reference's weights; K/V stored as e4m3 with per-kv-head power-of-two scales, calibrated on the "
                   "file's first exchange, read back by the torch reference backend (the kernels' rounding, bit-exact)",
         "dequantized_weights_cached": not args.no_cache, "results": results, "seconds": time.perf_counter() - t0}
-    md = table(results, len(exchanges), args.int4_asymmetric, args.act_order)
+    md = table(results, len(exchanges), args.int4_asymmetric, args.act_order, _gptq_labels(args),
+               () if args.rtn_clip is None else (f"MSE clip >= {args.rtn_clip}",))
     if args.out:
         out = Path(args.out)
         write_results(out, args.name, payload, md)

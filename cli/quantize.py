@@ -7,7 +7,12 @@ dummy shape or the embedded model) that `--model DIR` then loads:
     tokenmill quantize --model M --method fp8 --out DIR        # compressed-tensors float-quantized
 
 INT4 is rounded to nearest unless --gptq (Hessian-based rounding calibrated on ShareGPT conversations, worker/
-quant/gptq.py; --act-order: columns in descending Hessian order). Runs on the CPU in float32.
+quant/gptq.py; --act-order: columns in descending Hessian order; --true-sequential: each projection's Hessian from
+inputs with the projections before it in its layer quantized). --clip: each INT4 group's range shrunk to the
+least squared rounding error (GPTQ: weighted by the Hessian's diagonal) instead of its min-max; the checkpoint
+layout is the same. Runs on the CPU in float32.
+
+    tokenmill quantize --model embedded --method int4 --gptq --act-order --asymmetric --clip --out DIR
 """
 
 from __future__ import annotations
@@ -20,6 +25,10 @@ from typing import Any
 
 from tokenmill.cli.helptext import show_defaults
 
+# worker/quant's defaults (gptq.DAMP, rtn.MseClip().min_shrink), here without importing torch at registration
+DAMP = 0.01
+CLIP_MIN_SHRINK = 0.75
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser("quantize", help="write a quantized checkpoint (INT8, INT4 RTN / GPTQ, FP8)",
@@ -31,6 +40,12 @@ def register(sub: Any) -> None:
     p.add_argument("--asymmetric", action="store_true", help="INT4 with a zero point per group")
     p.add_argument("--gptq", action="store_true", help="INT4 by GPTQ instead of round to nearest")
     p.add_argument("--act-order", action="store_true", help="GPTQ: columns in descending Hessian order")
+    p.add_argument("--true-sequential", action="store_true",
+                   help="GPTQ: o / down Hessians collected after qkv / gate_up are quantized")
+    p.add_argument("--damp", type=float, default=DAMP, help="GPTQ: fraction of mean(diag H) added to H's diagonal")
+    p.add_argument("--clip", type=float, nargs="?", const=CLIP_MIN_SHRINK, default=None, metavar="MIN_SHRINK",
+                   help="INT4: search each group's range from min-max down to this fraction of it (bare flag: "
+                        f"{CLIP_MIN_SHRINK}) for the least squared rounding error")
     p.add_argument("--calibration", default="sharegpt", choices=("sharegpt",), help="GPTQ calibration data")
     p.add_argument("--num-calibration", type=int, default=32, help="GPTQ: calibration conversations")
     p.add_argument("--calibration-tokens", type=int, default=512, help="GPTQ: tokens per conversation at most")
@@ -67,12 +82,18 @@ def quantize(args: argparse.Namespace) -> Path:
     from tokenmill.worker.loader import build_model, resolve_model
     from tokenmill.worker.quant.config import QuantConfig
     from tokenmill.worker.quant.export import check_format, default_format, write_folder
+    from tokenmill.worker.quant.gptq import GptqOptions
     from tokenmill.worker.quant.quantizer import gptq_quantize_model, rtn_quantize_model
+    from tokenmill.worker.quant.rtn import MseClip
 
-    if args.method != "int4" and (args.gptq or args.asymmetric or args.act_order):
-        raise ValueError("--gptq, --asymmetric and --act-order are INT4 options")
+    if args.method != "int4" and (args.gptq or args.asymmetric or args.act_order or args.clip is not None):
+        raise ValueError("--gptq, --asymmetric, --act-order and --clip are INT4 options")
     if args.act_order and not args.gptq:
         raise ValueError("--act-order needs --gptq (round to nearest has no column order)")
+    if (args.true_sequential or args.damp != DAMP) and not args.gptq:
+        raise ValueError("--true-sequential and --damp need --gptq (round to nearest has no calibration)")
+    clip = None if args.clip is None else MseClip(args.clip)
+    options = GptqOptions(args.damp, clip, args.true_sequential)
     config = QuantConfig(args.method, args.group_size, not args.asymmetric, args.act_order)
     fmt = args.format or default_format(config)
     check_format(config, fmt)
@@ -84,9 +105,9 @@ def quantize(args: argparse.Namespace) -> Path:
     bar = tqdm(total=source.arch.num_layers, desc=f"quantize {config.describe()}", unit="layer", file=sys.stderr)
     step = lambda _msg: bar.update(1)
     if args.gptq:
-        canonical = gptq_quantize_model(model, config, calibration_ids(tokenizer, args), step)
+        canonical = gptq_quantize_model(model, config, calibration_ids(tokenizer, args), step, options=options)
     else:
-        canonical = rtn_quantize_model(model, config, step)
+        canonical = rtn_quantize_model(model, config, step, clip=clip)
     bar.close()
     base = json.loads((source.path / "config.json").read_text()) if source.kind == "hf" and source.path else None
     out = Path(args.out)

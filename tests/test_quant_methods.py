@@ -311,7 +311,7 @@ def test_gptq_model_quantizer_and_cli_round_trip(tiny_hf: Path, tmp_path: Path) 
 
     base: dict[str, Any] = dict(model=str(tiny_hf), load_format="auto", method="int4", group_size=32,
                                 asymmetric=False, calibration="sharegpt", num_calibration=4, calibration_tokens=64,
-                                format=None, dtype="float32")
+                                format=None, dtype="float32", true_sequential=False, damp=0.01, clip=None)
     seqs = [[(7 * i + 3 * j) % 380 + 2 for j in range(48)] for i in range(6)]
     import tokenmill.cli.quantize as cq
 

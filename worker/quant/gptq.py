@@ -4,8 +4,10 @@ Hessian of its layer-wise reconstruction loss ||W X - Q X||^2, H = 2 X X^T / n o
 Columns are quantized one at a time (in descending diag(H) order with act-order); each column's rounding error,
 scaled by the inverse Hessian's Cholesky factor, is pushed onto the columns not yet quantized, lazily per
 block of `block_size` columns. Group parameters (worker/quant/rtn.py's grid) are fixed when a group's first
-column comes up, from the columns as updated so far. Rows are independent given H, so the parts of a fused
-projection (q/k/v, gate/up: one input, one H) can be quantized together or apart with the same result.
+column comes up, from the columns as updated so far (with `clip`: the shrunk range of least rounding error,
+each column's squared error weighted by its diag(H), worker/quant/rtn.py). Rows are independent given H, so
+the parts of a fused projection (q/k/v, gate/up: one input, one H) can be quantized together or apart with
+the same result.
 
 The result is in the packed column order of kernels/quant_weight.py: with act-order, packed column k is input
 column perm[k] and groups are runs of group_size packed columns (GPTQ's g_idx[perm[k]] = k // group_size).
@@ -17,9 +19,27 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.worker.quant.rtn import int4_group_params, int4_round
+from tokenmill.worker.quant.rtn import MseClip, int4_group_params, int4_round
 
 DAMP = 0.01  # of mean(diag(H)), added to the diagonal
+
+
+@dataclass(frozen=True)
+class GptqOptions:
+    """How GPTQ rounds (not what it stores: the grid and layout are QuantConfig's).
+    damp: fraction of mean(diag H) added to H's diagonal before inverting.
+    clip: the group range's MSE search (None: the full min-max range, GPTQ's default).
+    true_sequential: within a decoder layer, each projection's Hessian comes from inputs computed with the
+    projections before it already quantized (qkv, then o, then gate_up, then down), not all four from the float
+    layer in one pass."""
+
+    damp: float = DAMP
+    clip: MseClip | None = None
+    true_sequential: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.damp < 1.0:
+            raise ValueError(f"GPTQ damp must be in (0, 1), got {self.damp}")
 
 
 @dataclass(frozen=True)
@@ -58,7 +78,8 @@ def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
 
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, symmetric: bool, act_order: bool,
-                  scale_dtype: torch.dtype, *, damp: float = DAMP, block_size: int = 128) -> GptqResult:
+                  scale_dtype: torch.dtype, *, damp: float = DAMP, block_size: int = 128,
+                  clip: MseClip | None = None) -> GptqResult:
     """GPTQ of w [N, K] (any float dtype; computed in float32) under Hessian h [K, K]."""
     n, k = w.shape
     if block_size % group_size:
@@ -71,6 +92,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, symmetric: 
     perm = torch.argsort(torch.diag(h), descending=True, stable=True) if act_order else None
     if perm is not None:
         w, h = w[:, perm], h[perm][:, perm]
+    hdiag = torch.diag(h)  # column weights of the clip search, in the (possibly permuted) column order
     hinv = _inverse_cholesky(h, damp)
     groups = -(-k // group_size)
     q = torch.zeros(n, k, dtype=torch.uint8)
@@ -85,7 +107,8 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, symmetric: 
             col = b0 + i
             if col % group_size == 0:  # a group starts: its grid from the columns as updated so far
                 g = col // group_size
-                s, z = int4_group_params(wb[:, i:i + group_size], symmetric, scale_dtype)
+                s, z = int4_group_params(wb[:, i:i + group_size], symmetric, scale_dtype, clip,
+                                         hdiag[col:col + group_size])
                 scales[:, g:g + 1], zeros[:, g:g + 1] = s, z
             g = col // group_size
             s, z = scales[:, g:g + 1], zeros[:, g:g + 1]

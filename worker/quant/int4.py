@@ -13,7 +13,7 @@ from torch import nn
 
 from tokenmill.kernels.quant_weight import PACK, PackedWeight, pack_int4
 from tokenmill.worker.quant.packed import PackedLinearMethod, frozen, register_bias
-from tokenmill.worker.quant.rtn import quantize_int4, scale_dtype_for
+from tokenmill.worker.quant.rtn import MseClip, quantize_int4, scale_dtype_for
 
 
 class Int4LinearMethod(PackedLinearMethod):
@@ -55,13 +55,15 @@ class Int4LinearMethod(PackedLinearMethod):
                             cast(torch.Tensor | None, layer.zeros), cast(torch.Tensor | None, layer.perm), 4,
                             self.group_size)
 
-    def quantize(self, weight: torch.Tensor, scale_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    def quantize(self, weight: torch.Tensor, scale_dtype: torch.dtype | None = None,
+                 clip: MseClip | None = None) -> dict[str, torch.Tensor]:
         """Round to nearest (no act-order: the permutation comes from GPTQ, worker/quant/gptq.py). Scales in
-        `scale_dtype` (default: what this method stores for the weight's dtype; checkpoints: float16)."""
+        `scale_dtype` (default: what this method stores for the weight's dtype; checkpoints: float16); `clip`:
+        each group's range by least squared error (worker/quant/rtn.py), else its full range."""
         if self.act_order:
             raise ValueError("act-order INT4 weights come from GPTQ; online quantization rounds to nearest")
         q, scales, zeros = quantize_int4(weight, self.group_size, self.symmetric,
-                                         scale_dtype or scale_dtype_for(weight.dtype))
+                                         scale_dtype or scale_dtype_for(weight.dtype), clip)
         out = {"qweight": pack_int4(q), "scales": scales}
         if not self.symmetric:
             out["zeros"] = zeros

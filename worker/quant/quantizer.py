@@ -3,10 +3,11 @@
 
 GPTQ runs layer by layer (the usual sequential scheme): the calibration sequences' hidden states enter layer i
 as the already quantized layers 0..i-1 produce them; forward pre-hooks collect the Hessians of the inputs of
-its four projections (qkv, o, gate_up, down) in one pass; each projection is quantized (the parts of a fused
-one share its Hessian and column order); the layer's weights are then replaced by their dequantized values
-and the sequences run through it again to give layer i + 1 its inputs. The model must be dense, on the CPU
-with the torch attention backend (this is an offline tool); it is modified in place.
+its four projections (qkv, o, gate_up, down), in one pass or, true-sequential (GptqOptions), in four: qkv,
+then o with qkv quantized, then gate_up, then down with all before it quantized; each projection is quantized
+(the parts of a fused one share its Hessian and column order) and its weight replaced by its dequantized
+value; the sequences then run through the quantized layer again to give layer i + 1 its inputs. The model must
+be dense, on the CPU with the torch attention backend (this is an offline tool); it is modified in place.
 """
 
 from __future__ import annotations
@@ -23,19 +24,24 @@ from tokenmill.worker.attention.backend import AttentionMetadata, KVCache
 from tokenmill.worker.model_runner import attention_metadata
 from tokenmill.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, fused_target, projections
 from tokenmill.worker.quant.config import QuantConfig, make_linear_method
-from tokenmill.worker.quant.gptq import Hessian, gptq_quantize
+from tokenmill.worker.quant.gptq import GptqOptions, Hessian, gptq_quantize
 from tokenmill.worker.quant.int4 import Int4LinearMethod
+from tokenmill.worker.quant.rtn import MseClip
 
 Canonical = dict[str, dict[str, torch.Tensor]]  # HF projection name (model.layers.N.self_attn.q_proj) -> tensors
 Progress = Callable[[str], None]
+DEFAULT_OPTIONS = GptqOptions()
 
 
-def rtn_quantize_model(model: LlamaForCausalLM, config: QuantConfig, progress: Progress | None = None) -> Canonical:
+def rtn_quantize_model(model: LlamaForCausalLM, config: QuantConfig, progress: Progress | None = None, *,
+                       clip: MseClip | None = None) -> Canonical:
     """Round to nearest: each HF projection's dense weight through the method's `quantize` (INT4 scales in
-    float16, what checkpoints store)."""
+    float16, what checkpoints store; `clip`: INT4's group-range search, worker/quant/rtn.py)."""
     method = make_linear_method(config, torch.device("cpu"), fp8_emulation=True)
     assert method is not None, "quantization method 'none' has nothing to quantize"
-    quantize = functools.partial(method.quantize, scale_dtype=torch.float16) if isinstance(
+    if clip is not None and not isinstance(method, Int4LinearMethod):
+        raise ValueError(f"clipping is an INT4 option, not {config.method}'s")
+    quantize = functools.partial(method.quantize, scale_dtype=torch.float16, clip=clip) if isinstance(
         method, Int4LinearMethod) else method.quantize
     params = dict(model.named_parameters())
     out: Canonical = {}
@@ -68,9 +74,11 @@ class _Sequence:
 
 
 def gptq_quantize_model(model: LlamaForCausalLM, config: QuantConfig, sequences: Sequence[Sequence[int]],
-                        progress: Progress | None = None, *, block_size: int = 16) -> Canonical:
-    """Sequential GPTQ of every decoder layer (INT4, config's group size / symmetry / act-order), calibrated on
-    token-id `sequences`. Returns the canonical tensors (scales float16) per HF projection name."""
+                        progress: Progress | None = None, *, block_size: int = 16,
+                        options: GptqOptions = DEFAULT_OPTIONS) -> Canonical:
+    """Sequential GPTQ of every decoder layer (INT4, config's group size / symmetry / act-order; `options`: how
+    it rounds), calibrated on token-id `sequences`. Returns the canonical tensors (scales float16) per HF
+    projection name."""
     if config.method != "int4":
         raise ValueError(f"GPTQ quantizes to int4, not {config.method}")
     if not sequences or any(len(s) == 0 for s in sequences):
@@ -86,9 +94,9 @@ def gptq_quantize_model(model: LlamaForCausalLM, config: QuantConfig, sequences:
         seqs = [_Sequence(model, s, block_size) for s in sequences]
         for i, layer in enumerate(model.model.layers):
             decoder = cast(LlamaDecoderLayer, layer)
-            hessians = _collect_hessians(decoder, seqs, cache)
-            for fused, h in hessians.items():
-                out.update(_quantize_fused(model, decoder, i, fused, h.value(), config))
+            for stage in _STAGES if options.true_sequential else (tuple(_linears(decoder)),):
+                for fused, h in _collect_hessians(decoder, stage, seqs, cache).items():
+                    out.update(_quantize_fused(model, decoder, i, fused, h.value(), config, options))
             for s in seqs:  # the quantized layer's outputs: the next layer's inputs
                 s.h, s.residual = decoder(s.positions, s.h, s.residual, cache, s.meta)
             if progress is not None:
@@ -101,8 +109,14 @@ def _linears(layer: LlamaDecoderLayer) -> dict[str, nn.Module]:
             "mlp.gate_up_proj": layer.mlp.gate_up_proj, "mlp.down_proj": layer.mlp.down_proj}
 
 
-def _collect_hessians(layer: LlamaDecoderLayer, seqs: list[_Sequence], cache: KVCache) -> dict[str, Hessian]:
-    linears = _linears(layer)
+# true-sequential order: each stage's inputs depend only on the stages before it
+_STAGES = (("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",))
+
+
+def _collect_hessians(layer: LlamaDecoderLayer, names: tuple[str, ...], seqs: list[_Sequence], cache: KVCache,
+                      ) -> dict[str, Hessian]:  # fmt: skip
+    """The Hessians of the inputs of the projections `names` of `layer` over every sequence (one layer pass)."""
+    linears = {name: m for name, m in _linears(layer).items() if name in names}
     hessians = {name: Hessian(cast(torch.Tensor, m.weight).shape[1]) for name, m in linears.items()}
     hooks = [m.register_forward_pre_hook(lambda _m, args, h=hessians[name]: h.add(args[0]))
              for name, m in linears.items()]
@@ -116,12 +130,13 @@ def _collect_hessians(layer: LlamaDecoderLayer, seqs: list[_Sequence], cache: KV
 
 
 def _quantize_fused(model: LlamaForCausalLM, layer: LlamaDecoderLayer, index: int, fused: str, h: torch.Tensor,
-                    config: QuantConfig) -> Canonical:
+                    config: QuantConfig, options: GptqOptions) -> Canonical:
     """GPTQ of one (possibly fused) projection; its weight becomes the dequantized result; canonical tensors of
     each HF part."""
     module = _linears(layer)[fused]
     weight = cast(torch.Tensor, module.weight)
-    r = gptq_quantize(weight, h, config.group_size, config.symmetric, config.act_order, torch.float16)
+    r = gptq_quantize(weight, h, config.group_size, config.symmetric, config.act_order, torch.float16,
+                      damp=options.damp, clip=options.clip)
     perm = None if r.perm is None else r.perm.to(torch.int32)
     packed = PackedWeight(pack_int4(r.q), r.scales, None if config.symmetric else r.zeros, perm, 4,
                           config.group_size)

@@ -77,12 +77,13 @@ class Gateway:
         return err.response()
 
     def max_tokens(self, requested: int | None, worker: dict[str, Any]) -> int:
-        """max_tokens, defaulting to the model's generation config (max_new_tokens), else to the serving
-        worker's context length (the worker stops at it)."""
+        """max_tokens, defaulting to the model's generation config (max_new_tokens), else to as many as the
+        serving worker's context leaves past a one-token prompt (the worker stops at its context; the broker
+        refuses max_tokens >= max_model_len as never reachable)."""
         if requested is not None:
             return requested
-        context = max(1, int(worker.get("max_model_len", 2048)))
-        return min(int((worker.get("sampling_defaults") or {}).get("max_tokens", context)), context)
+        room = max(1, int(worker.get("max_model_len", 2048)) - 1)
+        return min(int((worker.get("sampling_defaults") or {}).get("max_tokens", room)), room)
 
     @staticmethod
     def with_model_defaults(params: dict[str, Any], given: set[str], worker: dict[str, Any]) -> dict[str, Any]:

@@ -161,6 +161,14 @@ def test_chat_with_usage(pool: Pool) -> None:
     assert r.usage.prompt_tokens > 10 and 1 <= r.usage.completion_tokens <= 16
 
 
+def test_chat_without_max_tokens_runs_to_its_end(pool: Pool) -> None:
+    """No max_tokens (the OpenAI default): as many as the context leaves; a short greedy answer ends on EOS."""
+    r = pool.sync().chat.completions.create(model=MODEL, messages=CHAT, temperature=0)
+    assert r.choices[0].finish_reason == "stop" and "Paris" in r.choices[0].message.content
+    c = pool.sync().completions.create(model=MODEL, prompt="The capital of France is", temperature=0, stop=["."])
+    assert c.choices[0].finish_reason == "stop" and c.usage.completion_tokens >= 1
+
+
 def test_chat_content_parts_system_and_template_kwargs(pool: Pool) -> None:
     messages = [{"role": "system", "content": "You answer in one word."},
                 {"role": "user", "content": [{"type": "text", "text": "What is the capital"},

@@ -77,5 +77,5 @@ def test_gateway_fills_only_what_the_request_left_unset() -> None:
     assert params["max_tokens"] == 50  # max_tokens is the caller's (Gateway.max_tokens gives its default)
     gw = Gateway.__new__(Gateway)  # max_tokens reads nothing of the instance
     assert gw.max_tokens(None, worker) == 100 and gw.max_tokens(7, worker) == 7
-    assert gw.max_tokens(None, {"max_model_len": 64, "sampling_defaults": {"max_tokens": 100}}) == 64
-    assert gw.max_tokens(None, {"max_model_len": 64}) == 64
+    assert gw.max_tokens(None, {"max_model_len": 64, "sampling_defaults": {"max_tokens": 100}}) == 63
+    assert gw.max_tokens(None, {"max_model_len": 64}) == 63  # max_tokens >= the context is refused as unreachable

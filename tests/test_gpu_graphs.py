@@ -60,17 +60,27 @@ def test_no_attention_compile_after_start_up(tmp_path: Path) -> None:
     assert _compiled_variants() == before, "attention kernels compiled while serving"
 
 
+TREES = SpeculativeConfig(method="ngram", tree_width=3, auto_switch=False)
+
+
+def motif_prompts(seed: int, n: int, lengths: tuple[int, int] = (8, 300), repeats: int = 80) -> list[list[int]]:
+    """Prompts that repeat a short motif (`repeats` times, cut at a length drawn from `lengths`), so n-gram drafts
+    are proposed."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        motif = [rng.randrange(3, 384) for _ in range(rng.randrange(2, 6))]
+        out.append((motif * repeats)[: rng.randrange(*lengths)])
+    return out
+
+
 def test_no_attention_compile_after_start_up_with_tree_drafts(tmp_path: Path) -> None:
     """Tree verification launches the TREE variants: the warm-up builds them too (n-gram trees on prompts
     that repeat themselves, so drafts are proposed)."""
     path = save_tiny_model("llama", tmp_path)
-    eng = engine(path, True, SpeculativeConfig(method="ngram", tree_width=3, auto_switch=False))
+    eng = engine(path, True, TREES)
     before = _compiled_variants()
-    rng = random.Random(5)
-    ps = []
-    for _ in range(24):
-        motif = [rng.randrange(3, 384) for _ in range(rng.randrange(2, 6))]
-        ps.append((motif * 80)[: rng.randrange(8, 300)])
+    ps = motif_prompts(5, 24)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outs = eng.generate(ps, params)
     assert len(outs) == len(ps) and eng.counters.accepted_draft_tokens > 0
@@ -78,3 +88,16 @@ def test_no_attention_compile_after_start_up_with_tree_drafts(tmp_path: Path) ->
     del eng
     plain = engine(path, True).generate(ps, params)  # and the tree-verified tokens are plain decoding's
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+
+
+def test_no_attention_compile_after_start_up_one_tree_request_long_context(tmp_path: Path) -> None:
+    """One request verifying trees over 1,200 tokens of context: steps of 2-4 tokens, split, whose reduce takes
+    more programs per row (fewer dims each) than at any token bucket (8 heads of 128 dims); the warm-up builds
+    those variants too (tests/test_warmup_variants.py: "one-long-tree")."""
+    path = save_tiny_model("llama", tmp_path, num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    eng = engine(path, True, TREES)
+    before = _compiled_variants()
+    outs = eng.generate(motif_prompts(6, 1, (1200, 1201), 600), SamplingParams(temperature=0.0, max_tokens=32,
+                                                                         ignore_eos=True))
+    assert len(outs[0].token_ids) == 32 and eng.counters.draft_tokens > 0
+    assert _compiled_variants() == before, "attention kernels compiled while serving"

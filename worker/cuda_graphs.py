@@ -12,11 +12,14 @@ import bisect
 import itertools
 import logging
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from tokenmill.worker.attention.backend import AttentionMetadata
+
+if TYPE_CHECKING:
+    from tokenmill.kernels.paged_attention import AttentionPlan
 
 log = logging.getLogger("tokenmill.cuda_graphs")
 
@@ -253,47 +256,82 @@ class PiecewiseGraphs:
         self.pieces[g][-1].replay()
         return self.hidden[:t]
 
+    def _token_counts(self, max_model_len: int) -> list[int]:
+        """Step sizes (tokens) for the warm-up's grid: the token buckets, and each count at which the variants of one
+        request's step over the longest context change. A replay plans for the step's own tokens, not its bucket's,
+        and some choices follow them (the reduce kernel's dims per program, from the step's query rows: a step of
+        a few tokens, such as one request verifying a tree, takes other dims than any bucket)."""
+        call = self.calls[self.sizes[0]][0]
+        shape = self.attn_q.shape[1:]
+        counts, last = set(self.sizes), None
+        for t in range(2, self.sizes[-1] + 1):
+            plan = self._plan((t, *shape), self.attn_q.dtype, call.k_cache.shape, self.device, 1, call.scale,
+                              max_query_len=t, max_seq_len=max(t, max_model_len), sliding_window=call.sliding_window)
+            if (variants := _variants(plan)) != last:
+                counts.add(t)
+                last = variants
+        return sorted(counts)
+
     @torch.inference_mode()
     def warm_up_attention(self, max_num_seqs: int, max_model_len: int, trees: bool = False) -> int:
-        """Compile every attention kernel variant a replay can launch, so that nothing compiles while serving.
-        Variants differ only in compile-time choices (tile config, one tile per request, split or not, the
-        reduce's split padding and dims per program), so this plans a grid of batch shapes on the host, one per
-        token bucket x request count x query skew x context length, and launches one batch per distinct
-        variant; with `trees` (tree drafts are verified) each also with a tree mask (TREE). Returns the number
-        of variants launched."""
+        """Compile every attention and split-reduce kernel variant a replay can launch, so that nothing compiles
+        while serving. Within one model and cache, variants differ only in compile-time choices (`_variants`), so
+        this plans a grid of batch shapes on the host, one per token bucket x request count x query skew x context
+        length, and launches one batch for each variant not met before; with `trees` (tree drafts are verified)
+        each such batch also with a tree mask (TREE). Decode-only batches are left out: those steps replay
+        DecodeGraphs (captured for every batch size up to max_num_seqs), never these launches. Returns the number
+        of kernel variants launched."""
         call = self.calls[self.sizes[0]][0]
         kc, vc = call.k_cache, call.v_cache
         block_size = kc.shape[1]
-        seen: dict[tuple[Any, ...], tuple[int, list[int], int]] = {}
+        seen: set[tuple[Any, ...]] = set()
+        batches: list[tuple[int, list[int], int]] = []
         counts = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= max_num_seqs]
-        for t in self.sizes:
+        for t in self._token_counts(max_model_len):
             for n in (c for c in counts if c <= t):
                 for q_lens in (_even(t, n), [1] * (n - 1) + [t - n + 1]):
+                    if max(q_lens) == 1:
+                        continue
                     for ctx in sorted({max(q_lens), min(1024, max_model_len), max_model_len}):
                         ctx = max(ctx, max(q_lens))
                         plan = self._plan(self.attn_q[:t].shape, self.attn_q.dtype, kc.shape, self.device, n,
                                           call.scale, max_query_len=max(q_lens), max_seq_len=ctx,
                                           sliding_window=call.sliding_window)
-                        key = (plan.config, plan.one_tile, plan.num_splits > 1,
-                               max(8, 1 << (plan.num_splits - 1).bit_length()) if plan.num_splits > 1 else 0,
-                               plan.reduce_block_d if plan.num_splits > 1 else 0)
-                        seen.setdefault(key, (t, q_lens, ctx))
-        for t, q_lens, ctx in seen.values():
+                        new = set(_variants(plan)) - seen
+                        if new:
+                            seen |= new
+                            batches.append((t, q_lens, ctx))
+        for t, q_lens, ctx in batches:
             n = len(q_lens)
             qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=self.device)
             seq_lens = torch.tensor([ctx] * n, dtype=torch.int32, device=self.device)
             tables = torch.zeros((n, -(-ctx // block_size)), dtype=torch.int32, device=self.device)
             q = self.attn_q[:t]
-            plan = self._plan(q.shape, q.dtype, kc.shape, self.device, n, call.scale, max_query_len=max(q_lens),
-                              max_seq_len=ctx, sliding_window=call.sliding_window)
-            plan.launch(q, kc, vc, tables, seq_lens, qsl, self.attn_out[:t], kv_scales=call.kv_scales)
-            if trees:  # any mask will do: the outputs are discarded, only the compile matters
-                tree = (torch.full((t,), -1, dtype=torch.int64, device=self.device),
-                        (seq_lens - (qsl[1:] - qsl[:-1])).to(torch.int32))
+            # any mask will do: the outputs are discarded, only the compile matters
+            masks = [None, (torch.full((t,), -1, dtype=torch.int64, device=self.device),
+                            (seq_lens - (qsl[1:] - qsl[:-1])).to(torch.int32))]
+            for tree in masks[: 2 if trees else 1]:
+                # a plan per launch: a plan's later launches reuse the variant of its first without a JIT lookup
+                plan = self._plan(q.shape, q.dtype, kc.shape, self.device, n, call.scale,
+                                  max_query_len=max(q_lens), max_seq_len=ctx, sliding_window=call.sliding_window)
                 plan.launch(q, kc, vc, tables, seq_lens, qsl, self.attn_out[:t], kv_scales=call.kv_scales,
                             tree=tree)
-        torch.cuda.synchronize()
-        return len(seen) * (2 if trees else 1)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        attention = sum(key[0] == "attention" for key in seen)
+        return len(seen) + (attention if trees else 0)
+
+
+def _variants(plan: AttentionPlan) -> tuple[tuple[Any, ...], ...]:
+    """The kernel variants an AttentionPlan's launches use, apart from the per-launch flags (rope, fp8 cache, tree)
+    and what is fixed by the model and cache (dtypes, head geometry, strides, alignment): the attention kernel's
+    family (decode-only or dynamic), tile config and tile mapping, split or not; with a split, the reduce kernel's
+    family, split padding and dims per program (its num_warps follows from those two)."""
+    attention = ("attention", plan.dynamic, plan.config, plan.block_m, plan.block_q, plan.one_tile,
+                 plan.num_splits > 1)
+    if plan.num_splits == 1:
+        return (attention,)
+    return attention, ("reduce", plan.dynamic, max(8, 1 << (plan.num_splits - 1).bit_length()), plan.reduce_block_d)
 
 
 def _even(t: int, n: int) -> list[int]:

@@ -162,17 +162,23 @@ class SSEReader(asyncio.Protocol):
             self.done.set_exception(exc)
 
 
+def _completion_request(base_url: str, tokens: int) -> tuple[str, int, bytes]:
+    """(host, port, the bytes of a streamed /v1/completions request for `tokens` tokens) for `base_url`."""
+    host, port = base_url.removeprefix("http://").split("/")[0].split(":")
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": tokens, "stream": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    return host, int(port), head + body
+
+
 async def _sse_load(base_url: str, streams: int, tokens: int) -> dict[str, Any]:
     """The lean SSE reader (SSEReader) on `streams` connections: what the gateway adds with the least
     client-side cost on top."""
-    host, port = base_url.removeprefix("http://").split("/")[0].split(":")
-    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": tokens, "stream": True}).encode()
-    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    host, port, request = _completion_request(base_url, tokens)
     loop = asyncio.get_running_loop()
 
     async def one(rec: _Recorder) -> int:
-        transport, reader = await loop.create_connection(lambda: SSEReader(request, rec), host, int(port))
+        transport, reader = await loop.create_connection(lambda: SSEReader(request, rec), host, port)
         try:
             await reader.done
         finally:
@@ -185,13 +191,10 @@ async def _sse_load(base_url: str, streams: int, tokens: int) -> dict[str, Any]:
 async def _sse_readline_load(base_url: str, streams: int, tokens: int) -> dict[str, Any]:
     """The earlier SSE reader (asyncio streams: `readline` per line, a task wake-up per event), kept to
     show what the reader itself costs beside SSEReader in the same runs."""
-    host, port = base_url.removeprefix("http://").split("/")[0].split(":")
-    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": tokens, "stream": True}).encode()
-    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    host, port, request = _completion_request(base_url, tokens)
 
     async def one(rec: _Recorder) -> int:
-        reader, writer = await asyncio.open_connection(host, int(port))
+        reader, writer = await asyncio.open_connection(host, port)
         writer.write(request)
         n = 0
         while line := await reader.readline():

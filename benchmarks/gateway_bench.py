@@ -7,12 +7,14 @@ one token per request per step, its text the time of the step's return in ns) an
 (`tokenmill gateway`), each its own process on 127.0.0.1. No model runs: this measures the gateway
 and the wire, not generation.
 
-1. Added latency per token, in rounds alternating the two paths, each time `--streams` concurrent
-   streams of `--tokens` tokens from a load-generator process of its own:
-   - SDK: `AsyncClient.stream` against the broker;
-   - gateway: the official `openai` async client streaming /v1/completions through the gateway.
+1. Added latency per token, in rounds alternating the paths, each time `--streams` concurrent streams of
+   `--tokens` tokens from load-generator processes of their own (`--load-procs`, the same for every path):
+   - sdk: `AsyncClient.stream` against the broker;
+   - sse: a lean SSE reader (SSEReader: asyncio protocol callbacks) through the gateway; sse_readline:
+     the earlier reader (asyncio streams); openai: the official `openai` async client.
    Each token's latency is its arrival at the load generator's code minus its emit time (one monotonic
-   clock); the gateway's added latency per token is the difference of the two paths' percentiles.
+   clock); the gateway's added latency per token is the difference of the two paths' percentiles. A
+   step's tokens arrive as one burst; the report also gives each path's first and last token of a burst.
 2. aiperf (`--aiperf`), installed by this script into its own virtual environment (never a tokenmill
    dependency), profiles the gateway's streamed chat completions at the same concurrency: TTFT,
    inter-token latency, throughput as aiperf reports them (its token counts use the server's usage).
@@ -423,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--busy", type=float, default=0.3, help="share of each step the engine holds the GIL")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the load generators in turn")
     ap.add_argument("--paths", default="sdk,sse,openai",
-                    help="load generators, in each round's order: sdk, sse, openai (sdk always included)")
+                    help="load generators, in each round's order: sdk, sse, sse_readline, openai (sdk always included)")
     ap.add_argument("--gateway-workers", type=int, default=1, help="the gateway's --gateway-workers")
     ap.add_argument("--load-procs", type=int, default=1,
                     help="load-generator processes per path, the streams split over them (the same for every path)")

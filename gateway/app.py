@@ -107,27 +107,13 @@ def create_app(cfg: GatewayConfig | None = None) -> FastAPI:
         finally:
             await gw.close()
 
-    app = _GatewayApp(title="tokenmill gateway", version=_version(), lifespan=lifespan,
+    app = FastAPI(title="tokenmill gateway", version=_version(), lifespan=lifespan,
                   description="OpenAI-compatible HTTP API in front of a tokenmill broker.")
     app.state.gateway = gw
     _install_error_handlers(app, gw)
     _add_openai_routes(app, gw)
     _add_ops_routes(app, gw)
     return app
-
-
-RAW_SEND = "tokenmill.send"  # scope key: the server's own ASGI `send`, below every middleware's wrapper
-
-
-class _GatewayApp(FastAPI):
-    """FastAPI, keeping the server's `send` in each HTTP request's scope (RAW_SEND): a streamed answer
-    sends its response start through the middlewares' wrappers (they then know the response started) and
-    each body chunk straight to the server, skipping three wrapper coroutines per token."""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            scope[RAW_SEND] = send
-        await super().__call__(scope, receive, send)
 
 
 def _install_error_handlers(app: FastAPI, gw: Gateway) -> None:
@@ -331,7 +317,7 @@ class _JobStream(Response):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         # The stream runs in a task of its own: each token's wake-up then resumes its few frames, not the
         # whole ASGI stack of middlewares above this call (measured: benchmarks/results/cpu/NOTES.md).
-        streamer = asyncio.ensure_future(self._stream(send, scope.get(RAW_SEND, send)))
+        streamer = asyncio.ensure_future(self._stream(send))
         watcher = asyncio.ensure_future(until_disconnect(receive))
         try:
             await asyncio.wait((streamer, watcher), return_when=asyncio.FIRST_COMPLETED)
@@ -346,11 +332,8 @@ class _JobStream(Response):
             with contextlib.suppress(OSError):  # the connection broke while writing: nobody to answer
                 streamer.result()
 
-    async def _stream(self, send: Any, body_send: Any) -> None:
-        """Write the answer: its start through `send` (the middlewares' chain), its body through
-        `body_send` (the server's own send, or `send` again)."""
+    async def _stream(self, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-        send = body_send
         run, writer, delta = self.run, self.writer, self.delta
         usages: dict[int, Usage] = {}
         out = list(self.head)

@@ -527,7 +527,8 @@ def _bitmask_rows(bitmask: StepBitmask | None, reqs: list[Request], rows: Sequen
 
 
 def _i64(vals: Sequence[int]) -> Tensor:
-    return torch.tensor(vals, dtype=torch.int64)
+    """A CPU int64 tensor of `vals` (through numpy: torch.tensor(list) costs about three times as much)."""
+    return torch.from_numpy(np.fromiter(vals, dtype=np.int64, count=len(vals)))
 
 
 def _source_row(prev: PendingStep | None, req: Request) -> int:
@@ -568,8 +569,8 @@ def _positions_and_slots(q_lens: np.ndarray, starts: np.ndarray, tables: np.ndar
 def _attention_host(q_lens: list[int], seq_lens: list[int], tables: np.ndarray,
                     slots: np.ndarray) -> dict[str, Tensor]:
     return {
-        "query_start_loc": torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32),
-        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "query_start_loc": torch.from_numpy(np.cumsum([0, *q_lens], dtype=np.int32)),
+        "seq_lens": torch.from_numpy(np.asarray(seq_lens, dtype=np.int32)),
         "block_tables": torch.from_numpy(tables),
         "slot_mapping": torch.from_numpy(slots),
     }

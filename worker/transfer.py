@@ -48,6 +48,14 @@ def ship(host: Mapping[str, Tensor], device: torch.device) -> dict[str, Tensor]:
     return out
 
 
+def from_numpy(a: np.ndarray) -> Tensor:
+    """torch.from_numpy(a), except that an empty array gives a tensor of dense strides (from_numpy's are 0, which
+    byte views such as tensor-parallel step_sync's refuse). Per-step inputs are built through numpy: torch.tensor
+    of a Python list costs about three times as much as np.array + from_numpy."""
+    t = torch.from_numpy(a)
+    return t if a.size else torch.empty(t.shape, dtype=t.dtype)
+
+
 def _host_bytes(t: Tensor) -> np.ndarray:
     """The bytes of CPU tensor t as a flat uint8 array (a copy only when t is not contiguous)."""
     assert t.device.type == "cpu", f"ship stages CPU tensors, got one on {t.device}"

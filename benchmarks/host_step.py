@@ -13,8 +13,13 @@ Only APIs that older commits share are used, so the same script measures another
     PYTHONPATH=/tmp/old/pkg python benchmarks/host_step.py --repeats 200    # a package dir of another tree
     python -m tokenmill.benchmarks.host_step --profile "new request, system prompt cached"
 
-Not measured here (the GPU's part of the host path): the graph replays, the attention launches between the
-piecewise graph pieces, pinned allocations and the host-to-device copy itself.
+On the CPU this leaves out the GPU's part of the host path: the graph replays, the attention launches between
+the piecewise graph pieces, pinned allocations and the host-to-device copy itself. With --device cuda (the suite's
+dummy Llama-3-8B, bf16) the forward is real and the device is synced after each launch, outside the timed part,
+so `_forward` is the host time of the replays and attention launches. Two commits on one GPU in one call:
+
+    AB_SECTIONS= AB_TESTS= AB_CMD="python3 $PWD/benchmarks/host_step.py --device cuda --repeats 30" \
+        bash benchmarks/gpu_ab.sh      # .cache/before.tar = git archive of the baseline
 """
 
 from __future__ import annotations

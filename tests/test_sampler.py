@@ -47,7 +47,9 @@ def build(
         params, prompts or [[]] * n, outputs or [[]] * n, seeds, eos, vocab_size, device
     )
     if positions is not None:  # large positions without building huge output lists
-        meta = dataclasses.replace(meta, positions=torch.tensor(positions, dtype=torch.int64, device=device))
+        rows = meta.rows_i64.clone()  # [top_k, seeds, positions]
+        rows[2] = torch.tensor(positions, dtype=torch.int64, device=device)
+        meta = dataclasses.replace(meta, rows_i64=rows)
     return meta
 
 

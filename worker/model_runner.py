@@ -41,7 +41,7 @@ from tokenmill.worker.spec.tree import (
 )
 from tokenmill.worker.spec.verifier import DraftLayout, accept_drafts, tokens_of
 from tokenmill.worker.structured.bitmask import StepBitmask
-from tokenmill.worker.transfer import HostCopy, ship
+from tokenmill.worker.transfer import HostCopy, from_numpy, ship
 
 log = logging.getLogger("tokenmill.runner")
 
@@ -304,7 +304,9 @@ class ModelRunner:
         ids = dev["input_ids"]
         if host.tensors["fix_index"].numel():
             assert prev is not None and prev.sampled is not None
-            ids[dev["fix_index"]] = prev.sampled[dev["fix_source"]]  # on the device, after prev's sampler
+            # on the device, after prev's sampler (index_copy_/index_select: the same as ids[i] = sampled[j] with
+            # distinct i, at less host cost than advanced indexing)
+            ids.index_copy_(0, dev["fix_index"], prev.sampled.index_select(0, dev["fix_source"]))
         return ids, dev["positions"], _attention_meta(dev, host.q_lens, host.seq_lens)
 
     def _forward_keeping(self, inputs: tuple[Tensor, Tensor, AttentionMetadata], dev: dict[str, Tensor],
@@ -418,7 +420,7 @@ class ModelRunner:
                                                  [host.q_lens[i] for i in keep_features])
         if smeta is None:
             return PendingStep(len(batch.requests), {}, [], [], None, None, features=features)
-        logits = self.model.compute_logits(hidden[dev["logits_rows"]])
+        logits = self.model.compute_logits(hidden.index_select(0, dev["logits_rows"]))
         out = self.sampler(logits, self._device_sampling(smeta, dev, prev))
         copies = [out.sampled_token_ids]
         if out.logprobs_token_ids is not None and out.logprobs is not None:
@@ -442,7 +444,7 @@ class ModelRunner:
         dev = self._ship(tensors)  # the step's one host-to-device copy
         hidden, features = self._forward_keeping(self._device_inputs(dev, host, None), dev,
                                                  [host.q_lens[i] for i in keep_features])
-        logits = self.model.compute_logits(hidden[dev["logits_rows"]])  # [R, V]
+        logits = self.model.compute_logits(hidden.index_select(0, dev["logits_rows"]))  # [R, V]
         out = self.sampler(logits, self._device_sampling(smeta, dev, None))
         accepted = accept_drafts(out.sampled_token_ids, dev["spec.rows"], dev["spec.drafts"])  # [S]
         copies = [out.sampled_token_ids, accepted]
@@ -527,7 +529,8 @@ def _bitmask_rows(bitmask: StepBitmask | None, reqs: list[Request], rows: Sequen
 
 
 def _i64(vals: Sequence[int]) -> Tensor:
-    return torch.tensor(vals, dtype=torch.int64)
+    """A CPU int64 tensor of `vals` (through numpy: transfer.from_numpy)."""
+    return from_numpy(np.fromiter(vals, dtype=np.int64, count=len(vals)))
 
 
 def _source_row(prev: PendingStep | None, req: Request) -> int:
@@ -568,8 +571,8 @@ def _positions_and_slots(q_lens: np.ndarray, starts: np.ndarray, tables: np.ndar
 def _attention_host(q_lens: list[int], seq_lens: list[int], tables: np.ndarray,
                     slots: np.ndarray) -> dict[str, Tensor]:
     return {
-        "query_start_loc": torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32),
-        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "query_start_loc": torch.from_numpy(np.cumsum([0, *q_lens], dtype=np.int32)),
+        "seq_lens": torch.from_numpy(np.asarray(seq_lens, dtype=np.int32)),
         "block_tables": torch.from_numpy(tables),
         "slot_mapping": torch.from_numpy(slots),
     }

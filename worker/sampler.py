@@ -23,13 +23,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.structured.bitmask import apply_token_bitmask
+from tokenmill.worker.transfer import from_numpy
 
 log = logging.getLogger("tokenmill.sampler")
 
@@ -113,16 +115,14 @@ class SamplingMetadata:
     All tensors live on the logits' device. Padded id tensors use `vocab_size` as the pad id.
     The host-side flags let `Sampler` skip unused work without reading device memory."""
 
-    temperature: Tensor  # [N] f32; rows with is_greedy hold 1.0 (never divided by ~0)
+    # The per-row numbers in two tensors (one host-to-device copy each; the properties below are their rows):
+    # [6, N] f32: temperature (rows with is_greedy hold 1.0, never divided by ~0), top_p in (0, 1] (1 = off),
+    # min_p in [0, 1] (0 = off), repetition_penalty > 0 (1 = off), presence_penalty, frequency_penalty;
+    # [3, N] i64: top_k in [1, V] (V = off), seeds (the 64 seed bits, two's complement), positions (index of the
+    # token being sampled within the request's output).
+    rows_f32: Tensor
+    rows_i64: Tensor
     is_greedy: Tensor  # [N] bool: temperature < GREEDY_TEMPERATURE_EPS
-    top_k: Tensor  # [N] i64 in [1, V]; V = off
-    top_p: Tensor  # [N] f32 in (0, 1]; 1 = off
-    min_p: Tensor  # [N] f32 in [0, 1]; 0 = off
-    repetition_penalty: Tensor  # [N] f32 > 0; 1 = off
-    presence_penalty: Tensor  # [N] f32
-    frequency_penalty: Tensor  # [N] f32
-    seeds: Tensor  # [N] i64 (the 64 seed bits, two's complement)
-    positions: Tensor  # [N] i64: index of the token being sampled within the request's output
     prompt_ids: Tensor  # [N, Lp] i64, pad = V; Lp = 0 when no row has a repetition penalty
     output_ids: Tensor  # [N, Lo] i64, pad = V; Lo = 0 when no row has any penalty
     banned_ids: Tensor  # [N, Lb] i64, pad = V: ids a row must not sample now (min_tokens)
@@ -144,7 +144,43 @@ class SamplingMetadata:
 
     @property
     def num_rows(self) -> int:
-        return int(self.temperature.shape[0])
+        return int(self.rows_f32.shape[1])
+
+    @property
+    def temperature(self) -> Tensor:
+        return self.rows_f32[0]
+
+    @property
+    def top_p(self) -> Tensor:
+        return self.rows_f32[1]
+
+    @property
+    def min_p(self) -> Tensor:
+        return self.rows_f32[2]
+
+    @property
+    def repetition_penalty(self) -> Tensor:
+        return self.rows_f32[3]
+
+    @property
+    def presence_penalty(self) -> Tensor:
+        return self.rows_f32[4]
+
+    @property
+    def frequency_penalty(self) -> Tensor:
+        return self.rows_f32[5]
+
+    @property
+    def top_k(self) -> Tensor:
+        return self.rows_i64[0]
+
+    @property
+    def seeds(self) -> Tensor:
+        return self.rows_i64[1]
+
+    @property
+    def positions(self) -> Tensor:
+        return self.rows_i64[2]
 
     @classmethod
     def build(
@@ -170,23 +206,14 @@ class SamplingMetadata:
         banned = [_banned_ids(p, len(o), eos_token_ids, vocab_size) for p, o in zip(params, output_ids)]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
 
-        def f32(vals: Sequence[float]) -> Tensor:
-            return torch.tensor(vals, dtype=torch.float32, device=device)
-
-        def i64(vals: Sequence[int]) -> Tensor:
-            return torch.tensor(vals, dtype=torch.int64, device=device)
-
+        per_row = [(1.0 if g else p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+                    p.frequency_penalty) for p, g in zip(params, greedy)]  # one pass over the rows, then transposed
+        rows_f32 = np.array(per_row, dtype=np.float32).reshape(n, 6).T
+        rows_i64 = [top_k, [_i64(s) for s in seeds], [len(o) for o in output_ids]]
         return cls(
-            temperature=f32([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            top_k=i64(top_k),
-            top_p=f32([p.top_p for p in params]),
-            min_p=f32([p.min_p for p in params]),
-            repetition_penalty=f32([p.repetition_penalty for p in params]),
-            presence_penalty=f32([p.presence_penalty for p in params]),
-            frequency_penalty=f32([p.frequency_penalty for p in params]),
-            seeds=i64([_i64(s) for s in seeds]),
-            positions=i64([len(o) for o in output_ids]),
+            rows_f32=_host_tensor(rows_f32, np.float32, device),
+            rows_i64=_host_tensor(rows_i64, np.int64, device).view(3, n),
+            is_greedy=_host_tensor(greedy, np.bool_, device),
             prompt_ids=_pad_ids([] if no_rep else prompt_ids, n, vocab_size, device),
             output_ids=_pad_ids([] if no_pen else output_ids, n, vocab_size, device),
             banned_ids=_pad_ids(banned, n, vocab_size, device),
@@ -201,9 +228,16 @@ class SamplingMetadata:
             no_top_p=all(p.top_p >= 1.0 for p, g in zip(params, greedy) if not g),
             no_min_p=all(p.min_p <= 0.0 for p, g in zip(params, greedy) if not g),
             no_banned=not any(banned),
-            bitmask_rows=None if bitmask is None else i64(list(bitmask[0])),
+            bitmask_rows=None if bitmask is None else _host_tensor(list(bitmask[0]), np.int64, device),
             bitmask=None if bitmask is None else bitmask[1].to(device),
         )
+
+
+def _host_tensor(vals: Sequence[Any] | np.ndarray, dtype: type[np.generic], device: torch.device) -> Tensor:
+    """A C-contiguous tensor of `vals` (numbers, rows of them, or an array) on `device`, built through numpy: the values
+    torch.tensor(vals) would give, at a third of its host cost (the step's metadata is built every step)."""
+    t = from_numpy(np.array(vals, dtype=dtype, order="C"))
+    return t if device.type == "cpu" else t.to(device)
 
 
 def _banned_ids(p: SamplingParams, num_output: int, eos: Sequence[int], vocab_size: int) -> list[int]:

@@ -25,28 +25,35 @@ def ship(host: Mapping[str, Tensor], device: torch.device) -> dict[str, Tensor]:
     Host cost matters here (once per step, ~20 small tensors): the parts are written through one numpy view
     of the staging buffer, and each result is one slice of the device buffer viewed as its dtype (a view per
     dtype, not per part)."""
-    items = list(host.items())
+    parts = [(name, t, _host_bytes(t)) for name, t in host.items()]
     offsets, total = [], 0
-    for _, t in items:
+    for _, _, a in parts:
         offsets.append(total)
-        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        total += -(-a.size // _ALIGN) * _ALIGN
     buf = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=device.type == "cuda")
     staging = buf.numpy()
-    for (_, t), off in zip(items, offsets):
-        if t.numel():
-            a = _host_bytes(t)
+    for (_, _, a), off in zip(parts, offsets):
+        if a.size:
             staging[off : off + a.size] = a
     dev = buf if device.type == "cpu" else buf.to(device, non_blocking=True)
     typed: dict[torch.dtype, Tensor] = {}
     out = {}
-    for (name, t), off in zip(items, offsets):
+    for (name, t, a), off in zip(parts, offsets):
         view = typed.get(t.dtype)
         if view is None:
             view = typed[t.dtype] = dev.view(t.dtype)
-        start = off // t.element_size()
-        part = view[start : start + t.numel()]
+        size = t.itemsize
+        part = view[off // size : (off + a.size) // size]
         out[name] = part if t.dim() == 1 else part.view(t.shape)
     return out
+
+
+def from_numpy(a: np.ndarray) -> Tensor:
+    """torch.from_numpy(a), except that an empty array gives a tensor of dense strides (from_numpy's are 0, which
+    byte views such as tensor-parallel step_sync's refuse). Per-step inputs are built through numpy: torch.tensor
+    of a Python list costs about three times as much as np.array + from_numpy."""
+    t = torch.from_numpy(a)
+    return t if a.size else torch.empty(t.shape, dtype=t.dtype)
 
 
 def _host_bytes(t: Tensor) -> np.ndarray:

@@ -1,0 +1,89 @@
+"""AttentionPlan.launch reuses one step's arguments for the step's next layers (kernels/paged_attention.py
+_LayerLaunch): every launch must hand the compiled variant exactly the arguments a launch built from scratch
+would. The compiled variants are stand-ins that record their arguments (on the CPU the interpreter compiles none)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from tokenmill.kernels.paged_attention import AttentionPlan, plan_paged_attention
+
+Launch = tuple[tuple[int, int, int], tuple[Any, ...]]
+
+
+class _Recorder:
+    """Stands in for a compiled Triton variant: `variant[grid](*args)` records (grid, args)."""
+
+    def __init__(self, log: list[Launch]) -> None:
+        self.log = log
+
+    def __getitem__(self, grid: tuple[int, int, int]) -> Any:
+        return lambda *args: self.log.append((grid, args))
+
+
+def _key(x: Any, plan: AttentionPlan) -> Any:
+    """Tensors by what the launcher reads of them (address, shape, strides, dtype), the plan's own split partials by
+    their place in it; other arguments as they are."""
+    for i, part in enumerate(plan.part):
+        if x is part:
+            return ("part", i)
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x.data_ptr(), tuple(x.shape), x.stride(), x.dtype)
+    return x
+
+
+def _plan(num_splits: int | None, log: list[Launch]) -> AttentionPlan:
+    plan = plan_paged_attention((24, 4, 16), torch.float16, (8, 16, 2, 16), torch.device("cpu"), 3, 0.25,
+                                max_query_len=10, max_seq_len=40, num_splits=num_splits)
+    plan._compiled[:] = [_Recorder(log), _Recorder(log)]  # as if the first launch had compiled both
+    return plan
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("fp8_scales", [False, True])
+@pytest.mark.parametrize("tree", [False, True])
+def test_layers_of_a_step_get_the_arguments_of_a_fresh_launch(num_splits: int, fp8_scales: bool, tree: bool) -> None:
+    q, out = torch.zeros(24, 4, 16, dtype=torch.float16), torch.zeros(24, 4, 16, dtype=torch.float16)
+    tables = torch.zeros(3, 3, dtype=torch.int32)
+    seq_lens = torch.tensor([40, 30, 20], dtype=torch.int32)
+    qsl = torch.tensor([0, 10, 18, 24], dtype=torch.int32)
+    trees = (torch.zeros(24, dtype=torch.int64), seq_lens.clone()) if tree else None
+    layers = [(torch.zeros(8, 16, 2, 16, dtype=torch.float16), torch.zeros(8, 16, 2, 16, dtype=torch.float16),
+               torch.ones(2, 2) * (i + 1) if fp8_scales else None) for i in range(4)]
+    reused: list[Launch] = []
+    fresh: list[Launch] = []
+    shared, alone = _plan(num_splits, reused), _plan(num_splits, fresh)
+    assert shared.num_splits == num_splits
+    for k, v, scales in layers:
+        shared.launch(q, k, v, tables, seq_lens, qsl, out, kv_scales=scales, tree=trees)
+        alone._last[0] = None  # every launch built from scratch
+        alone.launch(q, k, v, tables, seq_lens, qsl, out, kv_scales=scales, tree=trees)
+    assert len(reused) == len(fresh) == len(layers) * (2 if num_splits > 1 else 1)
+    for (grid_a, args_a), (grid_b, args_b) in zip(reused, fresh, strict=True):
+        assert grid_a == grid_b
+        assert [_key(a, shared) for a in args_a] == [_key(b, alone) for b in args_b]
+    assert shared._last[0] is not None  # the fast path was taken (launches after the first)
+
+
+def test_another_step_tensor_or_cache_layout_is_launched_afresh() -> None:
+    log: list[Launch] = []
+    plan = _plan(1, log)
+    q = torch.zeros(24, 4, 16, dtype=torch.float16)
+    tables = torch.zeros(3, 3, dtype=torch.int32)
+    seq_lens = torch.tensor([40, 30, 20], dtype=torch.int32)
+    qsl = torch.tensor([0, 10, 18, 24], dtype=torch.int32)
+    k = torch.zeros(8, 16, 2, 16, dtype=torch.float16)
+    out_a, out_b = torch.zeros_like(q), torch.zeros_like(q)
+    plan.launch(q, k, k, tables, seq_lens, qsl, out_a)
+    plan.launch(q, k, k, tables, seq_lens, qsl, out_b)  # another output buffer: its address and strides
+    assert log[1][1][6] is out_b
+    wide = torch.zeros(8, 16, 2, 32, dtype=torch.float16)[..., :16]  # the planned shape, other strides
+    plan.launch(q, wide, wide, tables, seq_lens, qsl, out_b)
+    ints = [a for a in log[2][1] if isinstance(a, int)]
+    assert log[2][1][1] is wide and wide.stride(0) in ints and k.stride(0) not in ints

@@ -19,7 +19,8 @@ sections=${*:-tests e2e kernels gemv}
 for s in $sections; do
   t0=$SECONDS
   case $s in
-    tests)   timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/} 2>&1 | tee "$R/gpu_tests.log" \
+    tests)   # SIGINT at the limit: pytest then still prints the failures it has seen
+             timeout -s INT -k 20 ${TESTS_TIMEOUT:-170} python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/} 2>&1 | tee "$R/gpu_tests.log" \
                | grep -E "passed|failed|^FAILED|^E " | head -40 ;;
     kernels) timeout ${KERNELS_TIMEOUT:-330} python3 benchmarks/gpu_kernels.py --budget-s $(( ${KERNELS_TIMEOUT:-330} - 40 )) \
                --sections ${KERNEL_SECTIONS:-copy,decode,prefill,small} --out "$R/kernels" > "$R/kernels.log" 2>&1

@@ -713,8 +713,9 @@ class AttentionPlan:
     reduce_grid: tuple[int, int, int]
     reduce_block_d: int
     dynamic: bool  # batches with prompt tokens: the kernels without per-step int specialization
-    # the compiled attention and reduce variants, set by the first launch (see launch)
-    _compiled: list[Any] = field(default_factory=lambda: [None, None], repr=False, compare=False)
+    # the compiled attention and reduce variants per launch flags (rope, fp8 scales, tree: constexprs of the kernel),
+    # each pair set by the first launch with those flags (see launch)
+    _compiled: dict[tuple[bool, bool, bool], list[Any]] = field(default_factory=dict, repr=False, compare=False)
     # the last compiled launch's arguments, reused by the next layer of the same step (see _LayerLaunch)
     _last: list[_LayerLaunch | None] = field(default_factory=lambda: [None], repr=False, compare=False)
 
@@ -727,8 +728,9 @@ class AttentionPlan:
         float32 with float8_e4m3fn caches; tree: (tree_mask [T] int64, tree_start [B] int32) of tree drafts.
 
         The first launch goes through Triton's JIT, which picks the compiled variant for the arguments' types and
-        alignments; later launches of the same plan reuse that variant directly, which is what makes one plan
-        per step cheap for all layers. So every launch of one plan must pass tensors of the same dtypes and
+        alignments; later launches of the same plan with the same flags (rope, kv_scales, tree given or not) reuse
+        that variant directly, which is what makes one plan per step cheap for all layers. So every launch of one
+        plan must pass tensors of the same dtypes and
         16-byte alignment as the first (one step's layers do: the same buffers, caches of one shape). A launch with
         the same step tensors as the one before (the same objects: q, out, metadata, rope, tree) and caches of the
         same strides only swaps the caches and scales into the arguments that launch built."""
@@ -764,8 +766,9 @@ class AttentionPlan:
                    **{k: v for k, v in self.pdl.items() if k != "PDL"}}
         kernels = (_paged_attn_kernel_dyn, _reduce_splits_kernel_dyn) if self.dynamic else \
             (_paged_attn_kernel, _reduce_splits_kernel)
-        second = self._compiled[0] is not None  # a plan launched once only (paged_attention's) keeps nothing
-        self._compiled[0] = _run(kernels[0], self._compiled[0], self.grid, args, constexprs, options)
+        compiled = self._compiled.setdefault((rope is not None, kv_scales is not None, tree is not None), [None, None])
+        second = compiled[0] is not None  # a plan launched once only (paged_attention's) keeps nothing
+        compiled[0] = _run(kernels[0], compiled[0], self.grid, args, constexprs, options)
         attn_args = [*args, *constexprs.values()]
         reduce_args: tuple[Any, ...] = ()
         if self.num_splits > 1:
@@ -775,10 +778,9 @@ class AttentionPlan:
                               PDL=self.pdl["PDL"])
             options["num_warps"] = 4 if self.reduce_block_d * splits_pad >= 4096 else 2
             options.pop("num_stages")
-            self._compiled[1] = _run(kernels[1], self._compiled[1], self.reduce_grid, args, constexprs,
-                                     options)
+            compiled[1] = _run(kernels[1], compiled[1], self.reduce_grid, args, constexprs, options)
             reduce_args = (*args, *constexprs.values())
-        attn, red = self._compiled
+        attn, red = compiled
         self._last[0] = None
         if second and (red is not None or not reduce_args):  # (under the interpreter no variant is ever set)
             self._last[0] = _LayerLaunch(

@@ -4,6 +4,7 @@ would. The compiled variants are stand-ins that record their arguments (on the C
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
@@ -41,7 +42,9 @@ def _key(x: Any, plan: AttentionPlan) -> Any:
 def _plan(num_splits: int | None, log: list[Launch]) -> AttentionPlan:
     plan = plan_paged_attention((24, 4, 16), torch.float16, (8, 16, 2, 16), torch.device("cpu"), 3, 0.25,
                                 max_query_len=10, max_seq_len=40, num_splits=num_splits)
-    plan._compiled[:] = [_Recorder(log), _Recorder(log)]  # as if the first launch had compiled both
+    # as if the first launch with each set of flags had compiled both kernels
+    for flags in itertools.product((False, True), repeat=3):
+        plan._compiled[flags] = [_Recorder(log), _Recorder(log)]
     return plan
 
 
@@ -87,3 +90,30 @@ def test_another_step_tensor_or_cache_layout_is_launched_afresh() -> None:
     plan.launch(q, wide, wide, tables, seq_lens, qsl, out_b)
     ints = [a for a in log[2][1] if isinstance(a, int)]
     assert log[2][1][1] is wide and wide.stride(0) in ints and k.stride(0) not in ints
+
+
+def test_a_launch_with_other_flags_gets_a_variant_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan launched with and without a tree mask (a TREE constexpr) never hands one's compiled variant to the
+    other: each flag set goes through the JIT once, then reuses its own."""
+    from tokenmill.kernels import paged_attention as pa
+
+    log: list[Launch] = []
+    given: list[tuple[bool, Any]] = []
+
+    def run(kernel: Any, compiled: Any, grid: Any, args: Any, constexprs: dict[str, Any], options: Any) -> Any:
+        given.append((constexprs["TREE"], compiled))
+        return compiled if compiled is not None else _Recorder(log)
+
+    monkeypatch.setattr(pa, "_run", run)
+    plan = plan_paged_attention((24, 4, 16), torch.float16, (8, 16, 2, 16), torch.device("cpu"), 3, 0.25,
+                                max_query_len=10, max_seq_len=40, num_splits=1)
+    q, out = torch.zeros(24, 4, 16, dtype=torch.float16), torch.zeros(24, 4, 16, dtype=torch.float16)
+    k = torch.zeros(8, 16, 2, 16, dtype=torch.float16)
+    tables, seq_lens = torch.zeros(3, 3, dtype=torch.int32), torch.tensor([40, 30, 20], dtype=torch.int32)
+    qsl = torch.tensor([0, 10, 18, 24], dtype=torch.int32)
+    tree = (torch.zeros(24, dtype=torch.int64), seq_lens.clone())
+    for t in (None, tree, None, tree):
+        plan.launch(q, k, k, tables, seq_lens, qsl, out, tree=t)
+    assert [flag for flag, _ in given] == [False, True, False, True]
+    assert given[0][1] is None and given[1][1] is None  # the first launch of each flag set compiles
+    assert given[2][1] is not None and given[2][1] is not given[3][1]  # then each reuses its own variant

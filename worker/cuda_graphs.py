@@ -285,7 +285,7 @@ class PiecewiseGraphs:
         kc, vc = call.k_cache, call.v_cache
         block_size = kc.shape[1]
         seen: set[tuple[Any, ...]] = set()
-        batches: list[tuple[int, list[int], int]] = []
+        batches: list[tuple[int, list[int], int, AttentionPlan]] = []  # a batch and its plan per new variant
         counts = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= max_num_seqs]
         for t in self._token_counts(max_model_len):
             for n in (c for c in counts if c <= t):
@@ -300,8 +300,8 @@ class PiecewiseGraphs:
                         new = set(_variants(plan)) - seen
                         if new:
                             seen |= new
-                            batches.append((t, q_lens, ctx))
-        for t, q_lens, ctx in batches:
+                            batches.append((t, q_lens, ctx, plan))
+        for t, q_lens, ctx, plan in batches:
             n = len(q_lens)
             qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=self.device)
             seq_lens = torch.tensor([ctx] * n, dtype=torch.int32, device=self.device)
@@ -310,10 +310,7 @@ class PiecewiseGraphs:
             # any mask will do: the outputs are discarded, only the compile matters
             masks = [None, (torch.full((t,), -1, dtype=torch.int64, device=self.device),
                             (seq_lens - (qsl[1:] - qsl[:-1])).to(torch.int32))]
-            for tree in masks[: 2 if trees else 1]:
-                # a plan per launch: a plan's later launches reuse the variant of its first without a JIT lookup
-                plan = self._plan(q.shape, q.dtype, kc.shape, self.device, n, call.scale,
-                                  max_query_len=max(q_lens), max_seq_len=ctx, sliding_window=call.sliding_window)
+            for tree in masks[: 2 if trees else 1]:  # the plan keeps a compiled variant per tree flag
                 plan.launch(q, kc, vc, tables, seq_lens, qsl, self.attn_out[:t], kv_scales=call.kv_scales,
                             tree=tree)
         if self.device.type == "cuda":

@@ -41,7 +41,7 @@ from tokenmill.worker.spec.tree import (
 )
 from tokenmill.worker.spec.verifier import DraftLayout, accept_drafts, tokens_of
 from tokenmill.worker.structured.bitmask import StepBitmask
-from tokenmill.worker.transfer import HostCopy, from_numpy, ship
+from tokenmill.worker.transfer import HostCopy, host_tensor, ship
 
 log = logging.getLogger("tokenmill.runner")
 
@@ -529,8 +529,7 @@ def _bitmask_rows(bitmask: StepBitmask | None, reqs: list[Request], rows: Sequen
 
 
 def _i64(vals: Sequence[int]) -> Tensor:
-    """A CPU int64 tensor of `vals` (through numpy: transfer.from_numpy)."""
-    return from_numpy(np.fromiter(vals, dtype=np.int64, count=len(vals)))
+    return host_tensor(vals, np.int64)
 
 
 def _source_row(prev: PendingStep | None, req: Request) -> int:

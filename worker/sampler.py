@@ -31,7 +31,7 @@ from torch import Tensor
 
 from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.structured.bitmask import apply_token_bitmask
-from tokenmill.worker.transfer import from_numpy
+from tokenmill.worker.transfer import host_tensor
 
 log = logging.getLogger("tokenmill.sampler")
 
@@ -212,7 +212,7 @@ class SamplingMetadata:
         rows_i64 = [top_k, [_i64(s) for s in seeds], [len(o) for o in output_ids]]
         return cls(
             rows_f32=_host_tensor(rows_f32, np.float32, device),
-            rows_i64=_host_tensor(rows_i64, np.int64, device).view(3, n),
+            rows_i64=_host_tensor(rows_i64, np.int64, device),
             is_greedy=_host_tensor(greedy, np.bool_, device),
             prompt_ids=_pad_ids([] if no_rep else prompt_ids, n, vocab_size, device),
             output_ids=_pad_ids([] if no_pen else output_ids, n, vocab_size, device),
@@ -234,9 +234,8 @@ class SamplingMetadata:
 
 
 def _host_tensor(vals: Sequence[Any] | np.ndarray, dtype: type[np.generic], device: torch.device) -> Tensor:
-    """A C-contiguous tensor of `vals` (numbers, rows of them, or an array) on `device`, built through numpy: the values
-    torch.tensor(vals) would give, at a third of its host cost (the step's metadata is built every step)."""
-    t = from_numpy(np.array(vals, dtype=dtype, order="C"))
+    """transfer.host_tensor on `device` (the step's metadata is built every step)."""
+    t = host_tensor(vals, dtype)
     return t if device.type == "cpu" else t.to(device)
 
 

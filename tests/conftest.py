@@ -22,3 +22,13 @@ def _logging_environment_restored() -> Iterator[None]:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On a CUDA machine the interpreter must stay off: a test module that sets TRITON_INTERPRET at import runs
+    every later kernel, and every worker process a test starts, in the interpreter (minutes, then failures)."""
+    import torch
+
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise pytest.UsageError("TRITON_INTERPRET was set while collecting the tests on a CUDA machine: guard the "
+                                "module that sets it with `if not torch.cuda.is_available()`")

@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from .direct_launch import direct_launcher
 from .kv_cache import FP8_KV, check_kv_cache_args, check_kv_scales, quantize_e4m3
 from .launch import l2_bytes as _l2_bytes
 from .launch import next_pow2 as _next_pow2
@@ -728,10 +729,10 @@ class AttentionPlan:
         float32 with float8_e4m3fn caches; tree: (tree_mask [T] int64, tree_start [B] int32) of tree drafts.
 
         The first launch goes through Triton's JIT, which picks the compiled variant for the arguments' types and
-        alignments; later launches of the same plan with the same flags (rope, kv_scales, tree given or not) reuse
-        that variant directly, which is what makes one plan per step cheap for all layers. So every launch of one
-        plan must pass tensors of the same dtypes and
-        16-byte alignment as the first (one step's layers do: the same buffers, caches of one shape). A launch with
+        alignments; later launches of the same plan (or of plans sharing its `variants` store entry) with the same
+        flags (rope, kv_scales, tree given or not) reuse that variant directly, which is what makes one plan per
+        step cheap for all layers. So every launch of one plan must pass tensors of the same dtypes and 16-byte
+        alignment as the first (one step's layers do: the same buffers, caches of one shape). A launch with
         the same step tensors as the one before (the same objects: q, out, metadata, rope, tree) and caches of the
         same strides only swaps the caches and scales into the arguments that launch built."""
         last = self._last[0]
@@ -785,16 +786,16 @@ class AttentionPlan:
         if second and (red is not None or not reduce_args):  # (under the interpreter no variant is ever set)
             self._last[0] = _LayerLaunch(
                 (q, block_tables, seq_lens, query_start_loc, out, rope, tree), kv_scales is None,
-                (k_cache.stride(), v_cache.stride()), attn_args, attn[self.grid],
-                (red[self.reduce_grid], reduce_args) if reduce_args else None)
+                (k_cache.stride(), v_cache.stride()), attn_args, direct_launcher(attn, self.grid, q.device.index),
+                (direct_launcher(red, self.reduce_grid, q.device.index), reduce_args) if reduce_args else None)
 
 
 class _LayerLaunch:
     """One compiled launch of a plan, kept for the step's next layers: the same attention over another layer's
     caches differs only in the caches and their fp8 scales, so `launch` puts those into the arguments built for
     the first layer (positions _K, _V, _KV_SCALES of the kernel's signature) and calls the compiled variants'
-    launchers again (Triton's per-launch work: stream lookup and the C launcher; ~1 us of Python instead of the
-    ~10 us of building 40 arguments and three dicts per layer)."""
+    C launchers again (kernels/direct_launch.py: one call with the current stream instead of Triton's runner,
+    and no rebuilding of 40 arguments and three dicts per layer)."""
 
     _K, _V, _KV_SCALES = 1, 2, 15  # k_cache_ptr, v_cache_ptr, kvs_ptr in _paged_attn_fn's parameters
 
@@ -850,9 +851,16 @@ def plan_paged_attention(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     config: PagedAttentionConfig | None = None,
+    variants: dict[tuple[Any, ...], dict[tuple[bool, bool, bool], list[Any]]] | None = None,
 ) -> AttentionPlan:
     """Launch decisions for q of `q_shape` [T, Hq, D] against caches of `cache_shape` [blocks, block_size,
-    Hkv, D] over `num_seqs` requests (T, num_seqs >= 1). Arguments as paged_attention's, unchecked."""
+    Hkv, D] over `num_seqs` requests (T, num_seqs >= 1). Arguments as paged_attention's, unchecked.
+
+    `variants`: compiled variants kept across the plans of many steps (PiecewiseGraphs keeps one store). A dynamic
+    plan's kernels specialize on no per-step value (_PER_STEP_INTS), so two dynamic plans of the same compile-time
+    choices over the same model, caches and buffers launch the same variants: the plan shares the store's entry for
+    its choices, and even its first launch skips Triton's JIT. The callers' tensors must keep the dtypes and the
+    16-byte alignment of the launches that filled the store (one model's static buffers and shipped inputs do)."""
     num_tokens, num_q_heads, head_dim = q_shape
     num_kv_heads = cache_shape[2]
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -884,11 +892,18 @@ def plan_paged_attention(
     rows = num_tokens * num_q_heads
     d_chunks = min(head_dim // 16, _next_pow2(_REDUCE_PROGRAMS_PER_SM * _num_sms(device) // rows + 1) // 2)
     d_chunks = max(1, d_chunks)  # a power of two dividing head_dim
+    dynamic = max_query_len > 1
+    compiled: dict[tuple[bool, bool, bool], list[Any]] = {}
+    if variants is not None and dynamic:
+        choices = (dtype, tuple(q_shape[1:]), tuple(cache_shape[1:]), sliding_window is not None, config, block_m,
+                   block_q, one_tile, num_splits > 1, head_dim // d_chunks,
+                   max(8, _next_pow2(num_splits)) if num_splits > 1 else 0)
+        compiled = variants.setdefault(choices, {})
     return AttentionPlan(
         config=config, block_m=block_m, block_q=block_q, one_tile=one_tile, num_splits=num_splits,
         heads_per_group=heads_per_group, grid=grid, num_seqs=num_seqs, qk_scale=float(scale) * _LOG2E,
         window=int(sliding_window or 0), part=(part_acc, part_m, part_l), pdl=pdl_launch_args(device),
         reduce_grid=(num_tokens, num_q_heads, d_chunks), reduce_block_d=head_dim // d_chunks,
-        dynamic=max_query_len > 1,
+        dynamic=dynamic, _compiled=compiled,
     )
 

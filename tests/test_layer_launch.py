@@ -118,3 +118,45 @@ def test_a_launch_with_other_flags_gets_a_variant_of_its_own(monkeypatch: pytest
     assert [flag for flag, _ in given] == [False, True, False, True]
     assert given[0][1] is None and given[1][1] is None  # the first launch of each flag set compiles
     assert given[2][1] is not None and given[2][1] is not given[3][1]  # then each reuses its own variant
+
+
+def test_plans_sharing_a_store_launch_its_variants_from_their_first_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PiecewiseGraphs plans every step afresh: with a `variants` store, a dynamic plan of the same compile-time
+    choices as an earlier one launches the earlier plan's compiled variants at once (no JIT), with its own step's
+    arguments; a plan of other choices, or a decode-only (specializing) plan, goes through the JIT."""
+    from tokenmill.kernels import paged_attention as pa
+
+    log: list[Launch] = []
+    jit: list[Any] = []
+
+    def run(kernel: Any, compiled: Any, grid: Any, args: Any, constexprs: dict[str, Any], options: Any) -> Any:
+        if compiled is None:
+            jit.append(kernel)
+            compiled = _Recorder(log)
+        compiled[grid](*args, *constexprs.values())
+        return compiled
+
+    monkeypatch.setattr(pa, "_run", run)
+    store: dict[Any, Any] = {}
+    k = torch.zeros(8, 16, 2, 16, dtype=torch.float16)
+
+    def step(num_seqs: int, max_query_len: int, max_seq_len: int, tokens: int = 24) -> AttentionPlan:
+        plan = plan_paged_attention((tokens, 4, 16), torch.float16, (8, 16, 2, 16), torch.device("cpu"), num_seqs,
+                                    0.25, max_query_len=max_query_len, max_seq_len=max_seq_len, num_splits=1,
+                                    variants=store)
+        q = torch.zeros(tokens, 4, 16, dtype=torch.float16)
+        tables = torch.zeros(num_seqs, 3, dtype=torch.int32)
+        seq_lens = torch.full((num_seqs,), max_seq_len, dtype=torch.int32)
+        qsl = torch.arange(num_seqs + 1, dtype=torch.int32) * (tokens // num_seqs)
+        for _ in range(3):  # three layers
+            plan.launch(q, k, k, tables, seq_lens, qsl, torch.zeros_like(q))
+        return plan
+
+    first = step(3, 10, 40)
+    assert len(jit) == 1  # the first layer of the first step compiles; its later layers reuse
+    second = step(2, 12, 33)  # another step, the same choices: not one JIT launch
+    assert len(jit) == 1 and len(log) == 6
+    assert log[3][1][18] == 2  # with its own step's arguments (parameter 18: num_seqs)
+    assert second._compiled is first._compiled
+    step(1, 1, 40, tokens=1)  # a decode-only plan specializes on its ints: the JIT, not the store
+    assert len(jit) == 2 and len(store) == 1

@@ -189,6 +189,7 @@ class PiecewiseGraphs:
         from tokenmill.kernels.paged_attention import plan_paged_attention  # Triton: CUDA machines only
 
         self._plan = plan_paged_attention
+        self._variants: dict[tuple[Any, ...], Any] = {}  # compiled attention variants, shared by the steps' plans
 
     def _capture_meta(self, t: int) -> AttentionMetadata:
         """One request of t new tokens: max_query_len > 1 keeps rotary + cache write out of the attention
@@ -247,7 +248,7 @@ class PiecewiseGraphs:
         plan = self._plan(
             q.shape, q.dtype, first.k_cache.shape, self.device, meta.num_seqs, first.scale,
             max_query_len=max(1, meta.max_query_len), max_seq_len=max(1, meta.max_seq_len),
-            sliding_window=first.sliding_window)
+            sliding_window=first.sliding_window, variants=self._variants)
         tree = None if meta.tree_mask is None or meta.tree_start is None else (meta.tree_mask, meta.tree_start)
         for piece, call in zip(self.pieces[g], calls):
             piece.replay()

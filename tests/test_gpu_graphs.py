@@ -18,8 +18,9 @@ from tokenmill.worker.engine import LLMEngine
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def engine(path: Path, piecewise: bool, speculative: SpeculativeConfig | None = None) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", device="cuda", attention_backend="triton",
+def engine(path: Path, piecewise: bool, speculative: SpeculativeConfig | None = None,
+           dtype: str = "bfloat16") -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(path), dtype=dtype, device="cuda", attention_backend="triton",
                                   piecewise_graphs=piecewise, speculative=speculative or SpeculativeConfig(),
                                   scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=32)))
 
@@ -76,7 +77,9 @@ def motif_prompts(seed: int, n: int, lengths: tuple[int, int] = (8, 300), repeat
 
 def test_no_attention_compile_after_start_up_with_tree_drafts(tmp_path: Path) -> None:
     """Tree verification launches the TREE variants: the warm-up builds them too (n-gram trees on prompts
-    that repeat themselves, so drafts are proposed)."""
+    that repeat themselves, so drafts are proposed). The tree-verified tokens equal plain decoding's in float32:
+    in bf16 a verify step's M-token GEMMs and dynamic attention round otherwise than the decode graph's, and
+    a near-tie of this random model flips (seen on the H200: one token of 160, inside a repeated motif)."""
     path = save_tiny_model("llama", tmp_path)
     eng = engine(path, True, TREES)
     before = _compiled_variants()
@@ -86,8 +89,9 @@ def test_no_attention_compile_after_start_up_with_tree_drafts(tmp_path: Path) ->
     assert len(outs) == len(ps) and eng.counters.accepted_draft_tokens > 0
     assert _compiled_variants() == before, "attention kernels compiled while serving"
     del eng
-    plain = engine(path, True).generate(ps, params)  # and the tree-verified tokens are plain decoding's
-    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    trees = engine(path, True, TREES, dtype="float32").generate(ps, params)
+    plain = engine(path, True, dtype="float32").generate(ps, params)
+    assert [o.token_ids for o in trees] == [o.token_ids for o in plain]
 
 
 def test_no_attention_compile_after_start_up_one_tree_request_long_context(tmp_path: Path) -> None:

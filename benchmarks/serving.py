@@ -53,6 +53,7 @@ from tokenmill.benchmarks.throughput import (
     workload_tokenizer,
 )
 from tokenmill.benchmarks.workloads import BenchRequest, Workload, sharegpt_workload
+from tokenmill.worker.compile_watch import EVENT as COMPILE_EVENT
 
 SPEC_ENV = "TOKENMILL_BENCH_SPEC"
 HOST = "127.0.0.1"
@@ -86,6 +87,11 @@ class Cluster:
         with open(self.logs / f"{name}.log", "wb") as f:
             self.procs.append(subprocess.Popen([sys.executable, "-m", "tokenmill.cli.main", *argv], stdout=f,
                                                stderr=subprocess.STDOUT, env=env, start_new_session=True))
+
+    def compiles(self) -> int:
+        """Lines of the worker's log that report a kernel compiled after start-up (worker/compile_watch.py)."""
+        path = self.logs / "worker.log"
+        return path.read_text(errors="replace").count(COMPILE_EVENT) if path.exists() else 0
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs)
@@ -283,13 +289,14 @@ def rate_result(timings: list[RequestTiming], duration: float, rate: float, cfg:
 
 
 @contextlib.contextmanager
-def _pool(spec: ModelSpec, prefix_caching: bool, base_url: str | None) -> Iterator[str]:
-    """The address to send to: a running server's (base_url), or a cluster started here for the run."""
+def _pool(spec: ModelSpec, prefix_caching: bool, base_url: str | None) -> Iterator[tuple[str, Cluster | None]]:
+    """The address to send to and the cluster behind it: a running server's (base_url; no cluster), or a cluster
+    started here for the run."""
     if base_url:
-        yield base_url
+        yield base_url, None
         return
     with cluster(spec, prefix_caching) as c:
-        yield c.frontend
+        yield c.frontend, c
 
 
 def serve_rates(spec: ModelSpec, workload: Workload, cfg: ServingConfig, prefix_caching: bool = True,
@@ -298,9 +305,13 @@ def serve_rates(spec: ModelSpec, workload: Workload, cfg: ServingConfig, prefix_
     per rate is not needed: the same requests at every rate), stop the cluster. `deadline`
     (time.monotonic) skips rates that cannot start."""
     results: list[dict[str, Any]] = []
-    with _pool(spec, prefix_caching, base_url) as address:
+    compiles: dict[str, int] = {}  # kernels the worker logged as compiled after start-up, by phase
+    with _pool(spec, prefix_caching, base_url) as (address, pool):
         asyncio.run(run_rate(address, workload.subset(cfg.warmup_requests), math.inf, desc="warm-up",
                              model=spec.model))
+        seen = pool.compiles() if pool is not None else 0
+        if pool is not None:
+            compiles["warm-up"] = seen
         for i, rate in enumerate(cfg.rates):
             limit = cfg.time_limit_s
             if deadline is not None:
@@ -313,9 +324,16 @@ def serve_rates(spec: ModelSpec, workload: Workload, cfg: ServingConfig, prefix_
                                                      concurrency=cfg.concurrency, time_limit_s=limit,
                                                      model=spec.model))
             results.append(rate_result(timings, duration, rate, cfg) | {"requests_sent": n})
+            if pool is not None:
+                now = pool.compiles()
+                results[-1]["kernels_compiled"], seen = now - seen, now
             print(_rate_line(results[-1]), flush=True)
-    return {"config": {**cfg.__dict__, "rates": [str(r) for r in cfg.rates]}, "workload": workload.summary(),
-            "rates": results}
+    out = {"config": {**cfg.__dict__, "rates": [str(r) for r in cfg.rates]}, "workload": workload.summary(),
+           "rates": results}
+    if compiles:
+        out["kernels_compiled_after_start_up"] = compiles | {str(r["rate"]): r.get("kernels_compiled", 0)
+                                                             for r in results if "skipped" not in r}
+    return out
 
 
 def _prompts_for(rate: float, n: int, limit_s: float, available: int, hint: float | None) -> int:
@@ -349,6 +367,9 @@ def serving_table(res: dict[str, Any]) -> str:
                     f"{r['output_tok_per_s']:.1f} | {r['goodput_requests_per_s']:.2f} | "
                     f"{t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f} | {p['p50']:.1f} / {p['p90']:.1f} / "
                     f"{p['p99']:.1f} | {i['p50']:.1f} / {i['p99']:.1f} | {e['p50'] / 1e3:.2f} / {e['p99'] / 1e3:.2f} |")
+    if "kernels_compiled_after_start_up" in res:
+        seen = ", ".join(f"{k}: {v}" for k, v in res["kernels_compiled_after_start_up"].items())
+        rows.append(f"\nKernels the worker logged as compiled after start-up ({COMPILE_EVENT}), by phase: {seen}.")
     return "\n".join(rows)
 
 

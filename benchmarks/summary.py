@@ -38,6 +38,7 @@ KEYS: dict[str, str] = {
     "mixed_step_host_ms": "ms",
     "serving_ttft_p99_ms_25pct": "ms",
     "serving_ttft_p99_ms_50pct": "ms",
+    "serving_kernels_compiled": "kernels",
     "hf_static_ratio": "x",
     "broker_relay_tok_s": "tok/s",
     "broker_added_p99_ms": "ms",
@@ -75,6 +76,7 @@ KEYS: dict[str, str] = {
 SUITE_SECTION = {"sharegpt_200_req_s": "sharegpt", "fixed_1000x1000_out_tok_s": "fixed",
                  "prefix_ttft_gain_1k": "prefix", "prefix_ttft_gain_2k": "prefix", "mixed_step_host_ms": "prefix",
                  "serving_ttft_p99_ms_25pct": "serving", "serving_ttft_p99_ms_50pct": "serving",
+                 "serving_kernels_compiled": "serving",
                  "hf_static_ratio": "hf_compare"}
 
 
@@ -212,6 +214,8 @@ def _serving_figures(cfg: Mapping[str, Any], sv: dict[str, Any] | None) -> dict[
         key = {0.25: "serving_ttft_p99_ms_25pct", 0.5: "serving_ttft_p99_ms_50pct"}.get(frac)
         if key and "skipped" not in row and row["failed"] == 0 and row["completed"] > 0:
             out[key] = row["latency"]["ttft_ms"]["p99"]
+    if "kernels_compiled_after_start_up" in sv:
+        out["serving_kernels_compiled"] = float(sum(sv["kernels_compiled_after_start_up"].values()))
     return out
 
 

@@ -388,6 +388,8 @@ def test_suite_smallest_config_writes_json_md_png(tmp_path: Path) -> None:
     assert result["hf_compare"]["hf"]["requests"] == 6 and result["hf_compare"]["ratio_output_tok_s"] > 0
     assert [r["rate"] for r in result["serving"]["rates"]] == [4.0, "inf"]
     assert all(r["completed"] == r["requests_sent"] for r in result["serving"]["rates"])
+    # the worker logged no kernel compiled after its start-up (worker/compile_watch.py)
+    assert result["serving"]["kernels_compiled_after_start_up"] == {"warm-up": 0, "4.0": 0, "inf": 0}
     for r in result["serving"]["rates"]:  # every TTFT taken apart with the worker's and the broker's timings
         assert r["slowest_ttft"] and all(math.isfinite(t["first_step_ms"]) and t["first_step_ms"] >= 0
                                          and math.isfinite(t["broker_queue_ms"]) for t in r["slowest_ttft"])

@@ -44,6 +44,7 @@ from tokenmill.protocol import InvalidRequest, SamplingParams
 from tokenmill.protocol import wire as p
 from tokenmill.protocol.errors import ProtocolError
 from tokenmill.protocol.keys import apply_client_curve
+from tokenmill.worker.compile_watch import watch_compiles
 from tokenmill.worker.generation_defaults import announced_defaults
 from tokenmill.worker.kv_transfer.channel import KVArrival
 from tokenmill.worker.kv_transfer.roles import KVRoles
@@ -528,7 +529,8 @@ def run_worker(engine: EngineLike, opts: WorkerOptions, stop: threading.Event | 
     if on_ready is not None:
         on_ready()
     try:
-        loop.run()
+        with watch_compiles(log):  # start-up has built every kernel: a compile from now on is logged
+            loop.run()
     finally:
         # Output, then DISCONNECT, in order on one socket: the broker must not migrate a job whose FINISHED
         # is still on the way.

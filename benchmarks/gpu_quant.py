@@ -344,6 +344,17 @@ def _tiles(kernel: str, m: int) -> list[Candidate]:
     return [QuantSkinnyConfig(bn, bk, 4, 3 if bk >= 512 else 4) for bn, bk in dot]
 
 
+def _plane_tiles(cell: _Cell) -> list[Candidate]:
+    """INT4 at M = 1: the FMA variant by nibble planes (kernels/quant_gemv.py planes_fma) at tiles of up to 8192 words
+    (its accumulators are one per word, so a tile holds 8x the columns of the plain FMA one)."""
+    from tokenmill.kernels.tuned import QuantSkinnyConfig
+
+    if cell.kernel != "skinny" or cell.m != 1 or cell.w.bits != 4:
+        return []
+    tiles = [(16, 1024), (32, 512), (32, 1024), (64, 512), (16, 2048), (64, 1024)]
+    return [QuantSkinnyConfig(bn, bk, 4, 3, use_dot=False, planes=True) for bn, bk in tiles]
+
+
 def _pipelines(best: Candidate) -> list[Candidate]:
     """Stage 2: the best tile at num_warps 2 / 4 / 8 x num_stages 2..4 (tiled: 4 / 8)."""
     warps = (4, 8) if hasattr(best, "block_m") else (2, 4, 8)
@@ -541,7 +552,7 @@ def _stage_candidates(cell: _Cell, stage: int, tiny: bool) -> list[Candidate]:
         return [*_tiny_grid(cell.kernel, cell.m), cell.default] if stage == 0 else []
     if stage == 0:
         extra = [_bf16_gemv_config(cell.x, cell.w)] if cell.kernel == "skinny" else []
-        return [cell.default, *extra, *_tiles(cell.kernel, cell.m)]
+        return [cell.default, *extra, *_tiles(cell.kernel, cell.m), *_plane_tiles(cell)]
     best = cell.best()
     return _pipelines(best) if stage == 1 else _splits(best)
 
@@ -605,7 +616,7 @@ def sweep_table(cells: list[_Cell], device: str, dtype: torch.dtype, base: dict[
 def _cfg_text(cfg: Candidate) -> str:
     d = dataclasses.asdict(cfg)
     tile = "x".join(str(d[f]) for f in ("block_m", "block_n", "block_k") if f in d)
-    extra = "" if d.get("use_dot", True) else " fma"
+    extra = ("" if d.get("use_dot", True) else " fma") + (" planes" if d.get("planes") else "")
     return f"{tile} w{d['num_warps']} s{d['num_stages']} sk{d['split_k']}{extra}"
 
 

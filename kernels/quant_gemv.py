@@ -120,6 +120,67 @@ def dequant_tile(
 
 
 @triton.jit
+def planes_fma(
+    q_rows, s_rows, z_rows, m_rows,  # [BLOCK_N, 1] row pointers, as dequant_tile's
+    x_rows, r_rows, nw_ptr, rstd, perm_ptr,  # the activation row and its prologue's inputs, as _x_tile's (M == 1)
+    k0, K,
+    dtype: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_PERM: tl.constexpr, SCALE_LATER: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """Sum over columns k0 .. k0 + BLOCK_K of W[rows, c] * x[c] for INT4 weights at M == 1, as [BLOCK_N, BLOCK_K // 8]
+    fp32 partials (one per packed word; the caller sums them). The FMA variant of the skinny kernel without its
+    [BLOCK_N, BLOCK_K] unpacking: each word's eight nibbles are taken as eight planes (nibble j of word i is packed
+    column 8 i + j), each multiplied by the activations of its columns, and a word's scale, zero or min is loaded once
+    per word, not per column (GROUP is a multiple of 8, so a word never straddles two groups). Each weight is
+    dequantized in fp32 and rounded to `dtype` as in dequant_tile (unscaled with SCALE_LATER): the same products as
+    the other variants."""
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [W] packed words of this step
+    w_mask = (offs_w < K // 8)[None, :]
+    if EVEN_K:
+        words = tl.load(q_rows + offs_w[None, :])  # [BLOCK_N, W] int32
+    else:
+        words = tl.load(q_rows + offs_w[None, :], mask=w_mask, other=0)
+    g = (offs_w * 8 // GROUP)[None, :]  # [1, W] each word's group
+    if EVEN_K:
+        s = tl.load(s_rows + g).to(tl.float32)
+    else:
+        s = tl.load(s_rows + g, mask=w_mask, other=0.0).to(tl.float32)
+    if HAS_MINS:
+        if EVEN_K:
+            mn = tl.load(m_rows + g).to(tl.float32)
+        else:
+            mn = tl.load(m_rows + g, mask=w_mask, other=0.0).to(tl.float32)
+    elif HAS_ZEROS:
+        if EVEN_K:
+            z = tl.load(z_rows + g).to(tl.float32)
+        else:
+            z = tl.load(z_rows + g, mask=w_mask, other=0).to(tl.float32)
+    else:
+        z = 8.0
+    acc = tl.zeros(words.shape, dtype=tl.float32)
+    for j in tl.static_range(8):
+        offs_k = offs_w * 8 + j  # [W] packed columns of plane j
+        cols = offs_k
+        if HAS_PERM:
+            if EVEN_K:
+                cols = tl.load(perm_ptr + offs_k)
+            else:
+                cols = tl.load(perm_ptr + offs_k, mask=offs_k < K, other=0)
+        x = _x_tile(x_rows, r_rows, nw_ptr, rstd, cols, (offs_k < K)[None, :], K, dtype, PROLOGUE, HAS_RESIDUAL,
+                    EVEN_K).to(tl.float32)  # [1, W]
+        q = ((words >> (4 * j)) & 0xF).to(tl.float32)  # [BLOCK_N, W]
+        if HAS_MINS:
+            w = (q * s + mn).to(dtype)
+        elif SCALE_LATER:  # one group a row, no zeros: the caller scales the sums
+            w = (q - z).to(dtype)
+        else:
+            w = ((q - z) * s).to(dtype)
+        acc += w.to(tl.float32) * x
+    return acc
+
+
+@triton.jit
 def k_slice(pid_k, K, k_split, SPLIT: tl.constexpr):
     """The K columns [lo, hi) of slice pid_k (the whole K range unless SPLIT)."""
     if SPLIT:
@@ -149,7 +210,7 @@ def _quant_skinny_kernel(
     HAS_PERM: tl.constexpr, SCALE_LATER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     STATS_BLOCK: tl.constexpr, EVEN_KS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NUM_STAGES: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+    NUM_STAGES: tl.constexpr, SPLIT: tl.constexpr, PLANES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     dtype = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -176,25 +237,32 @@ def _quant_skinny_kernel(
 
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    elif PLANES:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
     else:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_lo, k_hi = k_slice(pid_k, K, k_split, SPLIT)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
-        offs_k = k0 + offs_kb
-        k_mask = (offs_k < K)[None, :]
-        cols = offs_k  # activation columns of this step's packed columns
-        if HAS_PERM:
-            if EVEN_K:
-                cols = tl.load(perm_ptr + offs_k)
-            else:
-                cols = tl.load(perm_ptr + offs_k, mask=offs_k < K, other=0)
-        x = _x_tile(x_rows, r_rows, nw_ptr, rstd, cols, k_mask, K, dtype, PROLOGUE, HAS_RESIDUAL, EVEN_K)
-        w = dequant_tile(q_rows, s_rows, z_rows, m_rows, k0, K, dtype, BITS, GROUP, HAS_ZEROS, HAS_MINS,
-                         SCALE_LATER, BLOCK_K, EVEN_K)  # [BLOCK_N, BLOCK_K]
-        if USE_DOT:
-            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        if PLANES:
+            acc2 += planes_fma(q_rows, s_rows, z_rows, m_rows, x_rows, r_rows, nw_ptr, rstd, perm_ptr, k0, K, dtype,
+                               PROLOGUE, HAS_RESIDUAL, GROUP, HAS_ZEROS, HAS_MINS, HAS_PERM, SCALE_LATER, BLOCK_K,
+                               EVEN_K)
         else:
-            acc2 += w.to(tl.float32) * x.to(tl.float32)
+            offs_k = k0 + offs_kb
+            k_mask = (offs_k < K)[None, :]
+            cols = offs_k  # activation columns of this step's packed columns
+            if HAS_PERM:
+                if EVEN_K:
+                    cols = tl.load(perm_ptr + offs_k)
+                else:
+                    cols = tl.load(perm_ptr + offs_k, mask=offs_k < K, other=0)
+            x = _x_tile(x_rows, r_rows, nw_ptr, rstd, cols, k_mask, K, dtype, PROLOGUE, HAS_RESIDUAL, EVEN_K)
+            w = dequant_tile(q_rows, s_rows, z_rows, m_rows, k0, K, dtype, BITS, GROUP, HAS_ZEROS, HAS_MINS,
+                             SCALE_LATER, BLOCK_K, EVEN_K)  # [BLOCK_N, BLOCK_K]
+            if USE_DOT:
+                acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+            else:
+                acc2 += w.to(tl.float32) * x.to(tl.float32)
     if not USE_DOT:
         acc = tl.sum(acc2, 1)[:, None]
     if SCALE_LATER:  # linear: each slice's partial sums are scaled alike
@@ -295,6 +363,10 @@ def _launch(prologue: int, x: torch.Tensor, residual: torch.Tensor | None, norm_
     r_arg = residual if residual is not None else x
     ro_arg = res_out if res_out is not None else out
     q = w.qweight
+    planes = isinstance(cfg, QuantSkinnyConfig) and cfg.planes
+    if planes and (cfg.use_dot or w.bits != 4 or w.group_size % 8):
+        raise ValueError(f"QuantSkinnyConfig(planes=True) is the FMA variant (use_dot=False) of INT4 weights in groups "
+                         f"of a multiple of 8, got use_dot={cfg.use_dot}, {w.bits} bits, groups of {w.group_size}")
     _quant_skinny_kernel[(triton.cdiv(n, cfg.block_n), splits)](
         x, r_arg, norm_weight if norm_weight is not None else x, q, w.scales,
         w.zeros if w.zeros is not None else q, w.mins if w.mins is not None else w.scales,
@@ -307,7 +379,8 @@ def _launch(prologue: int, x: torch.Tensor, residual: torch.Tensor | None, norm_
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
         STATS_BLOCK=stats_block, EVEN_KS=k % stats_block == 0, USE_DOT=cfg.use_dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", NUM_STAGES=cfg.num_stages,
-        SPLIT=splits > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch_args(x.device),
+        SPLIT=splits > 1, PLANES=planes, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_launch_args(x.device),
     )  # fmt: skip
     if splits > 1:
         split_k_sum(y, out)

@@ -49,11 +49,14 @@ class QuantSkinnyConfig(SkinnyConfig):
     the one-kernel path)."""
 
     split_k: int = 1
+    planes: bool = False  # the FMA variant's INT4 path by nibble planes (kernels/quant_gemv.py planes_fma)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.split_k < 1:
             raise ValueError(f"split_k must be >= 1, got {self.split_k}")
+        if self.planes and self.use_dot:
+            raise ValueError("planes=True is a path of the FMA variant (use_dot=False)")
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,8 @@ def table_path(device_name: str, folder: Path | None = None) -> Path:
 
 def _config(cls: type[Config], raw: Any, where: str) -> Config:
     names = {f.name: f.type for f in fields(cls)}
+    if isinstance(raw, dict):  # fields added after a table's version: absent means their default
+        raw = {**{k: v for k, v in _LATER_FIELDS.items() if k in names}, **raw}
     if not isinstance(raw, dict) or set(raw) != set(names):
         got = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
         raise ValueError(f"{where}: want the fields {sorted(names)}, got {got}")
@@ -149,6 +154,9 @@ def _config(cls: type[Config], raw: Any, where: str) -> Config:
         return cls(**raw)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+_LATER_FIELDS: dict[str, Any] = {"planes": False}  # config fields newer than VERSION 1 tables, with their defaults
 
 
 def _int_key(text: str, where: str) -> int:

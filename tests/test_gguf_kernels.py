@@ -27,6 +27,7 @@ import tokenmill.kernels.quant_gemv as qv
 from tokenmill.kernels.gemv import SkinnyConfig
 from tokenmill.kernels.quant_gemm import GemmConfig, quant_matmul
 from tokenmill.kernels.quant_weight import PackedWeight, check_packed, dequantize_packed, quant_matmul_ref
+from tokenmill.kernels.tuned import QuantSkinnyConfig
 from tokenmill.worker.models.layers import Linear
 from tokenmill.worker.quant.gguf import BLOCK_BYTES, NATIVE_TYPES, GgufLinearMethod, repack_blocks
 
@@ -35,6 +36,7 @@ QTYPES = sorted(NATIVE_TYPES)
 DOT = SkinnyConfig(block_n=16, block_k=64, num_warps=4, num_stages=2)
 FMA = SkinnyConfig(block_n=8, block_k=64, num_warps=4, num_stages=2, use_dot=False)
 EVEN = SkinnyConfig(block_n=16, block_k=32, num_warps=4, num_stages=2)  # K = 160 = 5 x 32: no masks
+PLANES = QuantSkinnyConfig(block_n=8, block_k=64, num_warps=4, num_stages=2, use_dot=False, planes=True)  # INT4
 TILE = GemmConfig(block_m=16, block_n=16, block_k=32, group_m=2)
 K, N = 160, 40
 
@@ -99,7 +101,7 @@ def test_skinny_matches_reference(qtype: str, dtype: torch.dtype, m: int) -> Non
     layer, _ = gguf_layer(qtype, N, K, dtype, seed=m)
     w, x = packed(layer), _x((m, K), dtype, seed=10 + m)
     ref = quant_matmul_ref(x, w)
-    configs = [DOT, EVEN] + ([FMA] if m == 1 else [])
+    configs = [DOT, EVEN] + ([FMA] if m == 1 else []) + ([PLANES] if m == 1 and w.bits == 4 else [])
     for cfg in configs:
         got = qv.quant_skinny_matmul(x, w, out=_poisoned(m, N, dtype), config=cfg)
         torch.testing.assert_close(got, ref, **_tol(dtype), msg=f"{cfg}")

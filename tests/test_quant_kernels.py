@@ -10,6 +10,8 @@ write fails. Tolerances as tests/test_gemv.py (fp32 2e-5 at O(1) outputs, fp16 2
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
 
 import torch
@@ -47,6 +49,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 DTYPES = [torch.float32, torch.float16]
 DOT = SkinnyConfig(block_n=16, block_k=32, num_warps=4, num_stages=2)
 FMA = SkinnyConfig(block_n=8, block_k=32, num_warps=4, num_stages=2, use_dot=False)
+PLANES = QuantSkinnyConfig(block_n=8, block_k=32, num_warps=4, num_stages=2, use_dot=False, planes=True)
 TILE = GemmConfig(block_m=16, block_n=16, block_k=32, group_m=2)
 # (format name, bits, group size, zero points, act-order)
 FORMATS = [("int8", 8, None, False, False), ("int4-g32", 4, 32, False, False), ("int4-g64-zp", 4, 64, True, False),
@@ -117,7 +120,7 @@ def test_quant_skinny_matmul(dtype: torch.dtype, fmt: Any, m: int) -> None:
     x = _x((m, K), dtype, 1)
     bias = _x((N,), dtype, 2)
     ref = quant_matmul_ref(x, w, bias)
-    for config in (DOT, None) + ((FMA,) if m == 1 else ()):
+    for config in (DOT, None) + ((FMA,) if m == 1 else ()) + ((PLANES,) if m == 1 and fmt[1] == 4 else ()):
         out = _poisoned(m, N, dtype)
         quant_skinny_matmul(x, w, bias, out=out, config=config)
         torch.testing.assert_close(out, ref, **_tol(dtype))
@@ -137,8 +140,9 @@ def test_quant_add_rmsnorm_matmul(dtype: torch.dtype, fmt: Any, with_residual: b
         assert y is out
         torch.testing.assert_close(y, want_y, **_tol(dtype))
         assert torch.equal(r, want_r)  # the new residual: rounded once, bit for bit
-    y1, _ = quant_add_rmsnorm_matmul(h[:1], None if res is None else res[:1], nw, 1e-5, w, config=FMA)
-    torch.testing.assert_close(y1, want_y[:1], **_tol(dtype))
+    for fma in (FMA, PLANES) if fmt[1] == 4 else (FMA,):
+        y1, _ = quant_add_rmsnorm_matmul(h[:1], None if res is None else res[:1], nw, 1e-5, w, config=fma)
+        torch.testing.assert_close(y1, want_y[:1], **_tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -149,8 +153,9 @@ def test_quant_silu_mul_matmul(dtype: torch.dtype, fmt: Any) -> None:
     out = _poisoned(3, N, dtype)
     quant_silu_mul_matmul(gu, w, out=out, config=DOT)
     torch.testing.assert_close(out, quant_silu_mul_matmul_ref(gu, w), **_tol(dtype))
-    torch.testing.assert_close(quant_silu_mul_matmul(gu[:1], w, config=FMA), quant_silu_mul_matmul_ref(gu[:1], w),
-                               **_tol(dtype))
+    for fma in (FMA, PLANES) if fmt[1] == 4 else (FMA,):
+        torch.testing.assert_close(quant_silu_mul_matmul(gu[:1], w, config=fma), quant_silu_mul_matmul_ref(gu[:1], w),
+                                   **_tol(dtype))
 
 
 # ---- tiled kernel ---------------------------------------------------------------------------------------------
@@ -178,7 +183,8 @@ def test_split_k_matches_the_reference(dtype: torch.dtype, fmt: Any, split_k: in
     bias = _x((N,), dtype, 13)
     dot = QuantSkinnyConfig(16, 32, 4, 2, split_k=split_k)
     fma = QuantSkinnyConfig(8, 32, 4, 2, use_dot=False, split_k=split_k)
-    for m, cfg in ((1, fma), (5, dot)):
+    planes = [(1, dataclasses.replace(fma, planes=True))] if fmt[1] == 4 else []
+    for m, cfg in [(1, fma), (5, dot), *planes]:
         x = _x((m, K), dtype, 14)
         out = _poisoned(m, N, dtype)
         quant_skinny_matmul(x, w, bias, out=out, config=cfg)
@@ -236,6 +242,14 @@ def _bad(case: str) -> tuple[torch.Tensor, Any]:
 
 BAD = ["qweight_dtype", "scales_shape", "zeros_dtype", "perm_shape", "group_not_multiple_of_8", "bits",
        "zeros_on_int8", "not_contiguous", "k_mismatch", "dense_weight"]
+
+
+def test_planes_is_the_int4_fma_path_only() -> None:
+    with pytest.raises(ValueError, match="FMA variant"):
+        QuantSkinnyConfig(8, 32, 4, 2, planes=True)  # use_dot=True
+    w = packed_weight(FORMATS[0], N, K, torch.float32)  # int8
+    with pytest.raises(ValueError, match="INT4 weights"):
+        quant_skinny_matmul(_x((1, K), torch.float32, 1), w, config=PLANES)
 
 
 @pytest.mark.parametrize("case", BAD)
@@ -297,10 +311,11 @@ def _sm90_compile_all() -> None:
                       "BLOCK_M": m if use_dot else 1, "BLOCK_N": 16, "BLOCK_K": 256, "EVEN_K": True,
                       "STATS_BLOCK": 256, "EVEN_KS": True, "USE_DOT": use_dot, "DOT_PRECISION": "tf32",
                       "NUM_STAGES": 3, "PDL": False}
-            for split in (False, True):  # split-K: the slice loop (runtime bounds) is pipelined too
-                ttgir = build(qv._quant_skinny_kernel, {**consts, "SPLIT": split},
+            planes = (False, True) if bits == 4 and not use_dot else (False,)
+            for split, plane in itertools.product((False, True), planes):  # split-K: the slice loop is pipelined too
+                ttgir = build(qv._quant_skinny_kernel, {**consts, "SPLIT": split, "PLANES": plane},
                               ("K", "k_split", "stride_xm", "stride_ym"), 4, 3)
-                assert "async_copy_global_to_local" in ttgir, f"{fmt} {prologue=} {m=} {split=}: not pipelined"
+                assert "async_copy_global_to_local" in ttgir, f"{fmt} {prologue=} {m=} {split=} {plane=}: not pipelined"
         consts = {**fmt, "HAS_BIAS": True, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
                   "EVEN_K": True, "DOT_PRECISION": "tf32"}
         for split in (False, True):

@@ -263,6 +263,14 @@ def test_full_grid_is_bounded_and_holds_the_bf16_kernels_choice() -> None:
     assert any((c.block_n, c.block_k, c.use_dot) == (bf16.block_n, bf16.block_k, bf16.use_dot) for c in stage0)
     assert len(stage0) <= 9 and len(gpu_quant._pipelines(stage0[0])) == 9 and len(gpu_quant._splits(stage0[0])) == 3
     assert len(gpu_quant._tiles("tiled", 64)) == len(gpu_quant._tiles("tiled", 512)) == 6
+    one = gpu_quant._Cell("skinny", "int4-g128-sym", "o", 4096, 4096, 1, x[:1], w, x[:1],
+                          gpu_quant._default("skinny", x[:1], w))
+    stage0 = gpu_quant._stage_candidates(one, 0, tiny=False)  # INT4 at M = 1: the nibble-plane tiles as well
+    assert len(stage0) <= 15 and sum(getattr(c, "planes", False) for c in stage0) == 6
+    int8 = gpu_quant.random_packed("int8-ch-sym", 4096, 4096, DEV)
+    cell8 = gpu_quant._Cell("skinny", "int8-ch-sym", "o", 4096, 4096, 1, x[:1], int8, x[:1],
+                            gpu_quant._default("skinny", x[:1], int8))
+    assert not any(getattr(c, "planes", False) for c in gpu_quant._stage_candidates(cell8, 0, tiny=False))
 
 
 @pytest.mark.slow

@@ -345,14 +345,15 @@ def _tiles(kernel: str, m: int) -> list[Candidate]:
 
 
 def _plane_tiles(cell: _Cell) -> list[Candidate]:
-    """INT4 at M = 1: the FMA variant by nibble planes (kernels/quant_gemv.py planes_fma) at tiles of up to 8192 words
-    (its accumulators are one per word, so a tile holds 8x the columns of the plain FMA one)."""
+    """M = 1: the FMA variant by planes of int32 words (kernels/quant_gemv.py planes_fma) at tiles of 2048-8192 words
+    (one accumulator a word: a tile holds 8x (INT4) or 4x (INT8) the columns of the plain FMA one)."""
     from tokenmill.kernels.tuned import QuantSkinnyConfig
 
-    if cell.kernel != "skinny" or cell.m != 1 or cell.w.bits != 4:
+    if cell.kernel != "skinny" or cell.m != 1:
         return []
     tiles = [(16, 1024), (32, 512), (32, 1024), (64, 512), (16, 2048), (64, 1024)]
-    return [QuantSkinnyConfig(bn, bk, 4, 3, use_dot=False, planes=True) for bn, bk in tiles]
+    per_word = 32 // cell.w.bits
+    return [QuantSkinnyConfig(bn, bk * per_word // 8, 4, 3, use_dot=False, planes=True) for bn, bk in tiles]
 
 
 def _pipelines(best: Candidate) -> list[Candidate]:

@@ -121,46 +121,36 @@ def dequant_tile(
 
 @triton.jit
 def planes_fma(
-    q_rows, s_rows, z_rows, m_rows,  # [BLOCK_N, 1] row pointers, as dequant_tile's
+    q_rows, s_rows, z_rows, m_rows,  # [BLOCK_N, 1] row pointers to int32 words (INT8: four bytes a word)
     x_rows, r_rows, nw_ptr, rstd, perm_ptr,  # the activation row and its prologue's inputs, as _x_tile's (M == 1)
     k0, K,
-    dtype: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_PERM: tl.constexpr, SCALE_LATER: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    dtype: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BITS: tl.constexpr,
+    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_PERM: tl.constexpr,
+    SCALE_LATER: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    """Sum over columns k0 .. k0 + BLOCK_K of W[rows, c] * x[c] for INT4 weights at M == 1, as [BLOCK_N, BLOCK_K // 8]
-    fp32 partials (one per packed word; the caller sums them). The FMA variant of the skinny kernel without its
-    [BLOCK_N, BLOCK_K] unpacking: each word's eight nibbles are taken as eight planes (nibble j of word i is packed
-    column 8 i + j), each multiplied by the activations of its columns, and a word's scale, zero or min is loaded once
-    per word, not per column (GROUP is a multiple of 8, so a word never straddles two groups). Each weight is
-    dequantized in fp32 and rounded to `dtype` as in dequant_tile (unscaled with SCALE_LATER): the same products as
-    the other variants."""
-    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [W] packed words of this step
-    w_mask = (offs_w < K // 8)[None, :]
+    """Sum over columns k0 .. k0 + BLOCK_K of W[rows, c] * x[c] at M == 1, as [BLOCK_N, BLOCK_K // P] fp32 partials
+    (one per int32 word of P = 32 // BITS weights; the caller sums them). The FMA variant of the skinny kernel without
+    its [BLOCK_N, BLOCK_K] unpacking and without an int-to-float conversion per weight (the conversions, not the
+    bytes, bound the plain variant: a quarter of the SM's FP32 rate): a word's P fields are taken as P planes
+    (field j of word i is packed column P i + j: INT4's nibble order, INT8's little-endian bytes), a field becomes a
+    float by its bits (0x4B000000 | u is the fp32 2^23 + u; an INT8 byte v is u = v + 128, its top bit flipped), each
+    plane is multiplied by the activations of its columns, and a word's scale and zero (or min) apply once to its
+    partial sum: s * (sum q x - z * sum x), or s * sum q x + m * sum x (GROUP is a multiple of P, so a word never
+    straddles two groups; with SCALE_LATER the caller scales).
+
+    Numerics: fp32 throughout, so the weights are not rounded to `dtype` one by one as the reference and the other
+    variants round them: the result differs from theirs by that rounding (2^-9 relative per weight in bf16)."""
+    P: tl.constexpr = 32 // BITS
+    offs_w = k0 // P + tl.arange(0, BLOCK_K // P)  # [W] packed words of this step
+    w_mask = (offs_w < K // P)[None, :]
     if EVEN_K:
         words = tl.load(q_rows + offs_w[None, :])  # [BLOCK_N, W] int32
     else:
         words = tl.load(q_rows + offs_w[None, :], mask=w_mask, other=0)
-    g = (offs_w * 8 // GROUP)[None, :]  # [1, W] each word's group
-    if EVEN_K:
-        s = tl.load(s_rows + g).to(tl.float32)
-    else:
-        s = tl.load(s_rows + g, mask=w_mask, other=0.0).to(tl.float32)
-    if HAS_MINS:
-        if EVEN_K:
-            mn = tl.load(m_rows + g).to(tl.float32)
-        else:
-            mn = tl.load(m_rows + g, mask=w_mask, other=0.0).to(tl.float32)
-    elif HAS_ZEROS:
-        if EVEN_K:
-            z = tl.load(z_rows + g).to(tl.float32)
-        else:
-            z = tl.load(z_rows + g, mask=w_mask, other=0).to(tl.float32)
-    else:
-        z = 8.0
-    acc = tl.zeros(words.shape, dtype=tl.float32)
-    for j in tl.static_range(8):
-        offs_k = offs_w * 8 + j  # [W] packed columns of plane j
+    dot = tl.zeros(words.shape, dtype=tl.float32)  # sum over the word's columns of q * x
+    xsum = tl.zeros([1, BLOCK_K // P], dtype=tl.float32)  # sum over the word's columns of x
+    for j in tl.static_range(P):
+        offs_k = offs_w * P + j  # [W] packed columns of plane j
         cols = offs_k
         if HAS_PERM:
             if EVEN_K:
@@ -169,15 +159,39 @@ def planes_fma(
                 cols = tl.load(perm_ptr + offs_k, mask=offs_k < K, other=0)
         x = _x_tile(x_rows, r_rows, nw_ptr, rstd, cols, (offs_k < K)[None, :], K, dtype, PROLOGUE, HAS_RESIDUAL,
                     EVEN_K).to(tl.float32)  # [1, W]
-        q = ((words >> (4 * j)) & 0xF).to(tl.float32)  # [BLOCK_N, W]
-        if HAS_MINS:
-            w = (q * s + mn).to(dtype)
-        elif SCALE_LATER:  # one group a row, no zeros: the caller scales the sums
-            w = (q - z).to(dtype)
+        field = (words >> (BITS * j)) & ((1 << BITS) - 1)
+        if BITS == 8:
+            q = ((field ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # 2^23 + 128: the signed byte
         else:
-            w = ((q - z) * s).to(dtype)
-        acc += w.to(tl.float32) * x
-    return acc
+            q = (field | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # [BLOCK_N, W]
+        dot += q * x
+        xsum += x
+    g = (offs_w * P // GROUP)[None, :]  # [1, W] each word's group
+    if HAS_MINS:
+        if EVEN_K:
+            s = tl.load(s_rows + g).to(tl.float32)
+            mn = tl.load(m_rows + g).to(tl.float32)
+        else:
+            s = tl.load(s_rows + g, mask=w_mask, other=0.0).to(tl.float32)
+            mn = tl.load(m_rows + g, mask=w_mask, other=0.0).to(tl.float32)
+        return s * dot + mn * xsum
+    if HAS_ZEROS:
+        if EVEN_K:
+            z = tl.load(z_rows + g).to(tl.float32)
+        else:
+            z = tl.load(z_rows + g, mask=w_mask, other=0).to(tl.float32)
+        centred = dot - z * xsum
+    elif BITS == 4:
+        centred = dot - 8.0 * xsum
+    else:
+        centred = dot
+    if SCALE_LATER:
+        return centred
+    if EVEN_K:
+        s = tl.load(s_rows + g).to(tl.float32)
+    else:
+        s = tl.load(s_rows + g, mask=w_mask, other=0.0).to(tl.float32)
+    return s * centred
 
 
 @triton.jit
@@ -220,7 +234,7 @@ def _quant_skinny_kernel(
     offs_kb = tl.arange(0, BLOCK_K)
     rn = (offs_n % N).to(tl.int64)  # wrapped rows: unmasked loads, duplicates never stored
     rm = (offs_m % M).to(tl.int64)
-    q_rows = q_ptr + rn[:, None] * (K // 8 if BITS == 4 else K)  # [BLOCK_N, 1]
+    q_rows = q_ptr + rn[:, None] * (K // 8 if BITS == 4 else K // 4 if PLANES else K)  # [BLOCK_N, 1] (PLANES: words)
     s_rows = s_ptr + rn[:, None] * G
     z_rows = z_ptr + rn[:, None] * G
     m_rows = m_ptr + rn[:, None] * G
@@ -238,15 +252,15 @@ def _quant_skinny_kernel(
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     elif PLANES:
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K // (32 // BITS)], dtype=tl.float32)
     else:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_lo, k_hi = k_slice(pid_k, K, k_split, SPLIT)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         if PLANES:
             acc2 += planes_fma(q_rows, s_rows, z_rows, m_rows, x_rows, r_rows, nw_ptr, rstd, perm_ptr, k0, K, dtype,
-                               PROLOGUE, HAS_RESIDUAL, GROUP, HAS_ZEROS, HAS_MINS, HAS_PERM, SCALE_LATER, BLOCK_K,
-                               EVEN_K)
+                               PROLOGUE, HAS_RESIDUAL, BITS, GROUP, HAS_ZEROS, HAS_MINS, HAS_PERM, SCALE_LATER,
+                               BLOCK_K, EVEN_K)
         else:
             offs_k = k0 + offs_kb
             k_mask = (offs_k < K)[None, :]
@@ -364,9 +378,15 @@ def _launch(prologue: int, x: torch.Tensor, residual: torch.Tensor | None, norm_
     ro_arg = res_out if res_out is not None else out
     q = w.qweight
     planes = isinstance(cfg, QuantSkinnyConfig) and cfg.planes
-    if planes and (cfg.use_dot or w.bits != 4 or w.group_size % 8):
-        raise ValueError(f"QuantSkinnyConfig(planes=True) is the FMA variant (use_dot=False) of INT4 weights in groups "
-                         f"of a multiple of 8, got use_dot={cfg.use_dot}, {w.bits} bits, groups of {w.group_size}")
+    if planes:
+        per_word = 32 // w.bits
+        if cfg.use_dot or w.group_size % per_word or k % per_word or cfg.block_k % per_word:
+            raise ValueError(f"QuantSkinnyConfig(planes=True) is the FMA variant (use_dot=False) for weights whose "
+                             f"groups, K and block_k are whole int32 words ({per_word} weights), got "
+                             f"use_dot={cfg.use_dot}, {w.bits} bits, groups of {w.group_size}, K = {k}, "
+                             f"block_k = {cfg.block_k}")
+        if w.bits == 8:
+            q = q.view(torch.int32)  # four bytes a word, little-endian: column 4 i + j is byte j of word i
     _quant_skinny_kernel[(triton.cdiv(n, cfg.block_n), splits)](
         x, r_arg, norm_weight if norm_weight is not None else x, q, w.scales,
         w.zeros if w.zeros is not None else q, w.mins if w.mins is not None else w.scales,

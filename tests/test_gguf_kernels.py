@@ -36,7 +36,7 @@ QTYPES = sorted(NATIVE_TYPES)
 DOT = SkinnyConfig(block_n=16, block_k=64, num_warps=4, num_stages=2)
 FMA = SkinnyConfig(block_n=8, block_k=64, num_warps=4, num_stages=2, use_dot=False)
 EVEN = SkinnyConfig(block_n=16, block_k=32, num_warps=4, num_stages=2)  # K = 160 = 5 x 32: no masks
-PLANES = QuantSkinnyConfig(block_n=8, block_k=64, num_warps=4, num_stages=2, use_dot=False, planes=True)  # INT4
+PLANES = QuantSkinnyConfig(block_n=8, block_k=64, num_warps=4, num_stages=2, use_dot=False, planes=True)
 TILE = GemmConfig(block_m=16, block_n=16, block_k=32, group_m=2)
 K, N = 160, 40
 
@@ -101,7 +101,7 @@ def test_skinny_matches_reference(qtype: str, dtype: torch.dtype, m: int) -> Non
     layer, _ = gguf_layer(qtype, N, K, dtype, seed=m)
     w, x = packed(layer), _x((m, K), dtype, seed=10 + m)
     ref = quant_matmul_ref(x, w)
-    configs = [DOT, EVEN] + ([FMA] if m == 1 else []) + ([PLANES] if m == 1 and w.bits == 4 else [])
+    configs = [DOT, EVEN] + ([FMA, PLANES] if m == 1 else [])
     for cfg in configs:
         got = qv.quant_skinny_matmul(x, w, out=_poisoned(m, N, dtype), config=cfg)
         torch.testing.assert_close(got, ref, **_tol(dtype), msg=f"{cfg}")

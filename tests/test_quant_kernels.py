@@ -120,7 +120,7 @@ def test_quant_skinny_matmul(dtype: torch.dtype, fmt: Any, m: int) -> None:
     x = _x((m, K), dtype, 1)
     bias = _x((N,), dtype, 2)
     ref = quant_matmul_ref(x, w, bias)
-    for config in (DOT, None) + ((FMA,) if m == 1 else ()) + ((PLANES,) if m == 1 and fmt[1] == 4 else ()):
+    for config in (DOT, None) + ((FMA, PLANES) if m == 1 else ()):
         out = _poisoned(m, N, dtype)
         quant_skinny_matmul(x, w, bias, out=out, config=config)
         torch.testing.assert_close(out, ref, **_tol(dtype))
@@ -140,7 +140,7 @@ def test_quant_add_rmsnorm_matmul(dtype: torch.dtype, fmt: Any, with_residual: b
         assert y is out
         torch.testing.assert_close(y, want_y, **_tol(dtype))
         assert torch.equal(r, want_r)  # the new residual: rounded once, bit for bit
-    for fma in (FMA, PLANES) if fmt[1] == 4 else (FMA,):
+    for fma in (FMA, PLANES):
         y1, _ = quant_add_rmsnorm_matmul(h[:1], None if res is None else res[:1], nw, 1e-5, w, config=fma)
         torch.testing.assert_close(y1, want_y[:1], **_tol(dtype))
 
@@ -153,7 +153,7 @@ def test_quant_silu_mul_matmul(dtype: torch.dtype, fmt: Any) -> None:
     out = _poisoned(3, N, dtype)
     quant_silu_mul_matmul(gu, w, out=out, config=DOT)
     torch.testing.assert_close(out, quant_silu_mul_matmul_ref(gu, w), **_tol(dtype))
-    for fma in (FMA, PLANES) if fmt[1] == 4 else (FMA,):
+    for fma in (FMA, PLANES):
         torch.testing.assert_close(quant_silu_mul_matmul(gu[:1], w, config=fma), quant_silu_mul_matmul_ref(gu[:1], w),
                                    **_tol(dtype))
 
@@ -183,8 +183,7 @@ def test_split_k_matches_the_reference(dtype: torch.dtype, fmt: Any, split_k: in
     bias = _x((N,), dtype, 13)
     dot = QuantSkinnyConfig(16, 32, 4, 2, split_k=split_k)
     fma = QuantSkinnyConfig(8, 32, 4, 2, use_dot=False, split_k=split_k)
-    planes = [(1, dataclasses.replace(fma, planes=True))] if fmt[1] == 4 else []
-    for m, cfg in [(1, fma), (5, dot), *planes]:
+    for m, cfg in ((1, fma), (5, dot), (1, dataclasses.replace(fma, planes=True))):
         x = _x((m, K), dtype, 14)
         out = _poisoned(m, N, dtype)
         quant_skinny_matmul(x, w, bias, out=out, config=cfg)
@@ -244,12 +243,12 @@ BAD = ["qweight_dtype", "scales_shape", "zeros_dtype", "perm_shape", "group_not_
        "zeros_on_int8", "not_contiguous", "k_mismatch", "dense_weight"]
 
 
-def test_planes_is_the_int4_fma_path_only() -> None:
+def test_planes_is_an_fma_path_over_whole_words() -> None:
     with pytest.raises(ValueError, match="FMA variant"):
         QuantSkinnyConfig(8, 32, 4, 2, planes=True)  # use_dot=True
-    w = packed_weight(FORMATS[0], N, K, torch.float32)  # int8
-    with pytest.raises(ValueError, match="INT4 weights"):
-        quant_skinny_matmul(_x((1, K), torch.float32, 1), w, config=PLANES)
+    w = packed_weight(FORMATS[0], N, 102, torch.float32)  # int8, K = 102: not whole words of four bytes
+    with pytest.raises(ValueError, match="whole int32 words"):
+        quant_skinny_matmul(_x((1, 102), torch.float32, 1), w, config=PLANES)
 
 
 @pytest.mark.parametrize("case", BAD)
@@ -292,8 +291,9 @@ def _sm90_compile_all() -> None:
 
     def build(fn: Any, consts: dict[str, Any], ints: tuple[str, ...], warps: int, stages: int) -> str:
         names = list(fn.arg_names)
-        ptr_types = {"q_ptr": "*i32" if consts["BITS"] == 4 else "*i8", "z_ptr": "*u8", "perm_ptr": "*i32",
-                     "s_ptr": "*fp16", "m_ptr": "*fp16", "y_ptr": "*fp32" if consts["SPLIT"] else "*bf16"}
+        words = consts["BITS"] == 4 or consts.get("PLANES")  # PLANES reads INT8 weights as int32 words
+        ptr_types = {"q_ptr": "*i32" if words else "*i8", "z_ptr": "*u8", "perm_ptr": "*i32", "s_ptr": "*fp16",
+                     "m_ptr": "*fp16", "y_ptr": "*fp32" if consts["SPLIT"] else "*bf16"}
         sig = {a: "constexpr" if a in consts else ptr_types.get(a, "*bf16") if a.endswith("_ptr") else
                "fp32" if a == "eps" else "i32" for a in names}
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a.endswith("_ptr") or a in ints}
@@ -311,7 +311,7 @@ def _sm90_compile_all() -> None:
                       "BLOCK_M": m if use_dot else 1, "BLOCK_N": 16, "BLOCK_K": 256, "EVEN_K": True,
                       "STATS_BLOCK": 256, "EVEN_KS": True, "USE_DOT": use_dot, "DOT_PRECISION": "tf32",
                       "NUM_STAGES": 3, "PDL": False}
-            planes = (False, True) if bits == 4 and not use_dot else (False,)
+            planes = (False,) if use_dot else (False, True)
             for split, plane in itertools.product((False, True), planes):  # split-K: the slice loop is pipelined too
                 ttgir = build(qv._quant_skinny_kernel, {**consts, "SPLIT": split, "PLANES": plane},
                               ("K", "k_split", "stride_xm", "stride_ym"), 4, 3)

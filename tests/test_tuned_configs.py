@@ -265,12 +265,13 @@ def test_full_grid_is_bounded_and_holds_the_bf16_kernels_choice() -> None:
     assert len(gpu_quant._tiles("tiled", 64)) == len(gpu_quant._tiles("tiled", 512)) == 6
     one = gpu_quant._Cell("skinny", "int4-g128-sym", "o", 4096, 4096, 1, x[:1], w, x[:1],
                           gpu_quant._default("skinny", x[:1], w))
-    stage0 = gpu_quant._stage_candidates(one, 0, tiny=False)  # INT4 at M = 1: the nibble-plane tiles as well
-    assert len(stage0) <= 15 and sum(getattr(c, "planes", False) for c in stage0) == 6
     int8 = gpu_quant.random_packed("int8-ch-sym", 4096, 4096, DEV)
     cell8 = gpu_quant._Cell("skinny", "int8-ch-sym", "o", 4096, 4096, 1, x[:1], int8, x[:1],
                             gpu_quant._default("skinny", x[:1], int8))
-    assert not any(getattr(c, "planes", False) for c in gpu_quant._stage_candidates(cell8, 0, tiny=False))
+    for c, per_word in ((one, 8), (cell8, 4)):  # M = 1: the plane tiles as well, 2048-8192 words each
+        planes = [p for p in gpu_quant._stage_candidates(c, 0, tiny=False) if getattr(p, "planes", False)]
+        assert len(planes) == 6 and all(2048 <= p.block_n * p.block_k // per_word <= 8192 for p in planes)
+    assert not any(getattr(p, "planes", False) for p in stage0)  # M = 8
 
 
 @pytest.mark.slow

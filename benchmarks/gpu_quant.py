@@ -700,6 +700,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-fixed", action="store_true", help="no KV-block count nor fixed 1000/1000 runs")
     ap.add_argument("--fixed-requests", type=int, default=512)
+    ap.add_argument("--decode-formats", nargs="+", choices=list(DECODE_FORMATS), default=list(DECODE_FORMATS),
+                    help="engines of the batch-1 decode run (auto: the bf16 baseline)")
     sw = ap.add_argument_group("--sweep: tune the weight-only kernels' launch configs (nothing else runs)")
     sw.add_argument("--sweep", action="store_true", help="write DIR/<device slug>.json (the tuned table) and "
                     "gpu_quant_sweep.{json,md} into --out DIR")
@@ -729,7 +731,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_kernels:
         payload["kernels"] = kernel_table(dev)
     if not args.skip_decode:
-        payload["decode"] = {q: decode_b1(args.model, q, args.steps) for q in DECODE_FORMATS}
+        payload["decode"] = {q: decode_b1(args.model, q, args.steps) for q in args.decode_formats}
     if not args.skip_fixed:
         payload["kv_blocks"] = kv_blocks(args.model)
         payload["fixed"] = {name: fixed_run(args.model, q, kv, args.fixed_requests)

@@ -26,6 +26,7 @@ class Fence(Protocol):
     """What a copy's completion is waited on with (torch.cuda.Event; tests pass fakes)."""
 
     def record(self) -> None: ...
+    def query(self) -> bool: ...
     def synchronize(self) -> None: ...
 
 
@@ -51,8 +52,8 @@ class StagingRing:
         i = self._next
         self._next = (i + 1) % len(self._bufs)
         fence = self._fences[i]
-        if fence is not None:
-            fence.synchronize()  # the copy that read this buffer has run
+        if fence is not None and not fence.query():
+            fence.synchronize()  # the copy that read this buffer has run (query first: no sync call when it has)
         buf = self._bufs[i]
         if buf is None or buf.numel() < nbytes:
             size = max(4096, 1 << (nbytes - 1).bit_length())  # doubling: a few reallocations at most
@@ -192,9 +193,13 @@ class OutputBuffers:
         self._pin = pin
         self._fence = fence
         self._max_free = max_free
+        self.slots_made = 0  # sets of buffers ever made (the rest of the takes reused one)
 
     def take(self) -> _OutputSlot:
-        return self._free.pop() if self._free else _OutputSlot([], self._fence())
+        if self._free:
+            return self._free.pop()
+        self.slots_made += 1
+        return _OutputSlot([], self._fence())
 
     def give_back(self, slot: _OutputSlot) -> None:
         if len(self._free) < self._max_free:

@@ -44,7 +44,8 @@ class FakeFence:
 
 
 def test_ship_of_numpy_arrays_and_tensors_keeps_names_dtypes_shapes_and_values() -> None:
-    host = {"i64": np.arange(7, dtype=np.int64), "i32": np.arange(6, dtype=np.int32).reshape(2, 3),
+    host: dict[str, np.ndarray | torch.Tensor] = {
+            "i64": np.arange(7, dtype=np.int64), "i32": np.arange(6, dtype=np.int32).reshape(2, 3),
             "t64": torch.arange(3, dtype=torch.int64), "f32": np.array([[1.5, -2.0]], dtype=np.float32).T,
             "none": np.zeros((4, 0), dtype=np.int64), "b": np.array([True, False]),
             "bf16": torch.tensor([1.25, -3.5], dtype=torch.bfloat16), "one": np.array([9], dtype=np.int32)}

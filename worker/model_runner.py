@@ -308,11 +308,17 @@ class ModelRunner:
     def _device_inputs(self, dev: dict[str, Tensor], host: _HostInputs, prev: PendingStep | None,
                        ) -> tuple[Tensor, Tensor, AttentionMetadata]:
         ids = dev["input_ids"]
-        if len(host.tensors["fix_index"]):
+        inflight = len(host.tensors["fix_index"])
+        if inflight:
             assert prev is not None and prev.sampled is not None
             # on the device, after prev's sampler (index_copy_/index_select: the same as ids[i] = sampled[j] with
             # distinct i, at less host cost than advanced indexing)
-            ids.index_copy_(0, dev["fix_index"], prev.sampled.index_select(0, dev["fix_source"]))
+            if inflight < len(ids):
+                ids.index_copy_(0, dev["fix_index"], prev.sampled.index_select(0, dev["fix_source"]))
+            elif _is_arange(host.tensors["fix_source"], len(prev.sampled)):  # every token in flight (one per
+                ids = prev.sampled  # request, fix_index = 0..T-1), in the rows of prev's sampled ids: those ids
+            else:
+                ids = prev.sampled.index_select(0, dev["fix_source"])
         return ids, dev["positions"], _attention_meta(dev, host.q_lens, host.seq_lens)
 
     def _forward_keeping(self, inputs: tuple[Tensor, Tensor, AttentionMetadata], dev: dict[str, Tensor],
@@ -431,7 +437,9 @@ class ModelRunner:
                                                  [host.q_lens[i] for i in keep_features])
         if smeta is None:
             return PendingStep(len(batch.requests), {}, [], [], None, None, features=features)
-        logits = self.model.compute_logits(hidden.index_select(0, dev["logits_rows"]))
+        # Every token samples (one per request: decode-only): the logits rows are all of them, in order.
+        rows = hidden if len(sampling) == len(hidden) else hidden.index_select(0, dev["logits_rows"])
+        logits = self.model.compute_logits(rows)
         out = self.sampler(logits, self._device_sampling(smeta, dev, prev))
         copies = [out.sampled_token_ids]
         if out.logprobs_token_ids is not None and out.logprobs is not None:
@@ -542,6 +550,11 @@ def _bitmask_rows(bitmask: StepBitmask | None, reqs: list[Request], rows: Sequen
 
 def _i64(vals: Sequence[int]) -> np.ndarray:
     return np.array(vals, dtype=np.int64)
+
+
+def _is_arange(a: HostArray, n: int) -> bool:
+    """Whether 1-D `a` is 0, 1, .., n - 1."""
+    return len(a) == n and bool((np.asarray(a) == np.arange(n)).all())
 
 
 def _source_row(prev: PendingStep | None, req: Request) -> int:

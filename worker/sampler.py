@@ -404,7 +404,7 @@ class Sampler:
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
         if logits.shape != (meta.num_rows, meta.vocab_size):  # pad id V must be out of range
             raise ValueError(f"logits {tuple(logits.shape)} != [N={meta.num_rows}, V={meta.vocab_size}]")
-        raw = logits.float()  # [N, V]
+        raw = logits if logits.dtype == torch.float32 else logits.float()  # [N, V]
         x = raw if meta.no_penalties else apply_penalties(raw, meta)
         if not meta.no_banned:
             x = x.masked_fill(_id_mask(meta.banned_ids, x.shape[1]), _NEG_INF)
@@ -498,7 +498,7 @@ def greedy_argmax(x: Tensor, two_stage: bool | None = None) -> Tensor:
     padded = torch.nn.functional.pad(x, (0, chunks * _ARGMAX_CHUNK - v), value=float("-inf"))
     best, where = padded.view(n, chunks, _ARGMAX_CHUNK).max(dim=-1)  # [N, chunks] each
     chunk = best.argmax(dim=-1, keepdim=True)  # first chunk holding the row maximum
-    return (chunk * _ARGMAX_CHUNK + where.gather(1, chunk)).squeeze(1)
+    return torch.add(where.gather(1, chunk), chunk, alpha=_ARGMAX_CHUNK).squeeze(1)  # [N, 1] -> [N]
 
 
 def min_p_race(

@@ -438,8 +438,8 @@ class ModelRunner:
         if smeta is None:
             return PendingStep(len(batch.requests), {}, [], [], None, None, features=features)
         # Every token samples (one per request: decode-only): the logits rows are all of them, in order.
-        rows = hidden if len(sampling) == len(hidden) else hidden.index_select(0, dev["logits_rows"])
-        logits = self.model.compute_logits(rows)
+        last = hidden if len(sampling) == len(hidden) else hidden.index_select(0, dev["logits_rows"])
+        logits = self.model.compute_logits(last)
         out = self.sampler(logits, self._device_sampling(smeta, dev, prev))
         copies = [out.sampled_token_ids]
         if out.logprobs_token_ids is not None and out.logprobs is not None:

@@ -79,35 +79,39 @@ def ship(host: Mapping[str, HostArray], device: torch.device,
     Host cost matters here (once per step, ~15 small parts): parts are grouped by dtype, each group written
     with one numpy concatenate into the staging buffer and cut out of the device buffer with one
     split_with_sizes (a view per part, made in C++); only parts of 2 or more dimensions take one more view."""
-    groups: dict[np.dtype[Any] | torch.dtype, list[tuple[str, np.ndarray, tuple[int, ...], int]]] = {}
+    groups: dict[np.dtype[Any] | torch.dtype, _Group] = {}
     empty: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     for name, t in host.items():
-        a = _host_array(t)
-        shape = tuple(t.shape)
-        if not a.size:
-            empty.append((name, _torch_dtype(t), shape))
-        elif isinstance(t, Tensor) and t.dtype not in _NUMPY_DTYPES:  # staged as bytes, grouped by torch dtype
-            groups.setdefault(t.dtype, []).append((name, a, shape, t.numel()))
+        if isinstance(t, np.ndarray):
+            a = np.ascontiguousarray(t)
+            key: np.dtype[Any] | torch.dtype = a.dtype
+            n, shape = a.size, a.shape
         else:
-            groups.setdefault(a.dtype, []).append((name, a, shape, a.size))
-    layout, total = [], 0  # per group: (its torch dtype, first byte, bytes)
-    for key, parts in groups.items():
-        nbytes = sum(a.nbytes for _, a, _, _ in parts)
-        layout.append((_torch_dtype_of(key, parts[0][1]), total, nbytes))
-        total += -(-nbytes // _ALIGN) * _ALIGN
+            a, key, n, shape = _tensor_part(t)
+        if not n:
+            empty.append((name, _torch_dtype(t), shape))
+            continue
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = _Group()
+        group.names.append(name)
+        group.arrays.append(a)
+        group.shapes.append(shape)
+        group.counts.append(n)
+        group.nbytes += a.nbytes
+    total = 0
+    for group in groups.values():
+        group.start = total
+        total += -(-group.nbytes // _ALIGN) * _ALIGN
     cuda = device.type == "cuda"
     if ring is not None and cuda:
         slot, buf = ring.take(total)
     else:
         slot, buf = -1, torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=cuda)
     staging = buf.numpy()
-    for (_, start, nbytes), parts in zip(layout, groups.values()):
-        a0 = parts[0][1]
-        dest = staging[start : start + nbytes].view(a0.dtype)
-        if len(parts) == 1:
-            dest[:] = a0.reshape(-1)
-        else:
-            np.concatenate([a.reshape(-1) for _, a, _, _ in parts], out=dest)
+    for group in groups.values():
+        dest = staging[group.start : group.start + group.nbytes].view(group.arrays[0].dtype)
+        np.concatenate(group.arrays, axis=None, out=dest)  # each part flattened, in order
     if cuda:
         dev = buf[:total].to(device, non_blocking=True)
         if ring is not None:
@@ -115,36 +119,47 @@ def ship(host: Mapping[str, HostArray], device: torch.device,
     else:
         dev = buf
     out: dict[str, Tensor] = {}
-    for (dtype, start, nbytes), parts in zip(layout, groups.values()):
-        typed = dev[start : start + nbytes].view(dtype)
-        pieces = typed.split_with_sizes([n for _, _, _, n in parts]) if len(parts) > 1 else (typed,)
-        for (name, _, shape, _), piece in zip(parts, pieces):
+    for key, group in groups.items():
+        typed = dev[group.start : group.start + group.nbytes].view(_torch_dtype_of(key))
+        pieces = typed.split_with_sizes(group.counts) if len(group.counts) > 1 else (typed,)
+        for name, shape, piece in zip(group.names, group.shapes, pieces):
             out[name] = piece if len(shape) == 1 else piece.view(shape)
     for name, dtype, shape in empty:
         out[name] = _empty(shape, dtype, device)
     return out
 
 
-def _host_array(t: Tensor | np.ndarray) -> np.ndarray:
-    """The values of CPU tensor or array t as a C-contiguous numpy array (its raw bytes as uint8 for dtypes
-    numpy lacks: bfloat16, float8); a copy only when t is not contiguous."""
-    if isinstance(t, np.ndarray):
-        return np.ascontiguousarray(t)
+class _Group:
+    """The parts of one dtype in a ship: staged back to back from byte `start` (a multiple of _ALIGN)."""
+
+    __slots__ = ("arrays", "counts", "names", "nbytes", "shapes", "start")
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.arrays: list[np.ndarray] = []
+        self.shapes: list[tuple[int, ...]] = []
+        self.counts: list[int] = []  # elements of each part
+        self.nbytes = 0
+        self.start = 0
+
+
+def _tensor_part(t: Tensor) -> tuple[np.ndarray, np.dtype[Any] | torch.dtype, int, tuple[int, ...]]:
+    """(values as a C-contiguous array, group key, elements, shape) of a CPU tensor. A dtype numpy lacks
+    (bfloat16, float8) is staged as its raw bytes (uint8) and grouped under its torch dtype."""
     assert t.device.type == "cpu", f"ship stages CPU tensors, got one on {t.device}"
     if t.dtype in _NUMPY_DTYPES:
-        return np.ascontiguousarray(t.numpy())
-    return t.contiguous().view(-1).view(torch.uint8).numpy()
+        a = np.ascontiguousarray(t.numpy())
+        return a, a.dtype, a.size, a.shape
+    return t.contiguous().view(-1).view(torch.uint8).numpy(), t.dtype, t.numel(), tuple(t.shape)
 
 
 def _torch_dtype(t: Tensor | np.ndarray) -> torch.dtype:
     return t.dtype if isinstance(t, Tensor) else _FROM_NUMPY[t.dtype.type]
 
 
-def _torch_dtype_of(key: np.dtype[Any] | torch.dtype, a: np.ndarray) -> torch.dtype:
+def _torch_dtype_of(key: np.dtype[Any] | torch.dtype) -> torch.dtype:
     """The torch dtype of a ship group (its key: a torch dtype numpy lacks, or the arrays' numpy dtype)."""
-    if isinstance(key, torch.dtype):
-        return key
-    return _FROM_NUMPY[a.dtype.type]
+    return key if isinstance(key, torch.dtype) else _FROM_NUMPY[key.type]
 
 
 _EMPTY: dict[tuple[tuple[int, ...], torch.dtype, torch.device], Tensor] = {}

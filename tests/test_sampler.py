@@ -557,10 +557,10 @@ def test_two_stage_greedy_argmax_matches_torch(device: str) -> None:
     from tokenmill.worker.sampler import greedy_argmax
 
     g = torch.Generator(device=device).manual_seed(0)
-    for v in (128256, 40000, 1024 * 32):
+    for v in (128256, 40000, 1024 * 32, 50257):  # chunks of 1002, 1000, 1024; 1024 with a padded last chunk
         x = torch.randn((5, v), generator=g, device=device)
         x[1, 7] = x[1, v - 3] = x[1].max() + 1.0  # a tie: the first index wins, as in torch.argmax
-        x[2, -1] = 1e9  # the maximum in the last (partial) chunk
+        x[2, -1] = 1e9  # the maximum in the last chunk (a partial one for 50257)
         x[3] = -torch.inf
         x[3, 9000] = 0.0
         want = x.argmax(dim=-1)

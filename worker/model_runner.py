@@ -585,18 +585,23 @@ def _positions_and_slots(q_lens: np.ndarray, starts: np.ndarray, tables: np.ndar
                          block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Per token of the flattened batch: its position (request i's tokens are starts[i] .. starts[i] + q_lens[i]
     - 1) and its cache slot (block of that position in the request's table row * block_size + offset). int64."""
-    req = np.repeat(np.arange(len(q_lens)), q_lens)  # [T] request of each token
-    first = np.cumsum(q_lens) - q_lens  # [B] row of each request's first token
-    positions = (np.arange(len(req)) - first[req] + starts[req]).astype(np.int64)
+    if q_lens.sum() == len(q_lens):  # one token per request (decode): token i is request i's
+        req, positions = np.arange(len(q_lens)), starts.astype(np.int64)
+    else:
+        req = np.repeat(np.arange(len(q_lens)), q_lens)  # [T] request of each token
+        first = np.cumsum(q_lens) - q_lens  # [B] row of each request's first token
+        positions = (np.arange(len(req)) - first[req] + starts[req]).astype(np.int64)
     slots = tables[req, positions // block_size].astype(np.int64) * block_size + positions % block_size
     return positions, slots
 
 
 def _attention_host(q_lens: list[int], seq_lens: list[int], tables: np.ndarray,
                     slots: np.ndarray) -> dict[str, HostArray]:
+    query_start_loc = np.zeros(len(q_lens) + 1, dtype=np.int32)
+    np.cumsum(q_lens, out=query_start_loc[1:])
     return {
-        "query_start_loc": np.cumsum([0, *q_lens], dtype=np.int32),
-        "seq_lens": np.asarray(seq_lens, dtype=np.int32),
+        "query_start_loc": query_start_loc,
+        "seq_lens": np.array(seq_lens, dtype=np.int32),
         "block_tables": tables,
         "slot_mapping": slots,
     }

@@ -265,8 +265,9 @@ _ROWS = _RowCache()
 @dataclass(slots=True)
 class HostSampling:
     """A step's SamplingMetadata before its host-to-device copy: the tensor fields that its rows need, as host
-    arrays (`arrays`: rows_f32, rows_i64, is_greedy always; prompt_ids / output_ids / banned_ids only when some
-    row uses them, bitmask_rows / bitmask with constrained rows) and the host fields (`flags`)."""
+    arrays (`arrays`: rows_f32 and rows_i64 always, is_greedy when greedy and random rows mix, prompt_ids /
+    output_ids / banned_ids only when some row uses them, bitmask_rows / bitmask with constrained rows) and the
+    host fields (`flags`)."""
 
     arrays: dict[str, np.ndarray | Tensor]
     flags: dict[str, Any]  # the non-tensor fields of SamplingMetadata
@@ -300,8 +301,10 @@ class HostSampling:
         arrays: dict[str, np.ndarray | Tensor] = {
             "rows_f32": np.array([r.f32 for r in rows], dtype=np.float32).reshape(n, 6).T,
             "rows_i64": rows_i64,
-            "is_greedy": np.array(greedy, dtype=np.bool_),
         }
+        all_greedy, any_greedy = all(greedy), any(greedy)
+        if any_greedy and not all_greedy:  # else is_greedy is one value, made on the device once (_same_bools)
+            arrays["is_greedy"] = np.array(greedy, dtype=np.bool_)
         if uses & _REP:
             arrays["prompt_ids"] = _pad_ids(prompt_ids(), n, vocab_size)
         if uses & (_REP | _PEN):
@@ -314,13 +317,12 @@ class HostSampling:
             arrays["bitmask_rows"] = np.array(bitmask[0], dtype=np.int64)
             arrays["bitmask"] = bitmask[1]
         logprobs = [r.logprobs for r in rows if r.logprobs is not None]
-        all_greedy = all(greedy)
         flags = {
             "vocab_size": vocab_size,
             "max_num_logprobs": max(logprobs) if logprobs else None,
             "max_top_k": max(top_k, default=vocab_size),
             "all_greedy": all_greedy,
-            "all_random": not any(greedy),
+            "all_random": not any_greedy,
             "no_penalties": not uses & (_REP | _PEN),
             "no_repetition_penalty": not uses & _REP,
             "no_top_k": not uses & _TOP_K,
@@ -334,8 +336,11 @@ class HostSampling:
         """The SamplingMetadata of `tensors` (`arrays` on the device, by name); id tensors the rows do not use
         are [N, 0]."""
         none = _no_ids(self.num_rows, device)
+        is_greedy = tensors.get("is_greedy")
+        if is_greedy is None:
+            is_greedy = _same_bools(self.num_rows, self.flags["all_greedy"], device)
         return SamplingMetadata(
-            rows_f32=tensors["rows_f32"], rows_i64=tensors["rows_i64"], is_greedy=tensors["is_greedy"],
+            rows_f32=tensors["rows_f32"], rows_i64=tensors["rows_i64"], is_greedy=is_greedy,
             prompt_ids=tensors.get("prompt_ids", none), output_ids=tensors.get("output_ids", none),
             banned_ids=tensors.get("banned_ids", none), bitmask_rows=tensors.get("bitmask_rows"),
             bitmask=tensors.get("bitmask"), **self.flags)
@@ -353,6 +358,12 @@ def _seed_bits(seeds: Sequence[int]) -> np.ndarray:
 def _no_ids(n: int, device: torch.device) -> Tensor:
     """[n, 0] i64 on `device`: shared by every step (an empty tensor has no data anything could write)."""
     return torch.empty((n, 0), dtype=torch.int64, device=device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _same_bools(n: int, value: bool, device: torch.device) -> Tensor:
+    """[n] bool, all `value`, on `device`: shared by every step (nothing writes is_greedy)."""
+    return torch.full((n,), value, dtype=torch.bool, device=device)
 
 
 def _banned_ids(p: SamplingParams, num_output: int, eos: Sequence[int], vocab_size: int) -> list[int]:
@@ -487,18 +498,28 @@ _ARGMAX_CHUNK = 1024
 def greedy_argmax(x: Tensor, two_stage: bool | None = None) -> Tensor:
     """x.argmax(-1) of [N, V] -> [N] i64 (first index of the maximum), in two stages for a large
     vocabulary on CUDA: torch reduces a whole row in one thread block, while [N, V/C, C] chunk maxima then a
-    max over chunks spread the row over many blocks (C = _ARGMAX_CHUNK; a larger C makes too few chunks to
-    fill the GPU). H200 figures: benchmarks/results/h200/NOTES.md, "Figures behind the code's rules"."""
+    max over chunks spread the row over many blocks (C about _ARGMAX_CHUNK: a larger C makes too few chunks to
+    fill the GPU; a divisor of V when one is close, so that no padded copy of x is made). H200 figures:
+    benchmarks/results/h200/NOTES.md, "Figures behind the code's rules"."""
     n, v = x.shape
     if two_stage is None:
         two_stage = x.is_cuda and v >= 32 * _ARGMAX_CHUNK
     if not two_stage or n == 0:
         return x.argmax(dim=-1)
-    chunks = -(-v // _ARGMAX_CHUNK)
-    padded = torch.nn.functional.pad(x, (0, chunks * _ARGMAX_CHUNK - v), value=float("-inf"))
-    best, where = padded.view(n, chunks, _ARGMAX_CHUNK).max(dim=-1)  # [N, chunks] each
+    size = _argmax_chunk(v)
+    chunks = -(-v // size)
+    if chunks * size != v:
+        x = torch.nn.functional.pad(x, (0, chunks * size - v), value=float("-inf"))
+    best, where = x.view(n, chunks, size).max(dim=-1)  # [N, chunks] each
     chunk = best.argmax(dim=-1, keepdim=True)  # first chunk holding the row maximum
-    return torch.add(where.gather(1, chunk), chunk, alpha=_ARGMAX_CHUNK).squeeze(1)  # [N, 1] -> [N]
+    return torch.add(where.gather(1, chunk), chunk, alpha=size).squeeze(1)  # [N, 1] -> [N]
+
+
+@functools.lru_cache(maxsize=64)
+def _argmax_chunk(v: int) -> int:
+    """The chunk size of greedy_argmax for vocabulary size v: its largest divisor in [C/2, C] (C = _ARGMAX_CHUNK;
+    Llama 3's 128256 = 128 x 1002), else C with the last chunk padded."""
+    return next((c for c in range(_ARGMAX_CHUNK, _ARGMAX_CHUNK // 2 - 1, -1) if v % c == 0), _ARGMAX_CHUNK)
 
 
 def min_p_race(

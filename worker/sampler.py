@@ -142,6 +142,8 @@ class SamplingMetadata:
     # constrained). [M] i64 and [M, ceil(V/32)] int32 (worker/structured/bitmask.py).
     bitmask_rows: Tensor | None = None
     bitmask: Tensor | None = None
+    # Every row's temperature (rows_f32[0]) is exactly 1.0: dividing by it would change no bit, so it is skipped.
+    unit_temperature: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -329,6 +331,7 @@ class HostSampling:
             "no_top_p": not uses & _TOP_P,
             "no_min_p": not uses & _MIN_P,
             "no_banned": "banned_ids" not in arrays,
+            "unit_temperature": all(r.f32[0] == 1.0 for r in rows),
         }
         return cls(arrays, flags, n)
 
@@ -432,7 +435,7 @@ class Sampler:
         """[N, V] penalised logits -> [N] i64 token ids."""
         if meta.all_greedy:  # also the empty batch
             return greedy_argmax(x)
-        x_scaled = apply_top_k_top_p(x / meta.temperature[:, None], meta)
+        x_scaled = apply_top_k_top_p(x if meta.unit_temperature else x / meta.temperature[:, None], meta)
         random = self._race(x_scaled, meta.min_p, meta.seeds, meta.positions, meta.no_min_p)
         return random if meta.all_random else torch.where(meta.is_greedy, greedy_argmax(x), random)
 

@@ -444,7 +444,7 @@ class ModelRunner:
         copies = [out.sampled_token_ids]
         if out.logprobs_token_ids is not None and out.logprobs is not None:
             copies += [out.logprobs_token_ids, out.logprobs]
-        return PendingStep(len(batch.requests), {r: row for row, r in enumerate(reqs)}, sampling,
+        return PendingStep(len(batch.requests), dict(zip(reqs, range(len(reqs)))), sampling,
                            [r.params.logprobs for r in reqs], out.sampled_token_ids,
                            HostCopy(copies, self.output_buffers), features=features)
 

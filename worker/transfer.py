@@ -191,12 +191,6 @@ def from_numpy(a: np.ndarray) -> Tensor:
     return t if a.size else torch.empty(t.shape, dtype=t.dtype)
 
 
-def host_tensor(vals: Sequence[Any] | np.ndarray, dtype: type[np.generic]) -> Tensor:
-    """A C-contiguous CPU tensor of `vals` (numbers, rows of them, or an array): what torch.tensor(vals) gives, built
-    through numpy at a third of its host cost (from_numpy)."""
-    return from_numpy(np.array(vals, dtype=dtype, order="C"))
-
-
 class OutputBuffers:
     """Pinned destinations of `HostCopy`, reused: a set of buffers (one flat buffer per output of a step, grown
     when a step's output is larger) goes back to the free list only from `HostCopy.tolist()`, after the copy's

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 HostArray: TypeAlias = "Tensor | np.ndarray"  # a per-step input on the host: a CPU tensor or a numpy array
-_ALIGN = 16  # every dtype group starts at a multiple of this many bytes, so any dtype can view it
+_ALIGN = 16  # every part starts at a multiple of this many bytes (any dtype can view it; Triton's alignment)
 
 
 class Fence(Protocol):
@@ -76,9 +76,10 @@ def ship(host: Mapping[str, HostArray], device: torch.device,
     allocator keeps it until its copy has run) or, with `ring`, one of the ring's (ignored on CPU, where the
     staging buffer is the result).
 
-    Host cost matters here (once per step, ~15 small parts): parts are grouped by dtype, each group written
-    with one numpy concatenate into the staging buffer and cut out of the device buffer with one
-    split_with_sizes (a view per part, made in C++); only parts of 2 or more dimensions take one more view."""
+    Every part starts at a multiple of 16 bytes (as Triton's pointer specialization, and so the warm-up, assumes).
+    Host cost matters here (once per step, ~15 small parts): parts are grouped by dtype, and each group is cut out
+    of the device buffer with one split_with_sizes (a view per part, made in C++); only a part of 2 or more
+    dimensions, or one that does not fill its 16-byte slots, takes one more view."""
     groups: dict[np.dtype[Any] | torch.dtype, _Group] = {}
     empty: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     for name, t in host.items():
@@ -98,11 +99,13 @@ def ship(host: Mapping[str, HostArray], device: torch.device,
         group.arrays.append(a)
         group.shapes.append(shape)
         group.counts.append(n)
-        group.nbytes += a.nbytes
+        padded = -(-a.nbytes // _ALIGN) * _ALIGN  # every part starts on the 16-byte grid (Triton specializes
+        group.slots.append(padded // a.itemsize)  # pointers by their divisibility by 16: warm-up's variants)
+        group.nbytes += padded
     total = 0
     for group in groups.values():
         group.start = total
-        total += -(-group.nbytes // _ALIGN) * _ALIGN
+        total += group.nbytes
     cuda = device.type == "cuda"
     if ring is not None and cuda:
         slot, buf = ring.take(total)
@@ -111,7 +114,10 @@ def ship(host: Mapping[str, HostArray], device: torch.device,
     staging = buf.numpy()
     for group in groups.values():
         dest = staging[group.start : group.start + group.nbytes].view(group.arrays[0].dtype)
-        np.concatenate(group.arrays, axis=None, out=dest)  # each part flattened, in order
+        at = 0
+        for a, n in zip(group.arrays, group.slots):
+            dest[at : at + a.size] = a.reshape(-1)
+            at += n
     if cuda:
         dev = buf[:total].to(device, non_blocking=True)
         if ring is not None:
@@ -121,24 +127,26 @@ def ship(host: Mapping[str, HostArray], device: torch.device,
     out: dict[str, Tensor] = {}
     for key, group in groups.items():
         typed = dev[group.start : group.start + group.nbytes].view(_torch_dtype_of(key))
-        pieces = typed.split_with_sizes(group.counts) if len(group.counts) > 1 else (typed,)
-        for name, shape, piece in zip(group.names, group.shapes, pieces):
-            out[name] = piece if len(shape) == 1 else piece.view(shape)
+        pieces = typed.split_with_sizes(group.slots) if len(group.slots) > 1 else (typed,)
+        for name, shape, n, slot, piece in zip(group.names, group.shapes, group.counts, group.slots, pieces):
+            part = piece if n == slot else piece[:n]
+            out[name] = part if len(shape) == 1 else part.view(shape)
     for name, dtype, shape in empty:
         out[name] = _empty(shape, dtype, device)
     return out
 
 
 class _Group:
-    """The parts of one dtype in a ship: staged back to back from byte `start` (a multiple of _ALIGN)."""
+    """The parts of one dtype in a ship, staged in order from byte `start`, each in a slot of whole _ALIGN bytes."""
 
-    __slots__ = ("arrays", "counts", "names", "nbytes", "shapes", "start")
+    __slots__ = ("arrays", "counts", "names", "nbytes", "shapes", "slots", "start")
 
     def __init__(self) -> None:
         self.names: list[str] = []
         self.arrays: list[np.ndarray] = []
         self.shapes: list[tuple[int, ...]] = []
         self.counts: list[int] = []  # elements of each part
+        self.slots: list[int] = []  # elements of each part's slot (its count rounded up to _ALIGN bytes)
         self.nbytes = 0
         self.start = 0
 

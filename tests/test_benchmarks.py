@@ -468,3 +468,18 @@ def test_suite_engine_overrides_reach_the_model_spec() -> None:
     assert config_from_args(build_parser().parse_args(["--device", "gpu"])).spec == GPU.spec
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--kv-cache-dtype", "int8"])
+
+
+def test_host_step_times_every_phase_of_each_kind_of_step(tmp_path: Path) -> None:
+    """benchmarks/host_step.py on a small anatomy: each kind of step has every phase it wraps (the runner methods
+    and module names it patches still exist) and a launch that covers them; the JSON holds the medians."""
+    from tokenmill.benchmarks import host_step
+
+    host_step.main(["--repeats", "2", "--running", "3", "--system-tokens", "40", "--new-tokens", "8",
+                    "--out", str(tmp_path)])
+    medians = json.loads((tmp_path / "host_step.json").read_text())["median_us"]
+    assert set(medians) == set(host_step.KINDS)
+    wrapped = {*host_step.RUNNER_PHASES, *host_step.MODULE_PHASES, "compute_logits", "sampler"}
+    for kind, phases in medians.items():
+        assert wrapped <= set(phases), (kind, wrapped - set(phases))
+        assert phases["launch"] > 0 and phases["rest"] >= 0, kind  # the phases run inside the launch

@@ -557,12 +557,27 @@ def test_two_stage_greedy_argmax_matches_torch(device: str) -> None:
     from tokenmill.worker.sampler import greedy_argmax
 
     g = torch.Generator(device=device).manual_seed(0)
-    for v in (128256, 40000, 1024 * 32):
+    for v in (128256, 40000, 1024 * 32, 50257):  # chunks of 1002, 1000, 1024; 1024 with a padded last chunk
         x = torch.randn((5, v), generator=g, device=device)
         x[1, 7] = x[1, v - 3] = x[1].max() + 1.0  # a tie: the first index wins, as in torch.argmax
-        x[2, -1] = 1e9  # the maximum in the last (partial) chunk
+        x[2, -1] = 1e9  # the maximum in the last chunk (a partial one for 50257)
         x[3] = -torch.inf
         x[3, 9000] = 0.0
         want = x.argmax(dim=-1)
         assert want[1] == 7
         torch.testing.assert_close(greedy_argmax(x, two_stage=True), want, rtol=0, atol=0)
+
+
+def test_unit_temperature_skips_the_divide_and_changes_no_token() -> None:
+    """A batch whose temperatures are all exactly 1 (greedy rows hold 1 too) is not divided: the same tokens as
+    with the divide, for every seed; one row at another temperature turns the skip off."""
+    v, n = 300, 6
+    logits = torch.randn((n, v), generator=torch.Generator().manual_seed(5)) * 4
+    params = [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(top_k=20), SamplingParams(min_p=0.1),
+              SamplingParams(top_p=0.9), SamplingParams()]
+    for seed in range(20):
+        meta = build(params, [seed * 7 + i for i in range(n)], v)
+        assert meta.unit_temperature
+        divided = dataclasses.replace(meta, unit_temperature=False)
+        assert torch.equal(sample(logits, meta), sample(logits, divided))
+    assert not build([SamplingParams(), SamplingParams(temperature=0.7)], [0, 1], v).unit_temperature

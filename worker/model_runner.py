@@ -11,7 +11,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -28,7 +28,7 @@ from tokenmill.worker.parallel.group import TPGroup
 from tokenmill.worker.parallel.layers import TensorParallelLayers
 from tokenmill.worker.quant.fp8 import check_kv_cache_dtype
 from tokenmill.worker.request import Request
-from tokenmill.worker.sampler import Sampler, SamplingMetadata
+from tokenmill.worker.sampler import HostSampling, Sampler, SamplingMetadata
 from tokenmill.worker.scheduler import ScheduledBatch
 from tokenmill.worker.spec.tree import (
     TreeDrafts,
@@ -41,7 +41,7 @@ from tokenmill.worker.spec.tree import (
 )
 from tokenmill.worker.spec.verifier import DraftLayout, accept_drafts, tokens_of
 from tokenmill.worker.structured.bitmask import StepBitmask
-from tokenmill.worker.transfer import HostCopy, host_tensor, ship
+from tokenmill.worker.transfer import HostArray, HostCopy, OutputBuffers, StagingRing, ship
 
 log = logging.getLogger("tokenmill.runner")
 
@@ -108,10 +108,10 @@ class PendingStep:
         logprobs: list[list[dict[int, float]] | None] = [None] * self.num_requests
         if self._copy is None:
             return StepResult(sampled, logprobs)
-        host = self._copy.wait()
-        tokens = host[0].tolist()
+        host = self._copy.tolist()
+        tokens = host[0]
         n_ids = 1 if self._draft_starts is None else 2  # sampled ids (and accepted counts) first, then logprobs
-        lp_ids, lp_vals = (host[n_ids].tolist(), host[n_ids + 1].tolist()) if len(host) > n_ids else ([], [])
+        lp_ids, lp_vals = (host[n_ids], host[n_ids + 1]) if len(host) > n_ids else ([], [])
         if self._draft_starts is None:
             for s, i in enumerate(self._batch_index):
                 sampled[i] = tokens[s]
@@ -119,7 +119,7 @@ class PendingStep:
                 if n_lp is not None and lp_ids:
                     logprobs[i] = [_top_logprobs(lp_ids[s], lp_vals[s], n_lp)]
             return StepResult(sampled, logprobs)
-        accepted = host[1].tolist()
+        accepted = host[1]
         paths: dict[int, list[int]] = {}
         for s, i in enumerate(self._batch_index):
             start = self._draft_starts[s]
@@ -166,6 +166,11 @@ class ModelRunner:
         self.model = build_model(source, self.backend, self.device, self.dtype, config.quantization,
                                  gguf_native=gguf_native, layers=layers)
         self.sampler = Sampler()
+        # Pinned buffers of the step's one host-to-device copy and of its outputs' copy back, allocated once
+        # (transfer.py); None on the CPU.
+        cuda = self.device.type == "cuda"
+        self.staging: StagingRing | None = StagingRing() if cuda else None
+        self.output_buffers: OutputBuffers | None = OutputBuffers() if cuda else None
         # The decoder layers whose residual streams are a kept request's features instead of the final-normed
         # hidden states (an EAGLE-3 head's fusion layers, set by its proposer; such steps run eagerly).
         self.feature_layers: tuple[int, ...] = ()
@@ -278,8 +283,10 @@ class ModelRunner:
         ids: list[int] = []
         fix_index: list[int] = []
         fix_source: list[int] = []
+        starts: list[int] = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start = req.num_computed_tokens
+            starts.append(start)
             chunk = req.token_ids[start : start + n]
             if len(chunk) < n and req.draft_token_ids:  # drafts trail the known tokens (none in flight then)
                 chunk += req.draft_token_ids[: n - len(chunk)]
@@ -289,24 +296,29 @@ class ModelRunner:
                 chunk.append(0)
             ids.extend(chunk)
         q_lens = list(batch.num_new_tokens)
-        starts = [r.num_computed_tokens for r in batch.requests]
         seq_lens = [s + n for s, n in zip(starts, q_lens)]
         tables = _block_table(r.block_ids for r in batch.requests)
         positions, slots = _positions_and_slots(np.asarray(q_lens), np.asarray(starts), tables, self.block_size)
-        tensors = _attention_host(q_lens, seq_lens, tables, slots) | _tree_inputs(batch.requests, q_lens, seq_lens,
-                                                                                  positions)
-        tensors |= {"input_ids": _i64(ids), "positions": torch.from_numpy(positions),
-                    "fix_index": _i64(fix_index), "fix_source": _i64(fix_source)}
-        return _HostInputs(tensors, q_lens, seq_lens)
+        arrays = _attention_host(q_lens, seq_lens, tables, slots) | _tree_inputs(batch.requests, q_lens, seq_lens,
+                                                                                 positions)
+        arrays |= {"input_ids": _i64(ids), "positions": positions, "fix_index": _i64(fix_index),
+                   "fix_source": _i64(fix_source)}
+        return _HostInputs(arrays, q_lens, seq_lens)
 
     def _device_inputs(self, dev: dict[str, Tensor], host: _HostInputs, prev: PendingStep | None,
                        ) -> tuple[Tensor, Tensor, AttentionMetadata]:
         ids = dev["input_ids"]
-        if host.tensors["fix_index"].numel():
+        inflight = len(host.tensors["fix_index"])
+        if inflight:
             assert prev is not None and prev.sampled is not None
             # on the device, after prev's sampler (index_copy_/index_select: the same as ids[i] = sampled[j] with
             # distinct i, at less host cost than advanced indexing)
-            ids.index_copy_(0, dev["fix_index"], prev.sampled.index_select(0, dev["fix_source"]))
+            if inflight < len(ids):
+                ids.index_copy_(0, dev["fix_index"], prev.sampled.index_select(0, dev["fix_source"]))
+            elif _is_arange(host.tensors["fix_source"], len(prev.sampled)):  # every token in flight (one per
+                ids = prev.sampled  # request, fix_index = 0..T-1), in the rows of prev's sampled ids: those ids
+            else:
+                ids = prev.sampled.index_select(0, dev["fix_source"])
         return ids, dev["positions"], _attention_meta(dev, host.q_lens, host.seq_lens)
 
     def _forward_keeping(self, inputs: tuple[Tensor, Tensor, AttentionMetadata], dev: dict[str, Tensor],
@@ -344,30 +356,36 @@ class ModelRunner:
             log.info("fp8 KV cache: K/V scales calibrated on the first step (%d tokens)", ids.shape[0])
 
     def _host_sampling(self, reqs: list[Request], eos_token_ids: tuple[int, ...], prev: PendingStep | None,
-                       bitmask: StepBitmask | None = None) -> tuple[SamplingMetadata, dict[str, Tensor]]:
-        """SamplingMetadata on the CPU plus, for penalties, where in-flight outputs go: one is padded (pad
+                       bitmask: StepBitmask | None = None) -> tuple[HostSampling, dict[str, HostArray]]:
+        """The sampling metadata's host arrays plus, for penalties, where in-flight outputs go: one is padded (pad
         id V counts for nothing) and filled on the device from `prev`'s sampled ids. `bitmask`: the masks of
-        the constrained requests among `reqs` (row r = request r)."""
+        the constrained requests among `reqs` (row r = request r). The output ids are gathered only when a
+        request has a penalty."""
         vocab = self.arch.vocab_size
-        outputs: list[list[int]] = []
         fix: list[tuple[int, int, int]] = []  # (row, column, row of prev.sampled)
-        for row, r in enumerate(reqs):
-            out = r.output_token_ids
-            if r.num_inflight:
-                fix.append((row, len(out), _source_row(prev, r)))
-                out.append(vocab)
-            outputs.append(out)
-        meta = SamplingMetadata.build([r.params for r in reqs], [r.prompt_token_ids for r in reqs], outputs,
-                                      [r.seed for r in reqs], eos_token_ids, vocab, torch.device("cpu"),
-                                      _bitmask_rows(bitmask, reqs, range(len(reqs))))
-        tensors = _sampling_tensors(meta)
-        if fix and meta.output_ids.shape[1]:
+
+        def outputs() -> list[list[int]]:
+            rows = []
+            for row, r in enumerate(reqs):
+                out = r.output_token_ids
+                if r.num_inflight:
+                    fix.append((row, len(out), _source_row(prev, r)))
+                    out.append(vocab)
+                rows.append(out)
+            return rows
+
+        num_outputs = [len(r.token_ids) - len(r.prompt_token_ids) + r.num_inflight for r in reqs]
+        meta = HostSampling.build([r.params for r in reqs], [r.seed for r in reqs], num_outputs, eos_token_ids, vocab,
+                                  lambda: [r.prompt_token_ids for r in reqs], outputs,
+                                  _bitmask_rows(bitmask, reqs, range(len(reqs))))
+        arrays = _sampling_arrays(meta)
+        if fix and meta.arrays["output_ids"].shape[1]:
             rows, cols, src = zip(*fix)
-            tensors |= {"pen.rows": _i64(rows), "pen.cols": _i64(cols), "pen.src": _i64(src)}
-        return meta, tensors
+            arrays |= {"pen.rows": _i64(rows), "pen.cols": _i64(cols), "pen.src": _i64(src)}
+        return meta, arrays
 
     def _host_draft_sampling(self, reqs: list[Request], eos_token_ids: tuple[int, ...], starts: Sequence[int],
-                             bitmask: StepBitmask | None = None) -> tuple[SamplingMetadata, dict[str, Tensor]]:
+                             bitmask: StepBitmask | None = None) -> tuple[HostSampling, dict[str, HostArray]]:
         """SamplingMetadata of the rows of requests verifying drafts: request r with drafts d_1..d_k has k+1 rows,
         row j sampled as plain decoding samples output position n+j after d_1..d_j (its outputs, penalties,
         min_tokens bans and seeded position). No token is in flight in such a step. A constrained request
@@ -381,14 +399,13 @@ class ModelRunner:
                 prompts.append(r.prompt_token_ids)
                 outputs.append(out + path_tokens(drafts, parents, j - 1))
                 seeds.append(r.seed)
-        meta = SamplingMetadata.build(params, prompts, outputs, seeds, eos_token_ids, self.arch.vocab_size,
-                                      torch.device("cpu"), _bitmask_rows(bitmask, reqs, starts))
-        return meta, _sampling_tensors(meta)
+        meta = HostSampling.build(params, seeds, [len(o) for o in outputs], eos_token_ids, self.arch.vocab_size,
+                                  lambda: prompts, lambda: outputs, _bitmask_rows(bitmask, reqs, starts))
+        return meta, _sampling_arrays(meta)
 
-    @staticmethod
-    def _device_sampling(meta: SamplingMetadata, dev: dict[str, Tensor], prev: PendingStep | None,
+    def _device_sampling(self, host: HostSampling, dev: dict[str, Tensor], prev: PendingStep | None,
                          ) -> SamplingMetadata:
-        meta = replace(meta, **{k[2:]: v for k, v in dev.items() if k.startswith("s.")})
+        meta = host.metadata({k: dev["s." + k] for k in host.arrays}, self.device)
         if "pen.rows" in dev:
             assert prev is not None and prev.sampled is not None
             meta.output_ids[dev["pen.rows"], dev["pen.cols"]] = prev.sampled[dev["pen.src"]]
@@ -420,14 +437,16 @@ class ModelRunner:
                                                  [host.q_lens[i] for i in keep_features])
         if smeta is None:
             return PendingStep(len(batch.requests), {}, [], [], None, None, features=features)
-        logits = self.model.compute_logits(hidden.index_select(0, dev["logits_rows"]))
+        # Every token samples (one per request: decode-only): the logits rows are all of them, in order.
+        last = hidden if len(sampling) == len(hidden) else hidden.index_select(0, dev["logits_rows"])
+        logits = self.model.compute_logits(last)
         out = self.sampler(logits, self._device_sampling(smeta, dev, prev))
         copies = [out.sampled_token_ids]
         if out.logprobs_token_ids is not None and out.logprobs is not None:
             copies += [out.logprobs_token_ids, out.logprobs]
-        return PendingStep(len(batch.requests), {r: row for row, r in enumerate(reqs)}, sampling,
-                           [r.params.logprobs for r in reqs], out.sampled_token_ids, HostCopy(copies),
-                           features=features)
+        return PendingStep(len(batch.requests), dict(zip(reqs, range(len(reqs)))), sampling,
+                           [r.params.logprobs for r in reqs], out.sampled_token_ids,
+                           HostCopy(copies, self.output_buffers), features=features)
 
     def _launch_verify(self, batch: ScheduledBatch, sampling: list[int], reqs: list[Request], host: _HostInputs,
                        ends: list[int], eos_token_ids: tuple[int, ...], keep_features: Sequence[int],
@@ -454,7 +473,8 @@ class ModelRunner:
         trees = [r.draft_token_ids if isinstance(r.draft_token_ids, TreeDrafts) and r.draft_token_ids else None
                  for r in reqs]
         return PendingStep(len(batch.requests), plain, sampling, [r.params.logprobs for r in reqs],
-                           out.sampled_token_ids, HostCopy(copies), layout.starts, features, trees)
+                           out.sampled_token_ids, HostCopy(copies, self.output_buffers), layout.starts, features,
+                           trees)
 
     @torch.inference_mode()
     def move_tree_kv(self, requests: Sequence[Request], paths: dict[int, list[int]]) -> None:
@@ -471,7 +491,7 @@ class ModelRunner:
                     out.append(req.block_ids[pos // bs] * bs + pos % bs)
         if not src:
             return
-        s, d = _i64(src).to(self.device), _i64(dst).to(self.device)
+        s, d = (torch.from_numpy(_i64(ix)).to(self.device) for ix in (src, dst))
         for k_cache, v_cache in self.kv_caches:
             for cache in (k_cache, v_cache):
                 flat = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
@@ -486,16 +506,16 @@ class ModelRunner:
         hidden = self._forward(*self._device_inputs(self._ship(host.tensors), host, None))
         return self.model.compute_logits(hidden)
 
-    def _ship(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    def _ship(self, tensors: dict[str, HostArray]) -> dict[str, Tensor]:
         """A step's host inputs to the device (a tensor-parallel rank 0 also hands them to the other ranks)."""
-        return ship(tensors, self.device)
+        return ship(tensors, self.device, self.staging)
 
     def close(self) -> None:
         """Release what outlives the object (a tensor-parallel runner's other ranks); nothing here."""
 
 
 class _HostInputs(NamedTuple):
-    tensors: dict[str, Tensor]  # CPU tensors, shipped with the step's other inputs
+    tensors: dict[str, HostArray]  # numpy arrays or CPU tensors, shipped with the step's other inputs
     q_lens: list[int]
     seq_lens: list[int]
 
@@ -513,9 +533,9 @@ def _top_logprobs(ids: list[int], vals: list[float], n: int) -> dict[int, float]
     return dict(zip(ids[: n + 1], vals[: n + 1]))
 
 
-def _sampling_tensors(meta: SamplingMetadata) -> dict[str, Tensor]:
-    """The metadata's tensors, keyed "s.<field>" for the step's one shipped copy."""
-    return {f"s.{f.name}": getattr(meta, f.name) for f in fields(meta) if isinstance(getattr(meta, f.name), Tensor)}
+def _sampling_arrays(meta: HostSampling) -> dict[str, HostArray]:
+    """The metadata's host arrays, keyed "s.<field>" for the step's one shipped copy."""
+    return {"s." + k: a for k, a in meta.arrays.items()}
 
 
 def _bitmask_rows(bitmask: StepBitmask | None, reqs: list[Request], rows: Sequence[int],
@@ -528,8 +548,13 @@ def _bitmask_rows(bitmask: StepBitmask | None, reqs: list[Request], rows: Sequen
     return [row_of[r] for r in bitmask.requests], bitmask.bits
 
 
-def _i64(vals: Sequence[int]) -> Tensor:
-    return host_tensor(vals, np.int64)
+def _i64(vals: Sequence[int]) -> np.ndarray:
+    return np.array(vals, dtype=np.int64)
+
+
+def _is_arange(a: HostArray, n: int) -> bool:
+    """Whether 1-D `a` is 0, 1, .., n - 1."""
+    return len(a) == n and bool((np.asarray(a) == np.arange(n)).all())
 
 
 def _source_row(prev: PendingStep | None, req: Request) -> int:
@@ -560,20 +585,25 @@ def _positions_and_slots(q_lens: np.ndarray, starts: np.ndarray, tables: np.ndar
                          block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Per token of the flattened batch: its position (request i's tokens are starts[i] .. starts[i] + q_lens[i]
     - 1) and its cache slot (block of that position in the request's table row * block_size + offset). int64."""
-    req = np.repeat(np.arange(len(q_lens)), q_lens)  # [T] request of each token
-    first = np.cumsum(q_lens) - q_lens  # [B] row of each request's first token
-    positions = (np.arange(len(req)) - first[req] + starts[req]).astype(np.int64)
+    if q_lens.sum() == len(q_lens):  # one token per request (decode): token i is request i's
+        req, positions = np.arange(len(q_lens)), starts.astype(np.int64)
+    else:
+        req = np.repeat(np.arange(len(q_lens)), q_lens)  # [T] request of each token
+        first = np.cumsum(q_lens) - q_lens  # [B] row of each request's first token
+        positions = (np.arange(len(req)) - first[req] + starts[req]).astype(np.int64)
     slots = tables[req, positions // block_size].astype(np.int64) * block_size + positions % block_size
     return positions, slots
 
 
 def _attention_host(q_lens: list[int], seq_lens: list[int], tables: np.ndarray,
-                    slots: np.ndarray) -> dict[str, Tensor]:
+                    slots: np.ndarray) -> dict[str, HostArray]:
+    query_start_loc = np.zeros(len(q_lens) + 1, dtype=np.int32)
+    np.cumsum(q_lens, out=query_start_loc[1:])
     return {
-        "query_start_loc": torch.from_numpy(np.cumsum([0, *q_lens], dtype=np.int32)),
-        "seq_lens": torch.from_numpy(np.asarray(seq_lens, dtype=np.int32)),
-        "block_tables": torch.from_numpy(tables),
-        "slot_mapping": torch.from_numpy(slots),
+        "query_start_loc": query_start_loc,
+        "seq_lens": np.array(seq_lens, dtype=np.int32),
+        "block_tables": tables,
+        "slot_mapping": slots,
     }
 
 
@@ -586,7 +616,7 @@ def _attention_meta(dev: dict[str, Tensor], q_lens: list[int], seq_lens: list[in
 
 
 def _tree_inputs(requests: Sequence[Request], q_lens: list[int], seq_lens: list[int],
-                 positions: np.ndarray) -> dict[str, Tensor]:
+                 positions: np.ndarray) -> dict[str, HostArray]:
     """Tree drafts (spec/tree.py): each node's rotary position set to the root's + its depth (in `positions`),
     and the attention's tree_mask / tree_start; {} when no request of the step verifies a tree."""
     trees = [(i, r) for i, r in enumerate(requests) if isinstance(r.draft_token_ids, TreeDrafts) and r.draft_token_ids]
@@ -602,4 +632,4 @@ def _tree_inputs(requests: Sequence[Request], q_lens: list[int], seq_lens: list[
         start[i] = req.num_known_tokens  # node j sits at cache index start + j
         positions[rows] = req.num_known_tokens - 1 + np.asarray(depths(tree.parents))
         mask[rows] = ancestor_masks(tree.parents)
-    return {"tree_mask": torch.from_numpy(mask), "tree_start": torch.from_numpy(start)}
+    return {"tree_mask": mask, "tree_start": start}

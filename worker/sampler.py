@@ -20,8 +20,9 @@ penalties, bans and a structured-output mask, so a constrained row's logprobs ar
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -31,7 +32,7 @@ from torch import Tensor
 
 from tokenmill.protocol.sampling import SamplingParams
 from tokenmill.worker.structured.bitmask import apply_token_bitmask
-from tokenmill.worker.transfer import host_tensor
+from tokenmill.worker.transfer import from_numpy
 
 log = logging.getLogger("tokenmill.sampler")
 
@@ -141,6 +142,8 @@ class SamplingMetadata:
     # constrained). [M] i64 and [M, ceil(V/32)] int32 (worker/structured/bitmask.py).
     bitmask_rows: Tensor | None = None
     bitmask: Tensor | None = None
+    # Every row's temperature (rows_f32[0]) is exactly 1.0: dividing by it would change no bit, so it is skipped.
+    unit_temperature: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -199,44 +202,171 @@ class SamplingMetadata:
         n = len(params)
         if not (len(prompt_ids) == len(output_ids) == len(seeds) == n):
             raise ValueError("params, prompt_ids, output_ids and seeds must have one entry per row")
-        greedy = [p.temperature < GREEDY_TEMPERATURE_EPS for p in params]
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        no_rep = all(p.repetition_penalty == 1.0 for p in params)
-        no_pen = no_rep and all(p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 for p in params)
-        banned = [_banned_ids(p, len(o), eos_token_ids, vocab_size) for p, o in zip(params, output_ids)]
-        logprobs = [p.logprobs for p in params if p.logprobs is not None]
-
-        per_row = [(1.0 if g else p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
-                    p.frequency_penalty) for p, g in zip(params, greedy)]  # one pass over the rows, then transposed
-        rows_f32 = np.array(per_row, dtype=np.float32).reshape(n, 6).T
-        rows_i64 = [top_k, [_i64(s) for s in seeds], [len(o) for o in output_ids]]
-        return cls(
-            rows_f32=_host_tensor(rows_f32, np.float32, device),
-            rows_i64=_host_tensor(rows_i64, np.int64, device),
-            is_greedy=_host_tensor(greedy, np.bool_, device),
-            prompt_ids=_pad_ids([] if no_rep else prompt_ids, n, vocab_size, device),
-            output_ids=_pad_ids([] if no_pen else output_ids, n, vocab_size, device),
-            banned_ids=_pad_ids(banned, n, vocab_size, device),
-            vocab_size=vocab_size,
-            max_num_logprobs=max(logprobs) if logprobs else None,
-            max_top_k=max(top_k, default=vocab_size),
-            all_greedy=all(greedy),
-            all_random=not any(greedy),
-            no_penalties=no_pen,
-            no_repetition_penalty=no_rep,
-            no_top_k=all(k == vocab_size for k, g in zip(top_k, greedy) if not g),
-            no_top_p=all(p.top_p >= 1.0 for p, g in zip(params, greedy) if not g),
-            no_min_p=all(p.min_p <= 0.0 for p, g in zip(params, greedy) if not g),
-            no_banned=not any(banned),
-            bitmask_rows=None if bitmask is None else _host_tensor(list(bitmask[0]), np.int64, device),
-            bitmask=None if bitmask is None else bitmask[1].to(device),
-        )
+        host = HostSampling.build(params, seeds, [len(o) for o in output_ids], eos_token_ids, vocab_size,
+                                  lambda: prompt_ids, lambda: output_ids, bitmask)
+        return host.metadata({k: _to_tensor(a, device) for k, a in host.arrays.items()}, device)
 
 
-def _host_tensor(vals: Sequence[Any] | np.ndarray, dtype: type[np.generic], device: torch.device) -> Tensor:
-    """transfer.host_tensor on `device` (the step's metadata is built every step)."""
-    t = host_tensor(vals, dtype)
+def _to_tensor(a: np.ndarray | Tensor, device: torch.device) -> Tensor:
+    t = from_numpy(a) if isinstance(a, np.ndarray) else a
     return t if device.type == "cpu" else t.to(device)
+
+
+# Bits of _Row.uses: what a row needs of the sampler beyond argmax / the plain race.
+_REP, _PEN, _TOP_K, _TOP_P, _MIN_P = 1, 2, 4, 8, 16
+
+
+class _Row(NamedTuple):
+    """What a SamplingParams contributes to a step's metadata, for a vocabulary size."""
+
+    f32: tuple[float, float, float, float, float, float]  # a column of SamplingMetadata.rows_f32
+    top_k: int  # in [1, V]
+    greedy: bool
+    uses: int  # _REP | _PEN (any row) and _TOP_K | _TOP_P | _MIN_P (random rows only)
+    min_tokens: int
+    logprobs: int | None
+
+
+def _row(p: SamplingParams, vocab_size: int) -> _Row:
+    greedy = p.temperature < GREEDY_TEMPERATURE_EPS
+    top_k = p.top_k if 0 < p.top_k < vocab_size else vocab_size
+    uses = (_REP if p.repetition_penalty != 1.0 else 0) | \
+        (_PEN if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 else 0)
+    if not greedy:
+        uses |= (_TOP_K if top_k != vocab_size else 0) | (_TOP_P if p.top_p < 1.0 else 0) | \
+            (_MIN_P if p.min_p > 0.0 else 0)
+    f32 = (1.0 if greedy else p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+           p.frequency_penalty)
+    return _Row(f32, top_k, greedy, uses, p.min_tokens, p.logprobs)
+
+
+class _RowCache:
+    """_row of each SamplingParams object, computed once: a request keeps its params object for its whole life,
+    and every step of it reads the same row. Keyed by id, checked by identity (params are frozen)."""
+
+    def __init__(self, limit: int = 8192) -> None:
+        self._rows: dict[tuple[int, int], tuple[SamplingParams, _Row]] = {}
+        self._limit = limit
+
+    def rows(self, params: Sequence[SamplingParams], vocab_size: int) -> list[_Row]:
+        cache = self._rows
+        out = []
+        for p in params:
+            hit = cache.get((id(p), vocab_size))
+            if hit is None or hit[0] is not p:
+                if len(cache) >= self._limit:  # finished requests' params: drop them all, refill from the live ones
+                    cache.clear()
+                hit = cache[(id(p), vocab_size)] = (p, _row(p, vocab_size))
+            out.append(hit[1])
+        return out
+
+
+_ROWS = _RowCache()
+
+
+@dataclass(slots=True)
+class HostSampling:
+    """A step's SamplingMetadata before its host-to-device copy: the tensor fields that its rows need, as host
+    arrays (`arrays`: rows_f32 and rows_i64 always, is_greedy when greedy and random rows mix, prompt_ids /
+    output_ids / banned_ids only when some row uses them, bitmask_rows / bitmask with constrained rows) and the
+    host fields (`flags`)."""
+
+    arrays: dict[str, np.ndarray | Tensor]
+    flags: dict[str, Any]  # the non-tensor fields of SamplingMetadata
+    num_rows: int
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        num_outputs: Sequence[int],
+        eos_token_ids: Sequence[int],
+        vocab_size: int,
+        prompt_ids: Callable[[], Sequence[Sequence[int]]],
+        output_ids: Callable[[], Sequence[Sequence[int]]],
+        bitmask: tuple[Sequence[int], Tensor] | None = None,
+    ) -> HostSampling:
+        """SamplingMetadata.build's inputs, with `num_outputs` (the positions) instead of the output ids: those
+        (with in-flight outputs as pad id V) and the prompts are asked for only when a row has a penalty."""
+        n = len(params)
+        rows = _ROWS.rows(params, vocab_size)
+        uses = 0
+        for r in rows:
+            uses |= r.uses
+        greedy = [r.greedy for r in rows]
+        top_k = [r.top_k for r in rows]
+        rows_i64 = np.empty((3, n), dtype=np.int64)
+        rows_i64[0] = top_k
+        rows_i64[1] = _seed_bits(seeds)
+        rows_i64[2] = num_outputs
+        arrays: dict[str, np.ndarray | Tensor] = {
+            "rows_f32": np.array([r.f32 for r in rows], dtype=np.float32).reshape(n, 6).T,
+            "rows_i64": rows_i64,
+        }
+        all_greedy, any_greedy = all(greedy), any(greedy)
+        if any_greedy and not all_greedy:  # else is_greedy is one value, made on the device once (_same_bools)
+            arrays["is_greedy"] = np.array(greedy, dtype=np.bool_)
+        if uses & _REP:
+            arrays["prompt_ids"] = _pad_ids(prompt_ids(), n, vocab_size)
+        if uses & (_REP | _PEN):
+            arrays["output_ids"] = _pad_ids(output_ids(), n, vocab_size)
+        banned = [_banned_ids(p, k, eos_token_ids, vocab_size) if r.min_tokens > k else []
+                  for p, r, k in zip(params, rows, num_outputs)] if any(r.min_tokens for r in rows) else []
+        if any(banned):
+            arrays["banned_ids"] = _pad_ids(banned, n, vocab_size)
+        if bitmask is not None:
+            arrays["bitmask_rows"] = np.array(bitmask[0], dtype=np.int64)
+            arrays["bitmask"] = bitmask[1]
+        logprobs = [r.logprobs for r in rows if r.logprobs is not None]
+        flags = {
+            "vocab_size": vocab_size,
+            "max_num_logprobs": max(logprobs) if logprobs else None,
+            "max_top_k": max(top_k, default=vocab_size),
+            "all_greedy": all_greedy,
+            "all_random": not any_greedy,
+            "no_penalties": not uses & (_REP | _PEN),
+            "no_repetition_penalty": not uses & _REP,
+            "no_top_k": not uses & _TOP_K,
+            "no_top_p": not uses & _TOP_P,
+            "no_min_p": not uses & _MIN_P,
+            "no_banned": "banned_ids" not in arrays,
+            "unit_temperature": all(r.f32[0] == 1.0 for r in rows),
+        }
+        return cls(arrays, flags, n)
+
+    def metadata(self, tensors: Mapping[str, Tensor], device: torch.device) -> SamplingMetadata:
+        """The SamplingMetadata of `tensors` (`arrays` on the device, by name); id tensors the rows do not use
+        are [N, 0]."""
+        none = _no_ids(self.num_rows, device)
+        is_greedy = tensors.get("is_greedy")
+        if is_greedy is None:
+            is_greedy = _same_bools(self.num_rows, self.flags["all_greedy"], device)
+        return SamplingMetadata(
+            rows_f32=tensors["rows_f32"], rows_i64=tensors["rows_i64"], is_greedy=is_greedy,
+            prompt_ids=tensors.get("prompt_ids", none), output_ids=tensors.get("output_ids", none),
+            banned_ids=tensors.get("banned_ids", none), bitmask_rows=tensors.get("bitmask_rows"),
+            bitmask=tensors.get("bitmask"), **self.flags)
+
+
+def _seed_bits(seeds: Sequence[int]) -> np.ndarray:
+    """[N] int64 holding the 64 bits of each seed (two's complement of seed mod 2**64)."""
+    try:
+        return np.array(seeds, dtype=np.uint64).view(np.int64)
+    except OverflowError:  # negative or wider than 64 bits
+        return np.array([_i64(s) for s in seeds], dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=1024)
+def _no_ids(n: int, device: torch.device) -> Tensor:
+    """[n, 0] i64 on `device`: shared by every step (an empty tensor has no data anything could write)."""
+    return torch.empty((n, 0), dtype=torch.int64, device=device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _same_bools(n: int, value: bool, device: torch.device) -> Tensor:
+    """[n] bool, all `value`, on `device`: shared by every step (nothing writes is_greedy)."""
+    return torch.full((n,), value, dtype=torch.bool, device=device)
 
 
 def _banned_ids(p: SamplingParams, num_output: int, eos: Sequence[int], vocab_size: int) -> list[int]:
@@ -247,14 +377,14 @@ def _banned_ids(p: SamplingParams, num_output: int, eos: Sequence[int], vocab_si
     return sorted(i for i in ids if 0 <= i < vocab_size)  # out-of-vocab ids can never be sampled anyway
 
 
-def _pad_ids(rows: Sequence[Sequence[int]], n: int, vocab_size: int, device: torch.device) -> Tensor:
-    """[n, L] i64 of the rows right-padded with vocab_size; [n, 0] when `rows` is empty or all empty."""
+def _pad_ids(rows: Sequence[Sequence[int]], n: int, vocab_size: int) -> np.ndarray:
+    """[n, L] i64 of the rows right-padded with vocab_size."""
     width = max((len(r) for r in rows), default=0)
-    out = torch.full((n, width), vocab_size, dtype=torch.int64)
+    out = np.full((n, width), vocab_size, dtype=np.int64)
     for r, ids in enumerate(rows):
         if ids:
-            out[r, : len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
-    return out.to(device)
+            out[r, : len(ids)] = ids
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -288,7 +418,7 @@ class Sampler:
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
         if logits.shape != (meta.num_rows, meta.vocab_size):  # pad id V must be out of range
             raise ValueError(f"logits {tuple(logits.shape)} != [N={meta.num_rows}, V={meta.vocab_size}]")
-        raw = logits.float()  # [N, V]
+        raw = logits if logits.dtype == torch.float32 else logits.float()  # [N, V]
         x = raw if meta.no_penalties else apply_penalties(raw, meta)
         if not meta.no_banned:
             x = x.masked_fill(_id_mask(meta.banned_ids, x.shape[1]), _NEG_INF)
@@ -305,7 +435,7 @@ class Sampler:
         """[N, V] penalised logits -> [N] i64 token ids."""
         if meta.all_greedy:  # also the empty batch
             return greedy_argmax(x)
-        x_scaled = apply_top_k_top_p(x / meta.temperature[:, None], meta)
+        x_scaled = apply_top_k_top_p(x if meta.unit_temperature else x / meta.temperature[:, None], meta)
         random = self._race(x_scaled, meta.min_p, meta.seeds, meta.positions, meta.no_min_p)
         return random if meta.all_random else torch.where(meta.is_greedy, greedy_argmax(x), random)
 
@@ -371,18 +501,28 @@ _ARGMAX_CHUNK = 1024
 def greedy_argmax(x: Tensor, two_stage: bool | None = None) -> Tensor:
     """x.argmax(-1) of [N, V] -> [N] i64 (first index of the maximum), in two stages for a large
     vocabulary on CUDA: torch reduces a whole row in one thread block, while [N, V/C, C] chunk maxima then a
-    max over chunks spread the row over many blocks (C = _ARGMAX_CHUNK; a larger C makes too few chunks to
-    fill the GPU). H200 figures: benchmarks/results/h200/NOTES.md, "Figures behind the code's rules"."""
+    max over chunks spread the row over many blocks (C about _ARGMAX_CHUNK: a larger C makes too few chunks to
+    fill the GPU; a divisor of V when one is close, so that no padded copy of x is made). H200 figures:
+    benchmarks/results/h200/NOTES.md, "Figures behind the code's rules"."""
     n, v = x.shape
     if two_stage is None:
         two_stage = x.is_cuda and v >= 32 * _ARGMAX_CHUNK
     if not two_stage or n == 0:
         return x.argmax(dim=-1)
-    chunks = -(-v // _ARGMAX_CHUNK)
-    padded = torch.nn.functional.pad(x, (0, chunks * _ARGMAX_CHUNK - v), value=float("-inf"))
-    best, where = padded.view(n, chunks, _ARGMAX_CHUNK).max(dim=-1)  # [N, chunks] each
+    size = _argmax_chunk(v)
+    chunks = -(-v // size)
+    if chunks * size != v:
+        x = torch.nn.functional.pad(x, (0, chunks * size - v), value=float("-inf"))
+    best, where = x.view(n, chunks, size).max(dim=-1)  # [N, chunks] each
     chunk = best.argmax(dim=-1, keepdim=True)  # first chunk holding the row maximum
-    return (chunk * _ARGMAX_CHUNK + where.gather(1, chunk)).squeeze(1)
+    return torch.add(where.gather(1, chunk), chunk, alpha=size).squeeze(1)  # [N, 1] -> [N]
+
+
+@functools.lru_cache(maxsize=64)
+def _argmax_chunk(v: int) -> int:
+    """The chunk size of greedy_argmax for vocabulary size v: its largest divisor in [C/2, C] (C = _ARGMAX_CHUNK;
+    Llama 3's 128256 = 128 x 1002), else C with the last chunk padded."""
+    return next((c for c in range(_ARGMAX_CHUNK, _ARGMAX_CHUNK // 2 - 1, -1) if v % c == 0), _ARGMAX_CHUNK)
 
 
 def min_p_race(

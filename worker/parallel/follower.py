@@ -72,7 +72,7 @@ def run_step(runner: ModelRunner, group: TPGroup, op: int, host: dict[str, torch
     """One step of rank 0's on this rank; returns what holds its sampled ids (None: it sampled nothing)."""
     q_lens = torch.diff(host["query_start_loc"]).tolist()
     inputs = _HostInputs(host, q_lens, host["seq_lens"].tolist())
-    dev = ship(host, runner.device)
+    dev = ship(host, runner.device, runner.staging)
     hidden = runner._forward(*runner._device_inputs(dev, inputs, prev))
     if op == OP_LOGITS_ALL:
         runner.model.compute_logits(hidden)

@@ -32,9 +32,10 @@ from tokenmill.worker.loader import ModelLoadError, ModelSource, empty_model
 from tokenmill.worker.model_runner import ModelRunner, PendingStep, make_backend, resolve_device, resolve_dtype
 from tokenmill.worker.parallel.group import RankSpec, TPGroup, join_group, leave_group, open_store, rank_device
 from tokenmill.worker.parallel.layers import TensorParallelLayers
-from tokenmill.worker.parallel.step_sync import OP_LOGITS_ALL, OP_STEP, OP_STOP, StepChannel
+from tokenmill.worker.parallel.step_sync import OP_LOGITS_ALL, OP_STEP, OP_STOP, STEP_KEYS, StepChannel
 from tokenmill.worker.scheduler import ScheduledBatch
 from tokenmill.worker.structured.bitmask import StepBitmask
+from tokenmill.worker.transfer import HostArray, as_tensors
 
 log = logging.getLogger("tokenmill.parallel")
 
@@ -107,8 +108,8 @@ class TPModelRunner(ModelRunner):
             leave_group()
             raise
 
-    def _ship(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-        self.channel.send(OP_STEP if "logits_rows" in tensors else OP_LOGITS_ALL, tensors)
+    def _ship(self, tensors: dict[str, HostArray]) -> dict[str, Tensor]:
+        self.channel.send(OP_STEP if "logits_rows" in tensors else OP_LOGITS_ALL, as_tensors(tensors, STEP_KEYS))
         return super()._ship(tensors)
 
     def launch(self, batch: ScheduledBatch, eos_token_ids: tuple[int, ...],

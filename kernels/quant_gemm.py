@@ -25,7 +25,14 @@ import triton.language as tl
 from tokenmill.kernels import tuned
 from tokenmill.kernels.gemv import _check_out
 from tokenmill.kernels.launch import next_pow2
-from tokenmill.kernels.quant_gemv import check_quant_weight, dequant_tile, k_slice, k_slices, split_k_sum
+from tokenmill.kernels.quant_gemv import (
+    activation_cols,
+    check_quant_weight,
+    dequant_tile,
+    k_slice,
+    k_slices,
+    split_k_sum,
+)
 from tokenmill.kernels.quant_weight import PackedWeight, scale_later
 from tokenmill.kernels.tuned import GemmConfig
 
@@ -90,12 +97,7 @@ def _quant_gemm_kernel(
     k_lo, k_hi = k_slice(pid_k, K, k_split, SPLIT)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        cols = offs_k
-        if HAS_PERM:
-            if EVEN_K:
-                cols = tl.load(perm_ptr + offs_k)
-            else:
-                cols = tl.load(perm_ptr + offs_k, mask=offs_k < K, other=0)
+        cols = activation_cols(perm_ptr, offs_k, K, HAS_PERM, EVEN_K)
         if EVEN_K:
             x = tl.load(x_rows + cols[None, :])
         else:

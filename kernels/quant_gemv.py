@@ -56,6 +56,24 @@ _PLAIN, _NORM, _SILU = 0, 1, 2  # PROLOGUE modes, as in kernels/gemv.py
 
 
 @triton.jit
+def activation_cols(perm_ptr, offs_k, K, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr):
+    """The activation columns of packed columns offs_k: act-order weights (HAS_PERM) gather them through perm."""
+    if not HAS_PERM:
+        return offs_k
+    if EVEN_K:
+        return tl.load(perm_ptr + offs_k)
+    return tl.load(perm_ptr + offs_k, mask=offs_k < K, other=0)
+
+
+@triton.jit
+def group_load(rows, g, mask, EVEN_K: tl.constexpr):
+    """Per-group values (scales, zeros, mins) at rows + g as fp32; 0 where `mask` is false (not EVEN_K)."""
+    if EVEN_K:
+        return tl.load(rows + g).to(tl.float32)
+    return tl.load(rows + g, mask=mask, other=0).to(tl.float32)
+
+
+@triton.jit
 def dequant_tile(
     q_rows,  # [BLOCK_N, 1] pointers to the packed rows (int8 [K] or int32 [K // 8] per row)
     s_rows,  # [BLOCK_N, 1] pointers to the rows of scales [groups]
@@ -92,13 +110,7 @@ def dequant_tile(
             q = tl.load(q_rows + offs_k[None, :], mask=k_mask, other=0).to(tl.float32)
     if HAS_MINS:
         g = (offs_k // GROUP)[None, :]
-        if EVEN_K:
-            s = tl.load(s_rows + g).to(tl.float32)
-            mn = tl.load(m_rows + g).to(tl.float32)
-        else:
-            s = tl.load(s_rows + g, mask=k_mask, other=0.0).to(tl.float32)
-            mn = tl.load(m_rows + g, mask=k_mask, other=0.0).to(tl.float32)
-        return (q * s + mn).to(dtype)
+        return (q * group_load(s_rows, g, k_mask, EVEN_K) + group_load(m_rows, g, k_mask, EVEN_K)).to(dtype)
     if HAS_ZEROS:
         g = (offs_k // GROUP)[None, :]
         if EVEN_K:
@@ -151,12 +163,7 @@ def planes_fma(
     xsum = tl.zeros([1, BLOCK_K // P], dtype=tl.float32)  # sum over the word's columns of x
     for j in tl.static_range(P):
         offs_k = offs_w * P + j  # [W] packed columns of plane j
-        cols = offs_k
-        if HAS_PERM:
-            if EVEN_K:
-                cols = tl.load(perm_ptr + offs_k)
-            else:
-                cols = tl.load(perm_ptr + offs_k, mask=offs_k < K, other=0)
+        cols = activation_cols(perm_ptr, offs_k, K, HAS_PERM, EVEN_K)
         x = _x_tile(x_rows, r_rows, nw_ptr, rstd, cols, (offs_k < K)[None, :], K, dtype, PROLOGUE, HAS_RESIDUAL,
                     EVEN_K).to(tl.float32)  # [1, W]
         field = (words >> (BITS * j)) & ((1 << BITS) - 1)
@@ -168,30 +175,16 @@ def planes_fma(
         xsum += x
     g = (offs_w * P // GROUP)[None, :]  # [1, W] each word's group
     if HAS_MINS:
-        if EVEN_K:
-            s = tl.load(s_rows + g).to(tl.float32)
-            mn = tl.load(m_rows + g).to(tl.float32)
-        else:
-            s = tl.load(s_rows + g, mask=w_mask, other=0.0).to(tl.float32)
-            mn = tl.load(m_rows + g, mask=w_mask, other=0.0).to(tl.float32)
-        return s * dot + mn * xsum
+        return group_load(s_rows, g, w_mask, EVEN_K) * dot + group_load(m_rows, g, w_mask, EVEN_K) * xsum
     if HAS_ZEROS:
-        if EVEN_K:
-            z = tl.load(z_rows + g).to(tl.float32)
-        else:
-            z = tl.load(z_rows + g, mask=w_mask, other=0).to(tl.float32)
-        centred = dot - z * xsum
+        centred = dot - group_load(z_rows, g, w_mask, EVEN_K) * xsum
     elif BITS == 4:
         centred = dot - 8.0 * xsum
     else:
         centred = dot
     if SCALE_LATER:
         return centred
-    if EVEN_K:
-        s = tl.load(s_rows + g).to(tl.float32)
-    else:
-        s = tl.load(s_rows + g, mask=w_mask, other=0.0).to(tl.float32)
-    return s * centred
+    return group_load(s_rows, g, w_mask, EVEN_K) * centred
 
 
 @triton.jit
@@ -264,12 +257,7 @@ def _quant_skinny_kernel(
         else:
             offs_k = k0 + offs_kb
             k_mask = (offs_k < K)[None, :]
-            cols = offs_k  # activation columns of this step's packed columns
-            if HAS_PERM:
-                if EVEN_K:
-                    cols = tl.load(perm_ptr + offs_k)
-                else:
-                    cols = tl.load(perm_ptr + offs_k, mask=offs_k < K, other=0)
+            cols = activation_cols(perm_ptr, offs_k, K, HAS_PERM, EVEN_K)  # of this step's packed columns
             x = _x_tile(x_rows, r_rows, nw_ptr, rstd, cols, k_mask, K, dtype, PROLOGUE, HAS_RESIDUAL, EVEN_K)
             w = dequant_tile(q_rows, s_rows, z_rows, m_rows, k0, K, dtype, BITS, GROUP, HAS_ZEROS, HAS_MINS,
                              SCALE_LATER, BLOCK_K, EVEN_K)  # [BLOCK_N, BLOCK_K]

@@ -9,8 +9,14 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from tokenmill.protocol.logs import FORMAT_ENV, JSON_ENV, LEVEL_ENV
+
+# Triton's interpreter on machines without CUDA, before any test module imports Triton: a module that imports Triton's
+# compiler or driver first (tests/test_direct_launch.py) would otherwise leave later modules' kernels uninterpretable.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)
@@ -27,8 +33,6 @@ def _logging_environment_restored() -> Iterator[None]:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """On a CUDA machine the interpreter must stay off: a test module that sets TRITON_INTERPRET at import runs
     every later kernel, and every worker process a test starts, in the interpreter (minutes, then failures)."""
-    import torch
-
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise pytest.UsageError("TRITON_INTERPRET was set while collecting the tests on a CUDA machine: guard the "
                                 "module that sets it with `if not torch.cuda.is_available()`")

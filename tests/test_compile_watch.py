@@ -73,3 +73,16 @@ def test_the_serving_benchmark_counts_the_workers_compile_lines(tmp_path: Path) 
     (tmp_path / "worker.log").write_text(f"a\n{{\"event\": \"{EVENT}\", \"kernel\": \"x\"}}\nb\n{EVENT} kernel=y\n")
     (tmp_path / "broker.log").write_text(EVENT)  # another process's log is not the worker's
     assert c.compiles() == 2
+
+
+def test_a_process_without_dynamo_loaded_does_not_load_it() -> None:
+    """Loading dynamo takes seconds with the GIL held (a worker's heartbeats would stall): the watch leaves it out where
+    nothing has loaded it, and such a process has compiled nothing with torch.compile."""
+    import subprocess
+    import sys
+
+    code = ("import sys, structlog\nfrom tokenmill.worker.compile_watch import watch_compiles\n"
+            "with watch_compiles(structlog.get_logger()):\n    pass\n"
+            "assert 'torch._dynamo' not in sys.modules, 'the watch loaded dynamo'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -4,13 +4,14 @@ An engine builds at start-up every Triton variant a step can launch (the warm-up
 worker/cuda_graphs.py) and compiles its torch.compile functions (the sampler's), so that no request waits for a
 compile. One first met later compiles (or loads from a disk cache) inside a step and stalls every request of that
 step. While `watch_compiles` is open, each Triton JIT compile and each torch.compile (dynamo) compile in this process
-is logged as `kernel_compiled_while_serving` with what compiled, and counted: the serving benchmark reads those lines
-from the worker's log.
+(where dynamo is loaded when the watch opens) is logged as `kernel_compiled_while_serving` with what compiled, and
+counted: the serving benchmark reads those lines from the worker's log.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,12 @@ def _triton_hook(log: Any, count: CompileCount) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _dynamo_hook(log: Any, count: CompileCount) -> Iterator[None]:
+    """Only where dynamo is loaded already (a CUDA engine's sampler compiled at start-up): importing it takes seconds
+    with the GIL held, which would stall a worker's heartbeats; a process that has not loaded it has compiled nothing
+    with torch.compile."""
+    if "torch._dynamo" not in sys.modules:
+        yield
+        return
     try:
         from torch._dynamo.callback import callback_handler
     except ImportError:

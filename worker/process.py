@@ -524,21 +524,21 @@ def run_worker(engine: EngineLike, opts: WorkerOptions, stop: threading.Event | 
             loop.stopping.set()
 
         threading.Thread(target=relay_stop, daemon=True).start()
-    io.start()
-    log.info("worker_started", broker=opts.broker, name=opts.name, model=engine.model_name)
-    if on_ready is not None:
-        on_ready()
-    try:
-        with watch_compiles(log):  # start-up has built every kernel: a compile from now on is logged
+    with watch_compiles(log):  # start-up has built every kernel: a compile from now on is logged
+        io.start()
+        log.info("worker_started", broker=opts.broker, name=opts.name, model=engine.model_name)
+        if on_ready is not None:
+            on_ready()
+        try:
             loop.run()
-    finally:
-        # Output, then DISCONNECT, in order on one socket: the broker must not migrate a job whose FINISHED
-        # is still on the way.
-        io.say_goodbye = not loop.close(goodbye=True)
-        loop.kv.close()
-        if loop.tokenizer is not None:
-            loop.tokenizer.stop()
-        io.stop()
-        io.join(2.0)
-        outbox.close(linger=0)
-        ctx.destroy(linger=0)  # closes whatever a failed IO thread left open
+        finally:
+            # Output, then DISCONNECT, in order on one socket: the broker must not migrate a job whose FINISHED
+            # is still on the way.
+            io.say_goodbye = not loop.close(goodbye=True)
+            loop.kv.close()
+            if loop.tokenizer is not None:
+                loop.tokenizer.stop()
+            io.stop()
+            io.join(2.0)
+            outbox.close(linger=0)
+            ctx.destroy(linger=0)  # closes whatever a failed IO thread left open

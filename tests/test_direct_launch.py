@@ -5,15 +5,9 @@ order fails this test."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
-import torch
-
-if not torch.cuda.is_available():  # before Triton's modules: later tests run kernels in the interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import triton
 from triton.backends.nvidia.driver import CudaLauncher
 from triton.compiler.compiler import CompiledKernel

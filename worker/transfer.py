@@ -90,7 +90,7 @@ def ship(host: Mapping[str, HostArray], device: torch.device,
         else:
             a, key, n, shape = _tensor_part(t)
         if not n:
-            empty.append((name, _torch_dtype(t), shape))
+            empty.append((name, _torch_dtype_of(t.dtype), shape))
             continue
         group = groups.get(key)
         if group is None:
@@ -159,10 +159,6 @@ def _tensor_part(t: Tensor) -> tuple[np.ndarray, np.dtype[Any] | torch.dtype, in
         a = np.ascontiguousarray(t.numpy())
         return a, a.dtype, a.size, a.shape
     return t.contiguous().view(-1).view(torch.uint8).numpy(), t.dtype, t.numel(), tuple(t.shape)
-
-
-def _torch_dtype(t: Tensor | np.ndarray) -> torch.dtype:
-    return t.dtype if isinstance(t, Tensor) else _FROM_NUMPY[t.dtype.type]
 
 
 def _torch_dtype_of(key: np.dtype[Any] | torch.dtype) -> torch.dtype:

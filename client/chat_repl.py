@@ -177,20 +177,18 @@ def chat_loop(session: ChatSession, reply: Reply, history_file: Path | None = No
         print("Type /help for commands, /bye or Ctrl-D to leave.", file=sys.stderr)
     try:
         while True:
-            line = _read_line(terminal)
-            if line is None:
-                if terminal:
-                    sys.stdout.write("\n")  # the shell's prompt starts on a line of its own
-                    sys.stdout.flush()
-                return 0
-            line = line.strip()
-            if not line:
-                continue
-            if line.startswith("/"):
-                if not _command(session, line):
+            try:  # a Ctrl-C between two handlers (the line read, the turn's not yet set) drops this line only
+                line = _read_line(terminal)
+                if line is None:
+                    if terminal:
+                        sys.stdout.write("\n")  # the shell's prompt starts on a line of its own
+                        sys.stdout.flush()
                     return 0
-                continue
-            _turn(session, reply, line, terminal)
+                if not _handle_line(session, reply, line.strip(), terminal):
+                    return 0
+            except KeyboardInterrupt:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
     finally:
         if terminal:
             _save_history(history_file)
@@ -210,6 +208,15 @@ def _read_line(terminal: bool) -> str | None:
             if not terminal:
                 return None
             print("\nUse Ctrl-D or /bye to leave.", file=sys.stderr)
+
+
+def _handle_line(session: ChatSession, reply: Reply, line: str, terminal: bool) -> bool:
+    """One line typed at the prompt: a slash command or a user turn; False for /bye."""
+    if line.startswith("/"):
+        return _command(session, line)
+    if line:
+        _turn(session, reply, line, terminal)
+    return True
 
 
 def _turn(session: ChatSession, reply: Reply, line: str, terminal: bool) -> None:

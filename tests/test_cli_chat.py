@@ -6,6 +6,7 @@ command on the embedded model in-process, and the real command through a broker 
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
@@ -19,7 +20,9 @@ from pathlib import Path
 import pytest
 from helpers_net import FAKE, REPO, addr, free_port, procs_ctx, wait_until, wait_workers
 
+from tokenmill.cli.sampling_args import parse_value
 from tokenmill.client import Client
+from tokenmill.client.chat_repl import ChatSession, Delta, chat_loop
 
 pexpect = pytest.importorskip("pexpect", reason="pexpect drives the chat REPL (a dev dependency)")
 
@@ -124,6 +127,31 @@ def test_bye_leaves(tmp_path: Path) -> None:
     assert child.exitstatus == 0
 
 
+class _InterruptedOnce(ChatSession):
+    """A Ctrl-C that lands after a line is read and before the turn has set its handler (its first step)."""
+
+    def messages(self, line: str) -> list[dict[str, str]]:
+        if line == "first":
+            raise KeyboardInterrupt
+        return super().messages(line)
+
+
+def test_ctrl_c_between_reading_a_line_and_the_reply_drops_that_line_only(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("first\nsecond\n"))
+    asked: list[str] = []
+
+    def reply(messages: list[dict[str, str]], _params: dict[str, object]) -> Iterator[Delta]:
+        asked.append(messages[-1]["content"])
+        yield Delta("ok", "stop")
+
+    session = _InterruptedOnce({"temperature": 0.0}, parse_value)
+    assert chat_loop(session, reply) == 0  # not the KeyboardInterrupt that main() turns into exit status 130
+    assert asked == ["second"]
+    assert session.history == [{"role": "user", "content": "second"}, {"role": "assistant", "content": "ok"}]
+    assert capsys.readouterr().out == "\nok\n"
+
+
 def _max_ngram_repeats(text: str, n: int = 4) -> int:
     words = re.findall(r"\w+", text.lower())
     grams = Counter(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
@@ -144,6 +172,7 @@ def test_chat_on_the_embedded_model(tmp_path: Path) -> None:
         child.sendline("/set max-tokens 2000")
         _turn_output(child)
         child.sendline("Tell me a very long story about a dragon and a knight.")
+        child.expect_exact("knight.\r\n", timeout=30)  # the line's echo, which the next pattern must not match
         child.expect(r"\w+ \w+ \w+", timeout=120)  # the reply is flowing
         child.sendintr()
         t0 = time.monotonic()

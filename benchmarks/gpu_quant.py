@@ -299,7 +299,14 @@ SWEEP_FORMATS: dict[str, tuple[int, int | None, str, torch.dtype]] = {
     "int4-g64-zp": (4, 64, "zp", torch.float16),
     "int4-g32-zp": (4, 32, "zp", torch.float16),
 }
-TINY_SHAPES = {"a": (40, 128), "b": (24, 96)}  # (N, K): the CPU test hook (`--shapes tiny`, interpreter)
+TINY_SHAPES = {"qkv": (40, 128), "down": (24, 96)}  # (N, K): the CPU test hook (`--shapes tiny`, interpreter)
+# The skinny entry point batch-1 decode launches for each projection (the layer's fused path: RMSNorm -> qkv, o,
+# RMSNorm -> gate_up, SwiGLU -> down); the prologue changes the compiled kernel, so a skinny cell is timed through it.
+# The tiled kernel has no prologue: its cells, and projections not named here, time the plain entry point.
+DECODE_PROLOGUE = {"qkv": "norm", "o": "plain", "gate_up": "norm", "down": "silu"}
+ROTATE_BYTES = 256 << 20  # weight copies a timed graph cycles through: several L2s (50 MiB), so every launch is cold
+GRAPH_LAUNCHES = 64  # launches captured in one timed graph
+NORM_EPS = 1e-5
 SKINNY_ROWS = (1, 8, 16)
 TILED_ROWS = (64, 512)
 SWEEP_TOL = 1e-2  # norm-wise relative error vs the fp32 reference above which a candidate is rejected
@@ -376,16 +383,50 @@ def _tiny_grid(kernel: str, m: int) -> list[Candidate]:
     return [QuantSkinnyConfig(16, 32, 4, 2, use_dot=m > 1), QuantSkinnyConfig(8, 32, 4, 2)]
 
 
-def _launch_fn(kernel: str, x: torch.Tensor, w: Any, cfg: Candidate | None) -> Any:
+def _prologue(kernel: str, proj: str) -> str:
+    """The entry point a cell is timed through: decode's for skinny cells (DECODE_PROLOGUE), plain for tiled ones."""
+    return DECODE_PROLOGUE.get(proj, "plain") if kernel == "skinny" else "plain"
+
+
+def _operands(prologue: str, m: int, k: int, dev: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The activations of an entry point with K input columns: (x [M, K],) plain; (h [M, K], residual [M, K],
+    norm weight [K]) norm; (gate_up [M, 2K],) silu."""
+    if prologue == "norm":
+        return (torch.randn(m, k, device=dev, dtype=dtype), torch.randn(m, k, device=dev, dtype=dtype),
+                (1 + 0.1 * torch.randn(k, device=dev)).to(dtype))
+    if prologue == "silu":
+        return (torch.randn(m, 2 * k, device=dev, dtype=dtype),)
+    return (torch.randn(m, k, device=dev, dtype=dtype),)
+
+
+def _entry_reference(prologue: str, ops: tuple[torch.Tensor, ...], w: Any) -> torch.Tensor:
+    """The entry point's output in fp32 (its kernels' torch references on fp32 inputs)."""
+    from tokenmill.kernels.quant_gemv import quant_add_rmsnorm_matmul_ref, quant_silu_mul_matmul_ref
+    from tokenmill.kernels.quant_weight import quant_matmul_ref
+
+    f32 = tuple(t.float() for t in ops)
+    if prologue == "norm":
+        return quant_add_rmsnorm_matmul_ref(f32[0], f32[1], f32[2], NORM_EPS, w)[0].float()
+    if prologue == "silu":
+        return quant_silu_mul_matmul_ref(f32[0], w).float()
+    return quant_matmul_ref(f32[0], w).float()
+
+
+def _launch_fn(kernel: str, prologue: str, ops: tuple[torch.Tensor, ...], w: Any, cfg: Candidate | None) -> Any:
+    """A closure launching the cell's entry point once; it returns the product y [M, N]."""
     from tokenmill.kernels.quant_gemm import quant_matmul
-    from tokenmill.kernels.quant_gemv import quant_skinny_matmul
+    from tokenmill.kernels.quant_gemv import quant_add_rmsnorm_matmul, quant_silu_mul_matmul, quant_skinny_matmul
 
-    if kernel == "skinny":
-        return lambda: quant_skinny_matmul(x, w, config=cfg)
-    return lambda: quant_matmul(x, w, config=cfg)
+    if kernel == "tiled":
+        return lambda: quant_matmul(ops[0], w, config=cfg)
+    if prologue == "norm":
+        return lambda: quant_add_rmsnorm_matmul(ops[0], ops[1], ops[2], NORM_EPS, w, config=cfg)[0]
+    if prologue == "silu":
+        return lambda: quant_silu_mul_matmul(ops[0], w, config=cfg)
+    return lambda: quant_skinny_matmul(ops[0], w, config=cfg)
 
 
-def _default(kernel: str, x: torch.Tensor, w: Any) -> Candidate:
+def _default(kernel: str, m: int, w: Any) -> Candidate:
     """The config the launcher picks without a table (the default rule), as a table class."""
     from tokenmill.kernels.gemv import SkinnyConfig, default_config
     from tokenmill.kernels.launch import num_sms
@@ -394,43 +435,44 @@ def _default(kernel: str, x: torch.Tensor, w: Any) -> Candidate:
 
     n, k = w.shape
     if kernel == "tiled":
-        return default_gemm_config(x.shape[0], n, k)
-    rule = default_config(x.shape[0], n, k, 1, num_sms(x.device))
+        return default_gemm_config(m, n, k)
+    rule = default_config(m, n, k, 1, num_sms(w.qweight.device))
     return QuantSkinnyConfig(**{f.name: getattr(rule, f.name) for f in dataclasses.fields(SkinnyConfig)})
 
 
-def _bf16_gemv_config(x: torch.Tensor, w: Any) -> Candidate:
+def _bf16_gemv_config(m: int, w: Any) -> Candidate:
     """What the bf16 skinny kernel (kernels/gemv.py, fast on the H200) launches for this shape."""
     from tokenmill.kernels.gemv import SkinnyConfig, default_config
     from tokenmill.kernels.launch import num_sms
     from tokenmill.kernels.tuned import QuantSkinnyConfig
 
     n, k = w.shape
-    rule = default_config(x.shape[0], n, k, 2, num_sms(x.device))
+    rule = default_config(m, n, k, 2, num_sms(w.qweight.device))
     return QuantSkinnyConfig(**{f.name: getattr(rule, f.name) for f in dataclasses.fields(SkinnyConfig)})
 
 
-def _compile_key(fmt: str, kernel: str, m: int, cfg: Candidate) -> tuple[Any, ...]:
+def _compile_key(fmt: str, kernel: str, prologue: str, m: int, cfg: Candidate) -> tuple[Any, ...]:
     """Candidates that share a compiled kernel (all the shapes swept specialize alike; splits > 1 share one)."""
-    return fmt, kernel, m, dataclasses.replace(cfg, split_k=min(cfg.split_k, 2))
+    return fmt, kernel, prologue, m, dataclasses.replace(cfg, split_k=min(cfg.split_k, 2))
 
 
 _WORKER_WEIGHTS: dict[tuple[str, int, int], Any] = {}
 
 
-Job = tuple[str, int, int, int, str, Candidate, str, str]  # format, N, K, M, kernel, config, dtype, device type
+# format, N, K, M, kernel, prologue, config, dtype, device type
+Job = tuple[str, int, int, int, str, str, Candidate, str, str]
 
 
 def _compile_one(job: Job) -> str | None:
     """In a compile worker: launch one candidate once (Triton compiles it into the shared on-disk cache)."""
-    fmt, n, k, m, kernel, cfg, dtype, device = job
+    fmt, n, k, m, kernel, prologue, cfg, dtype, device = job
     dev = torch.device(device)
     if (fmt, n, k) not in _WORKER_WEIGHTS:
         _WORKER_WEIGHTS.clear()
         _WORKER_WEIGHTS[(fmt, n, k)] = random_packed(fmt, n, k, dev)
-    x = torch.randn(m, k, device=dev, dtype=getattr(torch, dtype))
+    ops = _operands(prologue, m, k, dev, getattr(torch, dtype))
     try:
-        _launch_fn(kernel, x, _WORKER_WEIGHTS[(fmt, n, k)], cfg)()
+        _launch_fn(kernel, prologue, ops, _WORKER_WEIGHTS[(fmt, n, k)], cfg)()
         if dev.type == "cuda":
             torch.cuda.synchronize()
     except Exception as e:  # reported again, and recorded, when the main process runs it
@@ -456,7 +498,7 @@ class _Precompiler:
         """Compile the jobs not seen before (one per compiled kernel); each one's error or None, in order."""
         fresh: dict[tuple[Any, ...], Job] = {}
         for job in jobs:
-            key = _compile_key(job[0], job[4], job[3], job[5])
+            key = _compile_key(job[0], job[4], job[5], job[3], job[6])
             if key not in self.done:
                 fresh.setdefault(key, job)
         self.done |= set(fresh)
@@ -480,20 +522,68 @@ class _Precompiler:
             self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def cuda_timer(fn: Any, warmup_ms: int, rep_ms: int) -> float:
-    """Median ms of fn, L2 flushed before each run (triton.testing.do_bench, as the kernel tables)."""
+# A timer takes the launches of one candidate, one per weight copy (the same product on distinct copies), and
+# returns ms per launch.
+
+
+def graph_timer(fns: list[Any], warmup_ms: int, rep_ms: int) -> float:
+    """Median ms of one launch, from CUDA-graph replays of GRAPH_LAUNCHES launches cycling through the copies: each
+    launch reads its weight cold (the copies span several L2s) and no host launch cost is in the figure, as in the
+    decode step's graph. do_bench times one eager launch after an L2 flush; where a Triton launcher's host time
+    exceeds the flush kernel's, the GPU idles before the kernel and the gap is in its figure (the suspected cause
+    of the ninth session's drift between calls: benchmarks/README.md)."""
+    import statistics
+
+    for fn in fns:
+        fn()  # compiled and allocated before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(GRAPH_LAUNCHES):
+            fns[i % len(fns)]()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def replay_ms() -> float:
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    first = max(replay_ms(), 1e-3)
+    for _ in range(max(1, int(warmup_ms / first))):
+        replay_ms()
+    times = [replay_ms() for _ in range(max(5, min(1000, int(rep_ms / first))))]
+    return statistics.median(times) / GRAPH_LAUNCHES
+
+
+def cuda_timer(fns: list[Any], warmup_ms: int, rep_ms: int) -> float:
+    """Median ms of one eager launch, L2 flushed before each run (triton.testing.do_bench, as the kernel tables)."""
     from triton.testing import do_bench
 
-    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    return float(do_bench(fns[0], warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def wall_timer(fn: Any, warmup_ms: int, rep_ms: int) -> float:
+def wall_timer(fns: list[Any], warmup_ms: int, rep_ms: int) -> float:
     """One wall-clock run in ms: the plumbing of a sweep under the interpreter (the figure means nothing)."""
     import time
 
     t0 = time.perf_counter()
-    fn()
+    fns[0]()
     return 1e3 * (time.perf_counter() - t0)
+
+
+TIMERS = {"graph": graph_timer, "do_bench": cuda_timer}
+
+
+def _copies_needed(nbytes: int, dev: torch.device) -> int:
+    """Weight copies a timed graph cycles through: ROTATE_BYTES of them on CUDA (at least 2), one elsewhere."""
+    return max(2, -(-ROTATE_BYTES // max(1, nbytes))) if dev.type == "cuda" else 1
+
+
+def _packed_bytes(w: Any) -> int:
+    parts = (w.qweight, w.scales, w.zeros, w.mins, w.perm)
+    return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
 @dataclasses.dataclass
@@ -506,23 +596,35 @@ class _Cell:
     n: int
     k: int
     m: int
-    x: torch.Tensor
-    w: Any
+    ops: tuple[torch.Tensor, ...]  # the entry point's activations (_operands)
+    copies: list[Any]  # the weight, then the copies a timed graph cycles through (the first is the checked one)
     ref: torch.Tensor
     default: Candidate
     times: dict[Candidate, float] = dataclasses.field(default_factory=dict)
     rejected: dict[Candidate, str] = dataclasses.field(default_factory=dict)
+    eager_ms: dict[Candidate, float] = dataclasses.field(default_factory=dict)  # do_bench of the default, winner
+
+    @property
+    def w(self) -> Any:
+        return self.copies[0]
+
+    @property
+    def prologue(self) -> str:
+        return _prologue(self.kernel, self.proj)
 
     def best(self) -> Candidate:
         return min(self.times, key=self.times.__getitem__) if self.times else self.default
+
+    def launches(self, cfg: Candidate) -> list[Any]:
+        return [_launch_fn(self.kernel, self.prologue, self.ops, w, cfg) for w in self.copies]
 
     def measure(self, cfg: Candidate, timer: Any, bench: tuple[int, int]) -> None:
         """Check cfg's output against the reference, then time it (a failure or a wrong output: rejected)."""
         if cfg in self.times or cfg in self.rejected:
             return
-        fn = _launch_fn(self.kernel, self.x, self.w, cfg)
+        fns = self.launches(cfg)
         try:
-            err = float((fn().float() - self.ref).norm() / self.ref.norm())
+            err = float((fns[0]().float() - self.ref).norm() / self.ref.norm())
         except Exception as e:  # e.g. out of shared memory: not a candidate on this device
             self.rejected[cfg] = f"{type(e).__name__}: {str(e)[:200]}"
             return
@@ -530,21 +632,24 @@ class _Cell:
             self.rejected[cfg] = f"relative error {err:.2e} vs the reference"
             print(f"sweep: WRONG OUTPUT {self.kernel} {self.fmt} {self.proj} M={self.m} {cfg}: {err:.2e}", flush=True)
             return
-        self.times[cfg] = timer(fn, *bench)
+        try:
+            self.times[cfg] = timer(fns, *bench)
+        except Exception as e:  # e.g. a launch that cannot be captured: reported, not a candidate
+            self.rejected[cfg] = f"timing failed: {type(e).__name__}: {str(e)[:200]}"
 
 
 def _cells(fmt: str, shapes: dict[str, tuple[int, int]], skinny_rows: tuple[int, ...], tiled_rows: tuple[int, ...],
            dev: torch.device, dtype: torch.dtype) -> list[_Cell]:
-    from tokenmill.kernels.quant_weight import quant_matmul_ref
-
     cells = []
     for proj, (n, k) in shapes.items():
         w = random_packed(fmt, n, k, dev)
+        copies = [w, *(random_packed(fmt, n, k, dev, seed=i) for i in range(1, _copies_needed(_packed_bytes(w), dev)))]
         for kernel, rows in (("skinny", skinny_rows), ("tiled", tiled_rows)):
             for m in rows:
-                x = torch.randn(m, k, device=dev, dtype=dtype)
-                cells.append(_Cell(kernel, fmt, proj, n, k, m, x, w, quant_matmul_ref(x.float(), w).float(),
-                                   _default(kernel, x, w)))
+                entry = _prologue(kernel, proj)
+                ops = _operands(entry, m, k, dev, dtype)
+                cells.append(_Cell(kernel, fmt, proj, n, k, m, ops, copies, _entry_reference(entry, ops, w),
+                                   _default(kernel, m, w)))
     return cells
 
 
@@ -552,7 +657,7 @@ def _stage_candidates(cell: _Cell, stage: int, tiny: bool) -> list[Candidate]:
     if tiny:
         return [*_tiny_grid(cell.kernel, cell.m), cell.default] if stage == 0 else []
     if stage == 0:
-        extra = [_bf16_gemv_config(cell.x, cell.w)] if cell.kernel == "skinny" else []
+        extra = [_bf16_gemv_config(cell.m, cell.w)] if cell.kernel == "skinny" else []
         return [cell.default, *extra, *_tiles(cell.kernel, cell.m), *_plane_tiles(cell)]
     best = cell.best()
     return _pipelines(best) if stage == 1 else _splits(best)
@@ -560,14 +665,16 @@ def _stage_candidates(cell: _Cell, stage: int, tiny: bool) -> list[Candidate]:
 
 def sweep(dev: torch.device, dtype: torch.dtype, formats: list[str], shapes: dict[str, tuple[int, int]],
           skinny_rows: tuple[int, ...], tiled_rows: tuple[int, ...], *, tiny: bool, budget_s: float,
-          bench: tuple[int, int], compile_workers: int) -> tuple[list[_Cell], bool]:
+          bench: tuple[int, int], compile_workers: int, timer_name: str = "graph") -> tuple[list[_Cell], bool]:
     """Per format (in order): every cell's stage-0 candidates (the rules, the tiles), then the best tile's
-    pipelines, then its K splits; each stage precompiled in parallel, then checked and timed cell by cell.
-    Stops at the first cell past `budget_s` (the cells done so far are kept). Returns (cells, complete)."""
+    pipelines, then its K splits; each stage precompiled in parallel, then checked and timed cell by cell
+    (`timer_name` of TIMERS on CUDA; one wall-clock run elsewhere). On CUDA each cell's default and winner are also
+    timed by do_bench (Cell.eager_ms: what the figures of earlier sweeps were). Stops at the first cell past
+    `budget_s` (the cells done so far are kept). Returns (cells, complete)."""
     import time
 
     t0 = time.monotonic()
-    timer = cuda_timer if dev.type == "cuda" else wall_timer
+    timer = TIMERS[timer_name] if dev.type == "cuda" else wall_timer
     pre = _Precompiler(compile_workers)
     done: list[_Cell] = []
     try:
@@ -575,7 +682,7 @@ def sweep(dev: torch.device, dtype: torch.dtype, formats: list[str], shapes: dic
             cells = _cells(fmt, shapes, skinny_rows, tiled_rows, dev, dtype)
             for stage in range(3):
                 plans = [(c, _stage_candidates(c, stage, tiny)) for c in cells]
-                pre.run([(c.fmt, c.n, c.k, c.m, c.kernel, cfg, str(dtype).removeprefix("torch."), dev.type)
+                pre.run([(c.fmt, c.n, c.k, c.m, c.kernel, c.prologue, cfg, str(dtype).removeprefix("torch."), dev.type)
                          for c, cands in plans for cfg in cands], budget_s - (time.monotonic() - t0))
                 for cell, cands in plans:
                     for cfg in cands:
@@ -583,6 +690,11 @@ def sweep(dev: torch.device, dtype: torch.dtype, formats: list[str], shapes: dic
                             print(f"sweep: budget of {budget_s:.0f} s spent; writing what was measured", flush=True)
                             return done + [c for c in cells if c.times], False
                         cell.measure(cfg, timer, bench)
+            for cell in cells:
+                if dev.type == "cuda" and cell.times:
+                    for cfg in {cell.default, _winner(cell)} & set(cell.times):
+                        cell.eager_ms[cfg] = cuda_timer(cell.launches(cfg), *bench)
+                cell.copies = cell.copies[:1]  # the rotation's memory back before the next format
             done += cells
             print(f"sweep: {fmt} done at {time.monotonic() - t0:.0f} s", flush=True)
     finally:
@@ -623,9 +735,11 @@ def _cfg_text(cfg: Candidate) -> str:
 
 def sweep_md(cells: list[_Cell], bf16_ms: dict[tuple[str, int], float], complete: bool, timer_note: str) -> str:
     lines = [f"Timer: {timer_note}. {'Complete' if complete else 'STOPPED AT THE BUDGET: partial'}; a winner within "
-             f"{100 * (1 - NOISE):.0f}% of the default rule is not taken (the table keeps the rule).", "",
-             "| kernel | format | proj | M | table config | ms | default config | default ms | bf16 cuBLAS ms | "
-             "x default | x cuBLAS | tried / rejected |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{100 * (1 - NOISE):.0f}% of the default rule is not taken (the table keeps the rule). Weight GB/s: the "
+             "packed weight's bytes over the table config's time.", "",
+             "| kernel | format | proj | entry | M | table config | ms | weight GB/s | default config | default ms | "
+             "bf16 cuBLAS ms | x default | x cuBLAS | do_bench ms (table / default) | tried / rejected |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         if not c.times:
             continue
@@ -633,9 +747,12 @@ def sweep_md(cells: list[_Cell], bf16_ms: dict[tuple[str, int], float], complete
         d_ms = c.times.get(c.default)
         d_text = f"{d_ms:.4f}" if d_ms is not None else "rejected"
         vs_default = f"{d_ms / c.times[win]:.2f}" if d_ms is not None else "-"
-        lines.append(f"| {c.kernel} | {c.fmt} | {c.proj} | {c.m} | {_cfg_text(win)} | {c.times[win]:.4f} | "
-                     f"{_cfg_text(c.default)} | {d_text} | {base:.4f} | {vs_default} | "
-                     f"{base / c.times[win]:.2f} | {len(c.times) + len(c.rejected)} / {len(c.rejected)} |")
+        eager = " / ".join(f"{c.eager_ms[cfg]:.4f}" if cfg in c.eager_ms else "-" for cfg in (win, c.default))
+        gbs = _packed_bytes(c.w) / c.times[win] / 1e6
+        lines.append(f"| {c.kernel} | {c.fmt} | {c.proj} | {c.prologue} | {c.m} | {_cfg_text(win)} | "
+                     f"{c.times[win]:.4f} | {gbs:.0f} | {_cfg_text(c.default)} | {d_text} | {base:.4f} | "
+                     f"{vs_default} | {base / c.times[win]:.2f} | {eager} | "
+                     f"{len(c.times) + len(c.rejected)} / {len(c.rejected)} |")
     rejected = [(c, cfg, why) for c in cells for cfg, why in c.rejected.items()]
     if rejected:
         lines += ["", "Rejected candidates (not timed):", ""]
@@ -660,14 +777,16 @@ def run_sweep(args: argparse.Namespace) -> None:
                             tiny=args.grid == "tiny", budget_s=args.sweep_budget_s,
                             bench=(args.bench_warmup_ms, args.bench_rep_ms),
                             compile_workers=args.compile_workers if args.compile_workers is not None else
-                            12 if dev.type == "cuda" else 0)
-    timer = cuda_timer if dev.type == "cuda" else wall_timer
+                            12 if dev.type == "cuda" else 0, timer_name=args.timer)
+    timer = TIMERS[args.timer] if dev.type == "cuda" else wall_timer
     bf16_ms = {}
     for proj, (n, k) in shapes.items():
-        w = torch.randn(n, k, device=dev, dtype=dtype) / k**0.5
+        ws = [torch.randn(n, k, device=dev, dtype=dtype) / k**0.5 for _ in range(_copies_needed(n * k * 2, dev))]
         for m in sorted({c.m for c in cells if c.proj == proj}):
             x = torch.randn(m, k, device=dev, dtype=dtype)
-            bf16_ms[(proj, m)] = timer(lambda x=x, w=w: F.linear(x, w), args.bench_warmup_ms, args.bench_rep_ms)
+            fns = [lambda x=x, w=w: F.linear(x, w) for w in ws]
+            bf16_ms[(proj, m)] = timer(fns, args.bench_warmup_ms, args.bench_rep_ms)
+        del ws
     path = tuned.table_path(device, args.out)
     base = None
     if path.exists():  # a previous call's table of this device (e.g. the other half of --formats): keep its entries
@@ -678,13 +797,24 @@ def run_sweep(args: argparse.Namespace) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(sweep_table(cells, device, dtype, base), indent=1) + "\n")
     tuned.load_table(path)  # the written table parses as the launchers will read it
-    note = "do_bench median, L2 flushed" if dev.type == "cuda" else "one wall-clock run under the Triton interpreter"
-    note += f"; {args.dtype} activations, random weights of each format, y = x @ W.T without bias"
+    if dev.type != "cuda":
+        note = "one wall-clock run under the Triton interpreter"
+    elif args.timer == "graph":
+        note = (f"median of CUDA-graph replays of {GRAPH_LAUNCHES} launches over weight copies of >= "
+                f"{ROTATE_BYTES >> 20} MiB (every weight read cold, no host launch time; 'do_bench' columns: one eager "
+                "launch after an L2 flush, the earlier sweeps' timer)")
+    else:
+        note = "do_bench median, L2 flushed"
+    note += (f"; {args.dtype} activations, random weights of each format, no bias; skinny cells through the entry "
+             f"point batch-1 decode launches ({', '.join(f'{p}: {e}' for p, e in DECODE_PROLOGUE.items())}), "
+             "tiled cells and bf16 cuBLAS y = x @ W.T")
     payload = {"benchmark": "gpu_quant_sweep", "table": path.name, "complete": complete, "dtype": args.dtype,
                "cells": [{"kernel": c.kernel, "format": c.fmt, "proj": c.proj, "n": c.n, "k": c.k, "m": c.m,
                           "default": dataclasses.asdict(c.default), "winner": dataclasses.asdict(_winner(c)),
                           "bf16_cublas_ms": bf16_ms[(c.proj, c.m)],
+                          "prologue": c.prologue, "timer": args.timer if dev.type == "cuda" else "wall",
                           "times_ms": [[dataclasses.asdict(cfg), t] for cfg, t in c.times.items()],
+                          "do_bench_ms": [[dataclasses.asdict(cfg), t] for cfg, t in c.eager_ms.items()],
                           "rejected": [[dataclasses.asdict(cfg), why] for cfg, why in c.rejected.items()]}
                          for c in cells if c.times]}
     write_results(args.out, "gpu_quant_sweep", payload, sweep_md(cells, bf16_ms, complete, note))
@@ -714,6 +844,9 @@ def main(argv: list[str] | None = None) -> None:
     sw.add_argument("--skinny-rows", type=int, nargs="*", default=list(SKINNY_ROWS))
     sw.add_argument("--tiled-rows", type=int, nargs="*", default=list(TILED_ROWS))
     sw.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    sw.add_argument("--timer", choices=tuple(TIMERS), default="graph",
+                    help="CUDA: graph = launches replayed from a CUDA graph over weight copies bigger than L2 (as "
+                    "decode runs them); do_bench = one eager launch after an L2 flush (host launch time can show)")
     sw.add_argument("--bench-warmup-ms", type=int, default=5)
     sw.add_argument("--bench-rep-ms", type=int, default=25)
     sw.add_argument("--compile-workers", type=int, default=None,

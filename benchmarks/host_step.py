@@ -99,13 +99,16 @@ def instrument(engine: LLMEngine, clock: PhaseClock, stub_forward: bool) -> None
     runner.sampler = _TimedSampler(runner.sampler, clock)  # type: ignore[assignment]
 
 
-def build_engine(model: str, device: str) -> LLMEngine:
-    """The suite's GPU engine settings (benchmarks/suite.py GPU) on CUDA; a small CPU cache otherwise."""
+def build_engine(model: str, device: str, whole_step_graphs: bool = False) -> LLMEngine:
+    """The suite's GPU engine settings (benchmarks/suite.py GPU) on CUDA; a small CPU cache otherwise.
+    `whole_step_graphs` (CUDA): EngineConfig.whole_step_graphs on (a field older commits do not have: only
+    passed when asked for)."""
     if device == "cuda":
+        extra = {"whole_step_graphs": True} if whole_step_graphs else {}
         return LLMEngine(EngineConfig(
             model=model, load_format="dummy", device="cuda", dtype="bfloat16", max_model_len=4096,
             async_scheduling=False, cache=CacheConfig(gpu_memory_utilization=0.9),
-            scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256)))
+            scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=256), **extra))
     return LLMEngine(EngineConfig(
         model=model, load_format="dummy", device="cpu", dtype="float32", max_model_len=4096,
         attention_backend="torch", async_scheduling=False,
@@ -178,13 +181,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=136)
     ap.add_argument("--real-forward", action="store_true",
                     help="keep the model's forward (always on CUDA: graph replays and attention launches are timed)")
+    ap.add_argument("--whole-step-graphs", action="store_true",
+                    help="CUDA: mixed steps replay whole-step graphs where one was captured (EngineConfig)")
     ap.add_argument("--profile", choices=KINDS,
                     help="cProfile --repeats more steps of that kind (after the timed ones); print the top functions")
     ap.add_argument("--out", help="folder for host_step.json (the medians and the settings)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     model = args.model or ("llama3-8b" if args.device == "cuda" else "tiny-llama")
-    engine = build_engine(model, args.device)
+    t0 = time.perf_counter()
+    engine = build_engine(model, args.device, args.whole_step_graphs)
+    print(f"engine start-up: {time.perf_counter() - t0:.1f} s")
     clock = PhaseClock()
     stub = not args.real_forward and args.device == "cpu"
     instrument(engine, clock, stub_forward=stub)
@@ -194,10 +201,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'phase (us, median)':<20}" + "".join(f"{k[:26]:>28}" for k in KINDS))
     for name in names:
         print(f"{name:<20}" + "".join(f"{medians[k].get(name, 0.0):>28.1f}" for k in KINDS))
+    whole = getattr(engine.runner, "whole_step", None)
+    if whole is not None:
+        print(f"whole-step graphs: {len(whole.graphs)} captured, {whole.replays} steps replayed one")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         settings = vars(args) | {"model": model, "stub_forward": stub}
-        result = {"settings": settings, "median_us": medians}
+        result: dict[str, Any] = {"settings": settings, "median_us": medians}
+        if whole is not None:
+            result["whole_step"] = {"graphs": len(whole.graphs), "replays": whole.replays}
         (Path(args.out) / "host_step.json").write_text(json.dumps(result, indent=1))
     if stats is not None:
         stats.sort_stats("cumulative").print_stats(35)

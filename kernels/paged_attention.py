@@ -838,6 +838,55 @@ def _run(kernel: Any, compiled: Any, grid: tuple[int, int, int], args: tuple[Any
     return compiled
 
 
+class AttentionChoice(NamedTuple):
+    """The launch choices of one paged-attention step, from host ints: the tile config, whether every request
+    fits one tile (program i -> request i), and the key splits. A step's rows do not depend on the rest of the
+    grid: a launch with these choices planned for more requests (padding ones with no query tokens) and more rows
+    computes the same bits for the step's rows (what worker/cuda_graphs.py's whole-step graphs rely on)."""
+
+    config: PagedAttentionConfig
+    one_tile: bool
+    num_splits: int
+
+
+def key_span(max_seq_len: int, max_query_len: int, sliding_window: int | None) -> int:
+    """The longest key range one tile walks (choose_num_splits' max_kv_span)."""
+    return max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + max_query_len)
+
+
+def attention_choice(
+    q_shape: Sequence[int],
+    dtype: torch.dtype,
+    cache_shape: Sequence[int],
+    device: torch.device,
+    num_seqs: int,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    config: PagedAttentionConfig | None = None,
+) -> AttentionChoice:
+    """The launch choices plan_paged_attention makes for these arguments (its own), without building a plan."""
+    num_tokens, num_q_heads, head_dim = q_shape
+    num_kv_heads = cache_shape[2]
+    itemsize = dtype.itemsize
+    group_pad = _next_pow2(num_q_heads // num_kv_heads)
+    if config is None:
+        shared_limit = 0 if device in _NO_DEEP_TILES else _shared_limit(device)
+        config = default_config(max_query_len, num_tokens, num_seqs, group_pad, itemsize, head_dim, shared_limit)
+    block_q = max(config.block_m, group_pad) // group_pad
+    one_tile = max_query_len <= block_q
+    num_tile_slots = num_seqs if one_tile else num_tokens // block_q + num_seqs
+    if num_splits is None:
+        num_splits = choose_num_splits(num_tile_slots * num_kv_heads,
+                                       key_span(max_seq_len, max_query_len, sliding_window), _num_sms(device),
+                                       config.block_n)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    return AttentionChoice(config, one_tile, num_splits)
+
+
 def plan_paged_attention(
     q_shape: Sequence[int],
     dtype: torch.dtype,
@@ -863,21 +912,16 @@ def plan_paged_attention(
     16-byte alignment of the launches that filled the store (one model's static buffers and shipped inputs do)."""
     num_tokens, num_q_heads, head_dim = q_shape
     num_kv_heads = cache_shape[2]
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
+    choice = attention_choice(q_shape, dtype, cache_shape, device, num_seqs, max_query_len=max_query_len,
+                              max_seq_len=max_seq_len, sliding_window=sliding_window, num_splits=num_splits,
+                              config=config)
+    config, one_tile, num_splits = choice
     group_pad = _next_pow2(num_q_heads // num_kv_heads)
-    if config is None:
-        shared_limit = 0 if device in _NO_DEEP_TILES else _shared_limit(device)
-        config = default_config(max_query_len, num_tokens, num_seqs, group_pad, itemsize, head_dim, shared_limit)
     block_m = max(config.block_m, group_pad)
     block_q = block_m // group_pad
-    one_tile = max_query_len <= block_q
     num_tile_slots = num_seqs if one_tile else num_tokens // block_q + num_seqs
-
-    kv_span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + max_query_len)
-    if num_splits is None:
-        num_splits = choose_num_splits(num_tile_slots * num_kv_heads, kv_span, _num_sms(device), config.block_n)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    kv_span = key_span(max_seq_len, max_query_len, sliding_window)
 
     if num_splits > 1:
         part_acc = torch.empty((num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device)

@@ -19,9 +19,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def engine(path: Path, piecewise: bool, speculative: SpeculativeConfig | None = None,
-           dtype: str = "bfloat16") -> LLMEngine:
+           dtype: str = "bfloat16", whole_step: bool = False) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(path), dtype=dtype, device="cuda", attention_backend="triton",
-                                  piecewise_graphs=piecewise, speculative=speculative or SpeculativeConfig(),
+                                  piecewise_graphs=piecewise, whole_step_graphs=whole_step,
+                                  speculative=speculative or SpeculativeConfig(),
                                   scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=32)))
 
 
@@ -41,6 +42,33 @@ def test_piecewise_graphs_greedy_identical(arch: str, tmp_path: Path) -> None:
     graphed = [o.token_ids for o in graphed_engine.generate(ps, params)]
     same = sum(a == b for a, b in zip(eager, graphed))
     assert same == len(ps), f"{arch}: {len(ps) - same} of {len(ps)} sequences differ"
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_whole_step_graphs_greedy_identical_to_the_pieces(arch: str, tmp_path: Path) -> None:
+    """A whole-step replay computes what the pieces compute, bit for bit (WholeStepGraphs), so the tokens agree
+    exactly with the piecewise engine's; most mixed steps of this workload replay a whole-step graph."""
+    path = save_tiny_model(arch, tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ps = prompts(7)
+    pieces = [o.token_ids for o in engine(path, True).generate(ps, params)]
+    whole = engine(path, True, whole_step=True)
+    assert whole.runner.whole_step is not None and whole.runner.whole_step.graphs
+    tokens = [o.token_ids for o in whole.generate(ps, params)]
+    same = sum(a == b for a, b in zip(pieces, tokens))
+    assert same == len(ps), f"{arch}: {len(ps) - same} of {len(ps)} sequences differ"
+    assert whole.runner.whole_step.replays > 0
+
+
+def test_no_compile_after_start_up_with_whole_step_graphs(tmp_path: Path) -> None:
+    path = save_tiny_model("llama", tmp_path)
+    eng = engine(path, True, whole_step=True)
+    before = _compiled_variants()
+    rng = random.Random(5)
+    ps = [[rng.randrange(3, 384) for _ in range(rng.randrange(1, 400))] for _ in range(48)]
+    outs = eng.generate(ps, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    assert len(outs) == len(ps) and _compiled_variants() == before
+    assert eng.runner.whole_step is not None and eng.runner.whole_step.replays > 0
 
 
 def _compiled_variants() -> int:

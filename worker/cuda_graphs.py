@@ -19,7 +19,7 @@ import torch
 from tokenmill.worker.attention.backend import AttentionMetadata
 
 if TYPE_CHECKING:
-    from tokenmill.kernels.paged_attention import AttentionPlan
+    from tokenmill.kernels.paged_attention import AttentionChoice, AttentionPlan
 
 log = logging.getLogger("tokenmill.cuda_graphs")
 
@@ -190,6 +190,7 @@ class PiecewiseGraphs:
 
         self._plan = plan_paged_attention
         self._variants: dict[tuple[Any, ...], Any] = {}  # compiled attention variants, shared by the steps' plans
+        self.pool: Any = None  # the graphs' memory pool, set by capture (WholeStepGraphs captures into it too)
 
     def _capture_meta(self, t: int) -> AttentionMetadata:
         """One request of t new tokens: max_query_len > 1 keeps rotary + cache write out of the attention
@@ -204,7 +205,7 @@ class PiecewiseGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
+        self.pool = pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for t in reversed(self.sizes):  # largest first: later buckets reuse its pool memory
             args = (self.input_ids[:t], self.positions[:t], self.kv_caches, self._capture_meta(t))
@@ -332,6 +333,172 @@ def _variants(plan: AttentionPlan) -> tuple[tuple[Any, ...], ...]:
     return attention, ("reduce", plan.dynamic, max(8, 1 << (plan.num_splits - 1).bit_length()), plan.reduce_block_d)
 
 
+def _powers_of_two(lo: int, hi: int) -> list[int]:
+    """The powers of two in [lo, hi]."""
+    return [1 << i for i in range(hi.bit_length()) if lo <= 1 << i <= hi]
+
+
 def _even(t: int, n: int) -> list[int]:
     """t tokens over n requests as evenly as possible."""
     return [t // n + (i < t % n) for i in range(n)]
+
+
+# Token buckets up to this many replay whole-step graphs when EngineConfig.whole_step_graphs is on: above it a
+# step's GPU time (an 8B model: tens of ms) dwarfs the pieces' host launch, which async scheduling overlaps.
+WHOLE_STEP_MAX_TOKENS = 2048
+
+
+class WholeStepGraphs:
+    """Whole-step CUDA graphs for steps with prompt tokens, attention captured inside: one replay instead of the
+    num_layers + 1 pieces of PiecewiseGraphs with attention launched between them.
+
+    A graph fixes its attention launch: its token bucket T, max_seqs[T] = min(T, max_num_seqs) requests and one
+    AttentionChoice (tile config, one tile per request or not, key splits: a power of two). A step of t tokens
+    and n requests replays the graph of its bucket and of the choice paged_attention would make for the step
+    itself: requests n..max_seqs have no query tokens, rows t..T are padding (no cache write; their outputs are
+    ignored), and a launch's real rows do not depend on its grid (AttentionChoice), so the replay computes what
+    the pieces compute, bit for bit. Steps whose choice was not captured (a split count that is not a power of
+    two), tree drafts, and steps of more tokens than the largest bucket get None from `run`: the caller
+    replays the pieces."""
+
+    def __init__(self, model: torch.nn.Module, backend: Any, piecewise: PiecewiseGraphs, max_num_seqs: int,
+                 max_model_len: int, max_tokens: int = WHOLE_STEP_MAX_TOKENS) -> None:
+        self.model = model
+        self.backend = backend
+        self.piecewise = piecewise  # its pool (shared: replays never overlap), caches and attention constants
+        self.kv_caches = piecewise.kv_caches
+        self.sizes = [t for t in piecewise.sizes if t <= max_tokens]
+        self.max_model_len = max_model_len
+        self.max_seqs = {t: min(t, max_num_seqs) for t in self.sizes}
+        device = piecewise.device
+        n, s = (self.sizes[-1], max(self.max_seqs.values())) if self.sizes else (1, 1)
+        block_size = self.kv_caches[0][0].shape[1]
+        # Static inputs the graphs read on every replay (rows and requests past the step's: padding).
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.query_start_loc = torch.zeros(s + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(s, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((s, -(-max_model_len // block_size)), dtype=torch.int32, device=device)
+        self.hidden = torch.zeros_like(piecewise.hidden[:n])
+        self.graphs: dict[tuple[int, AttentionChoice], torch.cuda.CUDAGraph] = {}
+        self.replays = 0  # steps run by a whole-step graph (the rest of the mixed steps: the pieces)
+        call = piecewise.calls[piecewise.sizes[0]][0]
+        self._attention = (piecewise.attn_q.shape[1:], piecewise.attn_q.dtype, call.k_cache.shape, device,
+                           call.sliding_window)  # what attention_choice needs besides the step's lengths
+        self._group_pad = 1 << (piecewise.attn_q.shape[1] // call.k_cache.shape[2] - 1).bit_length()
+        from tokenmill.kernels import launch, paged_attention  # Triton: CUDA machines only
+
+        self._kernels = paged_attention
+        self._num_sms = launch.num_sms(device)
+
+    def choice(self, t: int, n: int, max_query_len: int, max_seq_len: int) -> AttentionChoice:
+        """The launch choices paged_attention makes for a step of t tokens over n requests."""
+        head_shape, dtype, cache_shape, device, window = self._attention
+        return self._kernels.attention_choice((t, *head_shape), dtype, cache_shape, device, n,
+                                              max_query_len=max_query_len, max_seq_len=max_seq_len,
+                                              sliding_window=window)
+
+    def choices_to_capture(self, t: int, lo: int) -> set[AttentionChoice]:
+        """Every choice a step of lo < tokens <= t can take with a power-of-two split count. The tile choices
+        (config, tile mapping) come from a grid of token counts, request counts and query skews, as
+        PiecewiseGraphs.warm_up_attention plans its variants; they do not depend on the context. The split count
+        grows with the context and shrinks with the launch's programs (choose_num_splits), so a tile choice's
+        largest is the one of its fewest tile slots at max_model_len: every power of two up to it is captured."""
+        _, _, cache_shape, _, window = self._attention
+        num_kv_heads, group_pad = cache_shape[2], self._group_pad
+        s = self.max_seqs[t]
+        tiles: set[tuple[Any, bool]] = set()
+        counts = sorted({1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, s})
+        for tokens in sorted({*range(lo + 1, min(t, lo + 4) + 1), (lo + t + 1) // 2, t}):
+            for n in (c for c in counts if c <= min(tokens, s)):
+                for q_lens in (_even(tokens, n), [1] * (n - 1) + [tokens - n + 1]):
+                    if max(q_lens) > 1:  # (decode-only steps replay DecodeGraphs)
+                        c = self.choice(tokens, n, max(q_lens), max(q_lens))
+                        tiles.add((c.config, c.one_tile))
+        pa = self._kernels
+        found: set[AttentionChoice] = set()
+        for config, one_tile in tiles:
+            block_q = max(config.block_m, group_pad) // group_pad
+            fewest = -(-(lo + 1) // block_q) if one_tile else (lo + 1) // block_q + 1  # tile slots
+            most = pa.choose_num_splits(fewest * num_kv_heads, pa.key_span(self.max_model_len, t, window),
+                                        self._num_sms, config.block_n)
+            found |= {pa.AttentionChoice(config, one_tile, k) for k in _powers_of_two(1, most)}
+        return found
+
+    def _capture_meta(self, t: int, c: AttentionChoice) -> AttentionMetadata | None:
+        """Metadata of a bucket's capture: max_seqs[t] requests, request 0 holding every token, and a
+        max_query_len that makes the plan take c's tile mapping; None when only decode steps take c."""
+        s = self.max_seqs[t]
+        block_q = max(c.config.block_m, self._group_pad) // self._group_pad
+        max_query_len = block_q if c.one_tile else t  # the plan's tile mapping follows max_query_len <= block_q
+        if max_query_len < 2:
+            return None  # one query token per request: decode-only steps, DecodeGraphs' replays
+        self.query_start_loc[:1].fill_(0)
+        self.query_start_loc[1 : s + 1].fill_(t)
+        self.seq_lens[:s].fill_(0)
+        self.seq_lens[:1].fill_(t)
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: s + 1], seq_lens=self.seq_lens[:s],
+            block_tables=self.block_tables[:s], slot_mapping=self.slot_mapping[:t], max_query_len=max_query_len,
+            max_seq_len=self.max_model_len, query_lens_cpu=[t] + [0] * (s - 1), seq_lens_cpu=[t] + [0] * (s - 1))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        assert self.piecewise.pool is not None, "capture the pieces first (their pool is shared)"
+        stream = torch.cuda.Stream()
+        lo = 0
+        for t in self.sizes:
+            for c in sorted(self.choices_to_capture(t, lo), key=repr):
+                meta = self._capture_meta(t, c)
+                if meta is None:
+                    continue
+                args = (self.input_ids[:t], self.positions[:t], self.kv_caches, meta)
+                self.backend.launch_override = (c.config, c.num_splits)
+                try:
+                    stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(stream):
+                        self.model(*args)  # warm up outside the capture (every kernel is compiled by now)
+                    torch.cuda.current_stream().wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.piecewise.pool, stream=stream):
+                        self.hidden[:t].copy_(self.model(*args))
+                finally:
+                    self.backend.launch_override = None
+                self.graphs[(t, c)] = graph
+            lo = t
+        torch.cuda.synchronize()
+        log.info("captured %d whole-step CUDA graphs over %d token buckets (up to %d tokens)", len(self.graphs),
+                 len(self.sizes), self.sizes[-1] if self.sizes else 0)
+
+    def bucket(self, t: int) -> int | None:
+        i = bisect.bisect_left(self.sizes, t)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def graph_for(self, t: int, meta: AttentionMetadata) -> tuple[int, AttentionChoice] | None:
+        """The key of the graph a step of t tokens replays, or None (the pieces then)."""
+        g = self.bucket(t)
+        if g is None or meta.tree_mask is not None or meta.num_seqs > self.max_seqs[g] or meta.max_query_len < 2:
+            return None
+        key = (g, self.choice(t, meta.num_seqs, meta.max_query_len, max(1, meta.max_seq_len)))
+        return key if key in self.graphs else None
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Replay for a step of T tokens: hidden states [T, hidden] (a view of a static buffer, valid until the
+        next replay), or None when no graph computes this step as its pieces would."""
+        t, n = input_ids.shape[0], meta.num_seqs
+        key = self.graph_for(t, meta)
+        if key is None:
+            return None
+        g, s = key[0], self.max_seqs[key[0]]
+        self.input_ids[:t].copy_(input_ids, non_blocking=True)
+        self.positions[:t].copy_(positions, non_blocking=True)
+        self.slot_mapping[:t].copy_(meta.slot_mapping, non_blocking=True)
+        self.slot_mapping[t:g].fill_(-1)
+        self.query_start_loc[: n + 1].copy_(meta.query_start_loc, non_blocking=True)
+        self.query_start_loc[n + 1 : s + 1].fill_(t)  # padding requests: no query tokens
+        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
+        self.block_tables[:n, : meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
+        self.graphs[key].replay()
+        self.replays += 1
+        return self.hidden[:t]

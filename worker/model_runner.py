@@ -21,7 +21,13 @@ from torch import Tensor
 from tokenmill.kernels.config import configure as configure_kernels
 from tokenmill.worker.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.worker.config import CacheConfig, EngineConfig, ModelArch
-from tokenmill.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, graph_batch_sizes, mixed_graph_sizes
+from tokenmill.worker.cuda_graphs import (
+    DecodeGraphs,
+    PiecewiseGraphs,
+    WholeStepGraphs,
+    graph_batch_sizes,
+    mixed_graph_sizes,
+)
 from tokenmill.worker.loader import ModelLoadError, ModelSource, build_model
 from tokenmill.worker.models.layers import SINGLE_DEVICE
 from tokenmill.worker.parallel.group import TPGroup
@@ -197,6 +203,7 @@ class ModelRunner:
                 -(-max_model_len // self.block_size), max_model_len, self.arch.hidden_size, self.device)
             self.graphs.capture()
         self.piecewise: PiecewiseGraphs | None = None
+        self.whole_step: WholeStepGraphs | None = None
         if self._wants_piecewise:
             self._capture_piecewise(config)
 
@@ -211,6 +218,12 @@ class ModelRunner:
         variants = self.piecewise.warm_up_attention(sched.max_num_seqs, self.max_model_len, trees)
         log.info("piecewise CUDA graphs and %d attention variants ready in %.1f s", variants,
                  time.perf_counter() - t0)
+        if config.whole_step_graphs:
+            t0 = time.perf_counter()
+            self.whole_step = WholeStepGraphs(self.model, self.backend, self.piecewise, sched.max_num_seqs,
+                                              self.max_model_len)
+            self.whole_step.capture()
+            log.info("whole-step CUDA graphs ready in %.1f s", time.perf_counter() - t0)
 
     # -- KV cache sizing --------------------------------------------------------------------------
     @property
@@ -340,6 +353,8 @@ class ModelRunner:
             return self._calibrating_forward(ids, positions, meta)
         if self.graphs is not None and meta.is_decode_only and self.graphs.bucket(meta.num_seqs) is not None:
             return self.graphs.run(ids, positions, meta)
+        if self.whole_step is not None and (hidden := self.whole_step.run(ids, positions, meta)) is not None:
+            return hidden
         if self.piecewise is not None and self.piecewise.bucket(ids.shape[0]) is not None:
             return self.piecewise.run(ids, positions, meta)
         return self.model(ids, positions, self.kv_caches, meta)

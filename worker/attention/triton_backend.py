@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.kernels.kv_cache import write_kv_cache
-from tokenmill.kernels.paged_attention import DecodeRope, paged_attention
+from tokenmill.kernels.paged_attention import DecodeRope, PagedAttentionConfig, paged_attention
 from tokenmill.kernels.rotary import rotary_and_cache, rotary_embedding
 from tokenmill.worker.attention.backend import (
     AttentionBackend,
@@ -32,6 +32,9 @@ class TritonBackend(AttentionBackend):
         # Set only while worker/cuda_graphs.py captures piecewise graphs: attention calls go to it instead of
         # launching (the capture ends a graph piece there and launches attention between the pieces).
         self.split: AttentionSplit | None = None
+        # Set only while worker/cuda_graphs.py captures whole-step graphs: the (tile config, key splits) every
+        # attention launch of the captured step takes instead of the heuristics' choice for its lengths.
+        self.launch_override: tuple[PagedAttentionConfig, int] | None = None
 
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -51,6 +54,7 @@ class TritonBackend(AttentionBackend):
             rotary_and_cache(q, k, v, layer.cos_sin_cache, positions, k_cache, v_cache, meta.slot_mapping, kv_scales)
             if self.split is not None:
                 return self.split(q, k_cache, v_cache, layer.scale, layer.sliding_window, kv_scales)
+        config, num_splits = self.launch_override or (None, None)
         return paged_attention(
             q,
             k_cache,
@@ -66,4 +70,6 @@ class TritonBackend(AttentionBackend):
             kv_scales=kv_scales,
             tree_mask=meta.tree_mask,
             tree_start=meta.tree_start,
+            config=config,
+            num_splits=num_splits,
         )

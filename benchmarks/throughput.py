@@ -57,6 +57,7 @@ class ModelSpec:
     gpu_memory_utilization: float = 0.9
     cpu_kv_bytes: int = 1 << 30
     cuda_graphs: bool = True
+    whole_step_graphs: bool = False  # EngineConfig.whole_step_graphs (mixed steps of <= 2,048 tokens: one graph)
     threads: int = 0  # torch CPU threads (0: torch's default); the worker process gets the same
     async_scheduling: bool | None = None  # None: the engine's default (on for CUDA only)
     quantization: str = "auto"  # EngineConfig.quantization: auto, int8, int4, fp8
@@ -71,6 +72,7 @@ class ModelSpec:
         return EngineConfig(
             model=self.model, load_format=self.load_format, dtype=self.dtype, device=self.device,  # type: ignore[arg-type]
             max_model_len=self.max_model_len, cuda_graphs=self.cuda_graphs, async_scheduling=self.async_scheduling,
+            whole_step_graphs=self.whole_step_graphs,
             quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,  # type: ignore[arg-type]
             speculative=SpeculativeConfig(method=self.speculative),  # type: ignore[arg-type]
             cache=CacheConfig(gpu_memory_utilization=self.gpu_memory_utilization, cpu_kv_bytes=self.cpu_kv_bytes,

@@ -363,6 +363,18 @@ def _plane_tiles(cell: _Cell) -> list[Candidate]:
     return [QuantSkinnyConfig(bn, bk * per_word // 8, 4, 3, use_dot=False, planes=True) for bn, bk in tiles]
 
 
+def _magic_tiles(cell: _Cell) -> list[Candidate]:
+    """INT4 in groups of 128 (GPTQ / AWQ), every skinny M: the tensor-core variant whose fields become floats by their
+    bits (kernels/quant_gemv.py magic_dot), K steps of whole 128-column segments."""
+    from tokenmill.kernels.tuned import QuantSkinnyConfig
+
+    bits, group, kind, _ = SWEEP_FORMATS[cell.fmt]
+    if cell.kernel != "skinny" or bits != 4 or not group or group % 128 or kind == "min":
+        return []
+    tiles = [(16, 256), (32, 256), (64, 256), (16, 512), (32, 512), (64, 128)]
+    return [QuantSkinnyConfig(bn, bk, 4, 3, planes=True) for bn, bk in tiles]
+
+
 def _pipelines(best: Candidate) -> list[Candidate]:
     """Stage 2: the best tile at num_warps 2 / 4 / 8 x num_stages 2..4 (tiled: 4 / 8)."""
     warps = (4, 8) if hasattr(best, "block_m") else (2, 4, 8)
@@ -658,7 +670,7 @@ def _stage_candidates(cell: _Cell, stage: int, tiny: bool) -> list[Candidate]:
         return [*_tiny_grid(cell.kernel, cell.m), cell.default] if stage == 0 else []
     if stage == 0:
         extra = [_bf16_gemv_config(cell.m, cell.w)] if cell.kernel == "skinny" else []
-        return [cell.default, *extra, *_tiles(cell.kernel, cell.m), *_plane_tiles(cell)]
+        return [cell.default, *extra, *_tiles(cell.kernel, cell.m), *_plane_tiles(cell), *_magic_tiles(cell)]
     best = cell.best()
     return _pipelines(best) if stage == 1 else _splits(best)
 
@@ -729,7 +741,8 @@ def sweep_table(cells: list[_Cell], device: str, dtype: torch.dtype, base: dict[
 def _cfg_text(cfg: Candidate) -> str:
     d = dataclasses.asdict(cfg)
     tile = "x".join(str(d[f]) for f in ("block_m", "block_n", "block_k") if f in d)
-    extra = ("" if d.get("use_dot", True) else " fma") + (" planes" if d.get("planes") else "")
+    extra = ("" if d.get("use_dot", True) else " fma") + ((" magic" if d.get("use_dot", True) else " planes")
+                                                          if d.get("planes") else "")
     return f"{tile} w{d['num_warps']} s{d['num_stages']} sk{d['split_k']}{extra}"
 
 

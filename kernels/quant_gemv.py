@@ -8,7 +8,9 @@ kernels/quant_weight.py), with the input producers of kernels/gemv.py fused in f
 Numerics, arguments, outputs and launch shapes as in kernels/gemv.py (its prologue helpers and SkinnyConfig
 rule are used as they are); the only change is the weight tile: each program streams BLOCK_N packed rows
 once (int8: 1 byte per weight, int4: 4 bits + a scale (+ zero or min) per group) and dequantizes them in
-registers to the activations' dtype (`dequant_tile`) before the same tl.dot / FMA products. Two additions:
+registers to the activations' dtype (`dequant_tile`) before the same tl.dot / FMA products; or, with
+QuantSkinnyConfig.planes, makes the fields floats by their bits instead of converting them (M = 1 by FMA,
+`planes_fma`; INT4 in groups of 128 on tensor cores, `magic_dot`). Two additions:
 QuantSkinnyConfig.split_k > 1 cuts K into slices, one program per (BLOCK_N rows, slice), whose fp32 partial sums
 `split_k_sum` adds up in a second kernel (more programs in flight when N / BLOCK_N alone does not fill the
 GPU); and without a per-call config the launch shape is the device's tuned table entry (kernels/tuned.py),
@@ -187,6 +189,67 @@ def planes_fma(
     return group_load(s_rows, g, w_mask, EVEN_K) * centred
 
 
+# magic_dot: 16 int32 words (128 INT4 columns) per tl.dot, the smallest K a tensor-core dot takes; a segment's
+# columns share one group (GROUP a multiple of 128), so its scale and zero apply to the dot's sums
+_PLANE_DOT_WORDS = 16
+PLANE_DOT_WORDS = tl.constexpr(_PLANE_DOT_WORDS)
+
+
+@triton.jit
+def magic_dot(
+    q_rows, s_rows, z_rows,  # [BLOCK_N, 1] row pointers to int32 words (8 INT4 fields a word), scales, zeros
+    x_rows, r_rows, nw_ptr, rstd, perm_ptr,  # the activation rows and their prologue's inputs, as _x_tile's
+    k0, K,
+    dtype: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """Sum over columns k0 .. k0 + BLOCK_K of W[rows, c] * x[:, c] as [BLOCK_N, BLOCK_M] fp32, INT4 weights in groups
+    of a multiple of 128, on tensor cores (any M <= BLOCK_M, BLOCK_M >= 16), by segments of 16 words (128 columns,
+    one group). A 4-bit field becomes a float of the activations' dtype by its bits, OFFSET + q (bf16: 0x4300 | q =
+    128 + q; fp16: 0x6400 | q = 1024 + q; both exact): no int-to-float conversion per weight (the conversions, not
+    the bytes, bound the dequantizing variants: dequant_tile's). The dot sums (OFFSET + q) x with each product exact
+    in fp32, and a segment adds s * (sum - (OFFSET + z) * sum x), z = 8 for symmetric weights. fp32 activations
+    subtract 2^23 from their fields (2^23 + q in fp32) before the dot instead.
+
+    Numerics: the weights are not rounded to `dtype` one by one as the reference rounds them (as planes_fma); with
+    16-bit activations the offset's products (bf16: 128 x, fp16: 1024 x) pass through the fp32 sums before they are
+    subtracted, which costs about 2^-24 * OFFSET * sum |x| per segment."""
+    W: tl.constexpr = PLANE_DOT_WORDS
+    MAGIC: tl.constexpr = 0x4300 if dtype == tl.bfloat16 else 0x6400 if dtype == tl.float16 else 0x4B000000
+    OFFSET: tl.constexpr = 128.0 if dtype == tl.bfloat16 else 1024.0 if dtype == tl.float16 else 0.0  # fp32: before
+    acc = tl.zeros([q_rows.shape[0], x_rows.shape[0]], dtype=tl.float32)
+    for seg in tl.static_range(BLOCK_K // (8 * W)):
+        offs_w = k0 // 8 + seg * W + tl.arange(0, W)  # [W] words of this segment
+        w_mask = (offs_w < K // 8)[None, :]
+        if EVEN_K:
+            words = tl.load(q_rows + offs_w[None, :])  # [BLOCK_N, W] int32
+        else:
+            words = tl.load(q_rows + offs_w[None, :], mask=w_mask, other=0)
+        # [BLOCK_N, 8 W] in packed column order: element 8 i + j = field j of word i
+        field = tl.reshape((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF, (words.shape[0], 8 * W))
+        if dtype == tl.float32:
+            wq = (field | MAGIC).to(tl.float32, bitcast=True) - 8388608.0
+        else:
+            wq = (field | MAGIC).to(tl.int16).to(dtype, bitcast=True)  # OFFSET + q, exact
+        offs_k = k0 + seg * 8 * W + tl.arange(0, 8 * W)
+        cols = activation_cols(perm_ptr, offs_k, K, HAS_PERM, EVEN_K)
+        x = _x_tile(x_rows, r_rows, nw_ptr, rstd, cols, (offs_k < K)[None, :], K, dtype, PROLOGUE, HAS_RESIDUAL,
+                    EVEN_K)  # [BLOCK_M, 8 W]
+        part = tl.dot(wq, tl.trans(x), input_precision="ieee" if dtype == tl.float32 else "tf32")  # sum (OFFSET + q) x
+        xsum = tl.sum(x.to(tl.float32), 1)  # [BLOCK_M] sum of x over the segment's columns
+        g = (k0 + seg * 8 * W) // GROUP  # the segment's group (a scalar: 128 | GROUP)
+        if EVEN_K:
+            scale = tl.load(s_rows + g).to(tl.float32)  # [BLOCK_N, 1]
+        else:
+            scale = tl.load(s_rows + g, mask=g * GROUP < K, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            zero = tl.load(z_rows + g).to(tl.float32) + OFFSET
+        else:
+            zero = 8.0 + OFFSET
+        acc += scale * (part - zero * xsum[None, :])
+    return acc
+
+
 @triton.jit
 def k_slice(pid_k, K, k_split, SPLIT: tl.constexpr):
     """The K columns [lo, hi) of slice pid_k (the whole K range unless SPLIT)."""
@@ -250,7 +313,10 @@ def _quant_skinny_kernel(
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_lo, k_hi = k_slice(pid_k, K, k_split, SPLIT)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
-        if PLANES:
+        if PLANES and USE_DOT:
+            acc += magic_dot(q_rows, s_rows, z_rows, x_rows, r_rows, nw_ptr, rstd, perm_ptr, k0, K, dtype, PROLOGUE,
+                              HAS_RESIDUAL, GROUP, HAS_ZEROS, HAS_PERM, BLOCK_K, EVEN_K)
+        elif PLANES:
             acc2 += planes_fma(q_rows, s_rows, z_rows, m_rows, x_rows, r_rows, nw_ptr, rstd, perm_ptr, k0, K, dtype,
                                PROLOGUE, HAS_RESIDUAL, BITS, GROUP, HAS_ZEROS, HAS_MINS, HAS_PERM, SCALE_LATER,
                                BLOCK_K, EVEN_K)
@@ -360,13 +426,15 @@ def _launch(prologue: int, x: torch.Tensor, residual: torch.Tensor | None, norm_
         return out, res_out
     k_split, splits = k_slices(k, cfg.block_k, cfg.split_k if isinstance(cfg, QuantSkinnyConfig) else 1)
     y = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-    block_m = next_pow2(m) if cfg.use_dot else 1
+    planes = isinstance(cfg, QuantSkinnyConfig) and cfg.planes
+    block_m = (max(16, next_pow2(m)) if planes else next_pow2(m)) if cfg.use_dot else 1  # magic_dot: tensor cores
     stats_block = _stats_block(block_m, k, cfg) if prologue == _NORM else 16
     r_arg = residual if residual is not None else x
     ro_arg = res_out if res_out is not None else out
     q = w.qweight
-    planes = isinstance(cfg, QuantSkinnyConfig) and cfg.planes
-    if planes:
+    if planes and cfg.use_dot:
+        _check_magic_dot(w, cfg)
+    elif planes:
         per_word = 32 // w.bits
         if cfg.use_dot or w.group_size % per_word or k % per_word or cfg.block_k % per_word:
             raise ValueError(f"QuantSkinnyConfig(planes=True) is the FMA variant (use_dot=False) for weights whose "
@@ -393,6 +461,16 @@ def _launch(prologue: int, x: torch.Tensor, residual: torch.Tensor | None, norm_
     if splits > 1:
         split_k_sum(y, out)
     return out, res_out
+
+
+def _check_magic_dot(w: PackedWeight, cfg: SkinnyConfig) -> None:
+    """magic_dot's weights: INT4 in groups of a multiple of 128 with scales (and zeros) per group, K steps of whole
+    128-column segments."""
+    seg = 8 * _PLANE_DOT_WORDS
+    if w.bits != 4 or w.mins is not None or scale_later(w) or w.group_size % seg or cfg.block_k % seg:
+        raise ValueError(f"QuantSkinnyConfig(planes=True, use_dot=True) is the tensor-core variant for INT4 weights in "
+                         f"groups of a multiple of {seg} without mins, with block_k a multiple of {seg}; got "
+                         f"{w.bits} bits, groups of {w.group_size}, mins {w.mins is not None}, block_k {cfg.block_k}")
 
 
 def quant_skinny_matmul(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, *,

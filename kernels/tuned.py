@@ -49,14 +49,15 @@ class QuantSkinnyConfig(SkinnyConfig):
     the one-kernel path)."""
 
     split_k: int = 1
-    planes: bool = False  # the FMA variant's INT4 path by nibble planes (kernels/quant_gemv.py planes_fma)
+    # fields of the packed int32 words made floats by their bits, no int-to-float conversion (kernels/quant_gemv.py):
+    # with use_dot=False the M = 1 FMA variant by planes (planes_fma), with use_dot=True the tensor-core variant
+    # for INT4 in groups of a multiple of 128 (magic_dot)
+    planes: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.split_k < 1:
             raise ValueError(f"split_k must be >= 1, got {self.split_k}")
-        if self.planes and self.use_dot:
-            raise ValueError("planes=True is a path of the FMA variant (use_dot=False)")
 
 
 @dataclass(frozen=True)

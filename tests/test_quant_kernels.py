@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import re
 
 import torch
 
@@ -50,6 +51,7 @@ DTYPES = [torch.float32, torch.float16]
 DOT = SkinnyConfig(block_n=16, block_k=32, num_warps=4, num_stages=2)
 FMA = SkinnyConfig(block_n=8, block_k=32, num_warps=4, num_stages=2, use_dot=False)
 PLANES = QuantSkinnyConfig(block_n=8, block_k=32, num_warps=4, num_stages=2, use_dot=False, planes=True)
+MAGIC_DOT = QuantSkinnyConfig(block_n=16, block_k=128, num_warps=4, num_stages=2, planes=True)  # tensor cores
 TILE = GemmConfig(block_m=16, block_n=16, block_k=32, group_m=2)
 # (format name, bits, group size, zero points, act-order)
 FORMATS = [("int8", 8, None, False, False), ("int4-g32", 4, 32, False, False), ("int4-g64-zp", 4, 64, True, False),
@@ -244,11 +246,50 @@ BAD = ["qweight_dtype", "scales_shape", "zeros_dtype", "perm_shape", "group_not_
 
 
 def test_planes_is_an_fma_path_over_whole_words() -> None:
-    with pytest.raises(ValueError, match="FMA variant"):
-        QuantSkinnyConfig(8, 32, 4, 2, planes=True)  # use_dot=True
     w = packed_weight(FORMATS[0], N, 102, torch.float32)  # int8, K = 102: not whole words of four bytes
     with pytest.raises(ValueError, match="whole int32 words"):
         quant_skinny_matmul(_x((1, 102), torch.float32, 1), w, config=PLANES)
+
+
+def test_magic_dot_takes_int4_in_groups_of_128_only() -> None:
+    for fmt in (FORMATS[0], FORMATS[1], FORMATS[2]):  # int8, int4 g32, int4 g64
+        w = packed_weight(fmt, N, 256, torch.float32)
+        with pytest.raises(ValueError, match="tensor-core variant"):
+            quant_skinny_matmul(_x((2, 256), torch.float32, 1), w, config=MAGIC_DOT)
+    w = packed_weight(MAGIC_DOT_FORMATS[0], N, 256, torch.float32)
+    with pytest.raises(ValueError, match="block_k a multiple of 128"):
+        quant_skinny_matmul(_x((2, 256), torch.float32, 1), w, config=dataclasses.replace(MAGIC_DOT, block_k=64))
+
+
+# (format name, bits, group size, zero points, act-order) of magic_dot: INT4 in groups of 128 (GPTQ / AWQ)
+MAGIC_DOT_FORMATS = [("int4-g128", 4, 128, False, False), ("int4-g128-zp-perm", 4, 128, True, True),
+                     ("int4-g256-zp", 4, 256, True, False)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", MAGIC_DOT_FORMATS, ids=lambda f: f[0])
+@pytest.mark.parametrize(("m", "k", "block_k"), [(1, 512, 256), (5, 384, 256), (16, 256, 128)],
+                         ids=["m1", "m5-ragged-k", "m16"])
+def test_magic_dot_matches_the_reference(dtype: torch.dtype, fmt: Any, m: int, k: int, block_k: int) -> None:
+    """The tensor-core variant (magic_dot) through all three entry points (K = 384 with 256-column steps: a last step
+    of one segment and one past K)."""
+    cfg = dataclasses.replace(MAGIC_DOT, block_k=block_k)
+    w = packed_weight(fmt, N, k, dtype, seed=11)
+    x, bias = _x((m, k), dtype, 12), _x((N,), dtype, 13)
+    out = _poisoned(m, N, dtype)
+    quant_skinny_matmul(x, w, bias, out=out, config=cfg)
+    torch.testing.assert_close(out, quant_matmul_ref(x, w, bias), **_tol(dtype))
+    res, nw = _x((m, k), dtype, 14), (1.0 + 0.1 * _x((k,), torch.float32, 15)).to(dtype)
+    want_y, want_r = quant_add_rmsnorm_matmul_ref(x, res, nw, 1e-5, w)
+    y, r = quant_add_rmsnorm_matmul(x, res, nw, 1e-5, w, config=cfg)
+    torch.testing.assert_close(y, want_y, **_tol(dtype))
+    assert torch.equal(r, want_r)
+    gu = _x((m, 2 * k), dtype, 16)
+    torch.testing.assert_close(quant_silu_mul_matmul(gu, w, config=cfg), quant_silu_mul_matmul_ref(gu, w),
+                               **_tol(dtype))
+    split = dataclasses.replace(cfg, split_k=2)
+    torch.testing.assert_close(quant_skinny_matmul(x, w, bias, config=split), quant_matmul_ref(x, w, bias),
+                               **_tol(dtype))
 
 
 @pytest.mark.parametrize("case", BAD)
@@ -311,10 +352,17 @@ def _sm90_compile_all() -> None:
                       "BLOCK_M": m if use_dot else 1, "BLOCK_N": 16, "BLOCK_K": 256, "EVEN_K": True,
                       "STATS_BLOCK": 256, "EVEN_KS": True, "USE_DOT": use_dot, "DOT_PRECISION": "tf32",
                       "NUM_STAGES": 3, "PDL": False}
-            planes = (False,) if use_dot else (False, True)
+            magic = use_dot and bits == 4 and group % 128 == 0 and not mins  # magic_dot: BLOCK_M >= 16
+            planes = (False, True) if not use_dot or magic else (False,)
             for split, plane in itertools.product((False, True), planes):  # split-K: the slice loop is pipelined too
-                ttgir = build(qv._quant_skinny_kernel, {**consts, "SPLIT": split, "PLANES": plane},
+                block_m = max(16, m) if plane and use_dot else consts["BLOCK_M"]
+                ttgir = build(qv._quant_skinny_kernel, {**consts, "SPLIT": split, "PLANES": plane, "BLOCK_M": block_m},
                               ("K", "k_split", "stride_xm", "stride_ym"), 4, 3)
+                if plane and use_dot:  # tensor cores, and no int-to-float conversion of the weights
+                    assert "warp_group_dot" in ttgir or "tt.dot" in ttgir, f"{fmt} {prologue=}: no dot"
+                    # (rstd's K is a scalar, a zero point [BLOCK_N, 1] a segment: only weight tiles count)
+                    tiles = re.findall(r"arith\.[su]itofp [^\n]*: tensor<\d+x(\d+)x", ttgir)
+                    assert all(int(cols) == 1 for cols in tiles), f"{fmt} {prologue=}: converts weights ({tiles})"
                 assert "async_copy_global_to_local" in ttgir, f"{fmt} {prologue=} {m=} {split=} {plane=}: not pipelined"
         consts = {**fmt, "HAS_BIAS": True, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
                   "EVEN_K": True, "DOT_PRECISION": "tf32"}
@@ -333,3 +381,27 @@ def test_quant_kernels_compile_for_hopper(tmp_path: Any) -> None:
     proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+# ---- CUDA, bf16 (the interpreter's bf16 tl.dot is wrong: these run on the GPU only) ---------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", MAGIC_DOT_FORMATS[:2], ids=lambda f: f[0])
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_skinny_variants_in_bf16_on_the_gpu(fmt: Any, m: int) -> None:
+    """Every skinny variant of INT4 g128 at a Llama-sized K in bf16, the tensor-core magic_dot among them, against
+    the reference (norm-wise relative error: the variants round the weights differently, not the sums)."""
+    k, n = 4096, 512
+    w = packed_weight(fmt, n, k, torch.bfloat16, seed=21)
+    x = _x((m, k), torch.bfloat16, 22)
+    ref = quant_matmul_ref(x.float(), w).float()
+    configs = [DOT, None, dataclasses.replace(MAGIC_DOT, block_n=32, block_k=256),
+               dataclasses.replace(MAGIC_DOT, block_n=64, block_k=512, split_k=4)]
+    if m == 1:
+        configs += [FMA, QuantSkinnyConfig(32, 1024, 4, 3, use_dot=False, planes=True)]
+    for config in configs:
+        out = quant_skinny_matmul(x, w, config=config).float()
+        err = float((out - ref).norm() / ref.norm())
+        assert err < 1e-2, f"{config}: relative error {err:.2e}"

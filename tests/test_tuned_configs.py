@@ -266,7 +266,7 @@ def test_full_grid_is_bounded_and_holds_the_bf16_kernels_choice() -> None:
     n, k = w.shape
     bf16 = default_config(8, n, k, 2, num_sms(DEV))
     assert any((c.block_n, c.block_k, c.use_dot) == (bf16.block_n, bf16.block_k, bf16.use_dot) for c in stage0)
-    assert len(stage0) <= 9 and len(gpu_quant._pipelines(stage0[0])) == 9 and len(gpu_quant._splits(stage0[0])) == 3
+    assert len(stage0) <= 15 and len(gpu_quant._pipelines(stage0[0])) == 9 and len(gpu_quant._splits(stage0[0])) == 3
     assert len(gpu_quant._tiles("tiled", 64)) == len(gpu_quant._tiles("tiled", 512)) == 6
     one = gpu_quant._Cell("skinny", "int4-g128-sym", "o", 4096, 4096, 1, (x[:1],), [w], x[:1],
                           gpu_quant._default("skinny", 1, w))
@@ -274,9 +274,13 @@ def test_full_grid_is_bounded_and_holds_the_bf16_kernels_choice() -> None:
     cell8 = gpu_quant._Cell("skinny", "int8-ch-sym", "o", 4096, 4096, 1, (x[:1],), [int8], x[:1],
                             gpu_quant._default("skinny", 1, int8))
     for c, per_word in ((one, 8), (cell8, 4)):  # M = 1: the plane tiles as well, 2048-8192 words each
-        planes = [p for p in gpu_quant._stage_candidates(c, 0, tiny=False) if getattr(p, "planes", False)]
+        planes = [p for p in gpu_quant._stage_candidates(c, 0, tiny=False) if getattr(p, "planes", False)
+                  and not p.use_dot]
         assert len(planes) == 6 and all(2048 <= p.block_n * p.block_k // per_word <= 8192 for p in planes)
-    assert not any(getattr(p, "planes", False) for p in stage0)  # M = 8
+    magic = [p for p in stage0 if getattr(p, "planes", False)]  # M = 8: INT4 g128's tensor-core variant only
+    assert len(magic) == 6 and all(p.use_dot and p.block_k % 128 == 0 for p in magic)
+    assert not any(getattr(p, "planes", False) for p in gpu_quant._stage_candidates(cell8, 0, tiny=False)
+                   if p.use_dot)  # int8: no magic_dot
 
 
 @pytest.mark.slow

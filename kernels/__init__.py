@@ -10,9 +10,11 @@ for `import tokenmill.kernels.rmsnorm as m`):
     tokenmill.kernels.rmsnorm           rmsnorm, add_rmsnorm (+ _ref)
     tokenmill.kernels.activation        silu_and_mul, silu_and_mul_ref
     tokenmill.kernels.gemv              skinny_matmul, add_rmsnorm_matmul, silu_mul_matmul (+ _ref), SkinnyConfig
-    tokenmill.kernels.quant_weight      PackedWeight (INT8 / INT4 layout), pack_int4, quant_matmul_ref (plain torch)
+    tokenmill.kernels.quant_weight      PackedWeight (INT8 / INT4 layout), pack_int4, quant_matmul_ref,
+                                        quantize_fp8_rows, fp8_matmul_ref (plain torch)
     tokenmill.kernels.quant_gemv        quant_skinny_matmul, quant_add_rmsnorm_matmul, quant_silu_mul_matmul (+ _ref)
     tokenmill.kernels.quant_gemm        quant_matmul (tiled, any M), GemmConfig
+    tokenmill.kernels.fp8_gemv          fp8_skinny_matmul, fp8_add_rmsnorm_matmul, fp8_silu_mul_matmul (+ _ref)
     tokenmill.kernels.tuned             QuantSkinnyConfig, GemmConfig, the per-device tuned tables (configs/*.json)
 
     tokenmill.kernels.config            KernelConfig, configure (process-wide settings, e.g. PDL)

@@ -184,3 +184,28 @@ def quant_matmul_ref(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None
 def scale_later(w: PackedWeight) -> bool:
     """Per-channel symmetric weights (one scale per row): the kernels sum q * x and scale the sums once."""
     return w.zeros is None and w.mins is None and w.num_groups == 1
+
+
+# ---- FP8 W8A8 (e4m3): the quantization and the emulated product (worker/quant/fp8.py, kernels/fp8_gemv.py) ------
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+_FP8_MIN_SCALE = 1e-12  # an all-zero row or token keeps a finite scale
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (q e4m3 [R, C], scales float32 [R, 1]) with x ~ q * scale, scale = max|x_row| / 448."""
+    x32 = x.float()
+    scales = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(_FP8_MIN_SCALE)
+    return (x32 / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
+
+
+def fp8_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """The emulated W8A8 product: x [M, K] quantized per token, both operands dequantized to fp32, F.linear,
+    one rounding to x's dtype (scales [N, 1] per output channel)."""
+    qx, sx = quantize_fp8_rows(x)
+    y = F.linear(qx.float() * sx, qweight.float() * scales.reshape(-1, 1))
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

@@ -1,7 +1,8 @@
 """FP8 W8A8 (e4m3): weights per output channel (w ~ q * s_w), activations quantized per token at run time
-(x ~ q_x * s_x, s_x = max|x_row| / 448), one torch._scaled_mm per matmul on a GPU with FP8 tensor cores
-(CUDA compute capability >= 8.9: Ada, Hopper and later). Canonical tensors: qweight float8_e4m3fn [out, in],
-scales float32 [out, 1].
+(x ~ q_x * s_x, s_x = max|x_row| / 448), on a GPU with FP8 tensor cores (CUDA compute capability >= 8.9:
+Ada, Hopper and later): one torch._scaled_mm per matmul, or for up to 16 tokens one Triton kernel that also
+quantizes the activations and fuses the RMSNorm / SwiGLU before it (kernels/fp8_gemv.py). Canonical tensors:
+qweight float8_e4m3fn [out, in], scales float32 [out, 1].
 
 Elsewhere the method refuses to build, with one exception: `emulate=True` (accuracy studies and tests on the
 CPU) computes the same quantization in plain torch, x and W rounded to e4m3 and multiplied in fp32. The engine
@@ -13,15 +14,12 @@ from __future__ import annotations
 from typing import ClassVar, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels.quant_weight import FP8, fp8_matmul_ref, quantize_fp8_rows
 from tokenmill.worker.quant.base import LinearMethod
-from tokenmill.worker.quant.packed import frozen, layer_bias, register_bias
+from tokenmill.worker.quant.packed import SKINNY_MAX_ROWS, frozen, layer_bias, register_bias
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)  # 448
-_MIN_SCALE = 1e-12  # an all-zero row or token keeps a finite scale
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
@@ -53,24 +51,6 @@ def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device) -> None:
         require_fp8(device, "--kv-cache-dtype fp8", "Use --kv-cache-dtype auto (the model dtype)")
 
 
-def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C] -> (q e4m3 [R, C], scales float32 [R, 1]) with x ~ q * scale, scale = max|x_row| / 448."""
-    x32 = x.float()
-    scales = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(_MIN_SCALE)
-    return (x32 / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
-
-
-def fp8_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                   bias: torch.Tensor | None) -> torch.Tensor:
-    """The emulated W8A8 product: x [M, K] quantized per token, both operands dequantized to fp32, F.linear,
-    one rounding to x's dtype."""
-    qx, sx = quantize_fp8_rows(x)
-    y = F.linear(qx.float() * sx, qweight.float() * scales)
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
-
-
 class Fp8LinearMethod(LinearMethod):
     name: ClassVar[str] = "fp8"
 
@@ -100,9 +80,36 @@ class Fp8LinearMethod(LinearMethod):
         x2 = x.reshape(-1, x.shape[-1])
         if self.emulate:
             y = fp8_matmul_ref(x2, q, scales, layer_bias(layer))
+        elif x2.shape[0] <= SKINNY_MAX_ROWS:  # one fused kernel instead of ~9 (kernels/fp8_gemv.py)
+            from tokenmill.kernels.fp8_gemv import fp8_skinny_matmul
+
+            y = fp8_skinny_matmul(x2.contiguous(), q, scales, layer_bias(layer))
         else:
             y = self._scaled_mm(x2, q, scales, layer_bias(layer))
         return y.reshape(*x.shape[:-1], q.shape[0])
+
+    # fused few-token decode (kernels/fp8_gemv.py); the emulation has none
+    def apply_skinny(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        return None if self.emulate else self.apply(layer, x)
+
+    def apply_add_rmsnorm(
+        self, layer: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.emulate:
+            return None
+        from tokenmill.kernels.fp8_gemv import fp8_add_rmsnorm_matmul
+
+        return fp8_add_rmsnorm_matmul(h, residual, norm_weight, eps, cast(torch.Tensor, layer.qweight),
+                                      cast(torch.Tensor, layer.scales), layer_bias(layer))
+
+    def apply_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
+        if self.emulate:
+            return None
+        from tokenmill.kernels.fp8_gemv import fp8_silu_mul_matmul
+
+        return fp8_silu_mul_matmul(gate_up, cast(torch.Tensor, layer.qweight), cast(torch.Tensor, layer.scales),
+                                   layer_bias(layer))
 
     @staticmethod
     def _scaled_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,

@@ -46,11 +46,12 @@ for r in rows: print({k: v for k, v in r.items() if k != 'sweep'})
              timeout ${DISAGG_TIMEOUT:-240} python3 -m tokenmill.benchmarks.disagg_bench\
                --out "$R/disagg" > "$R/disagg.log" 2>&1; echo "disagg exit $?"; tail -25 "$R/disagg.log" ;;
     anatomy) # the suite's prefix section alone: prefix-caching TTFT and the single-step host launch (issue 15)
-             SUITE_DIR=anatomy SUITE_BUDGET_S=${ANATOMY_BUDGET:-110} SUITE_ARGS="--sections engine,prefix" OUT="$R" \
+             SUITE_DIR=anatomy SUITE_BUDGET_S=${ANATOMY_BUDGET:-110} SUITE_ARGS="--sections engine,prefix ${SUITE_EXTRA:-}" OUT="$R" \
                bash benchmarks/gpu_suite.sh > "$R/anatomy.log" 2>&1
              grep -E "^\| (decode-only|new request)|TTFT p50 / p90 \(ms\), prefix" "$R/anatomy/suite.md" | cut -c1-220 ;;
-    suite)   # suite sections SUITE_SECTIONS (default: ShareGPT offline, prefix caching + step anatomy, serving) in SUITE_BUDGET
-             SUITE_DIR=suite SUITE_BUDGET_S=${SUITE_BUDGET:-330} SUITE_ARGS="--sections ${SUITE_SECTIONS:-engine,sharegpt,prefix,serving}" \
+    suite)   # suite sections SUITE_SECTIONS (default: ShareGPT offline, prefix caching + step anatomy, serving) in SUITE_BUDGET;
+             # SUITE_EXTRA: more suite arguments (e.g. --whole-step-graphs)
+             SUITE_DIR=suite SUITE_BUDGET_S=${SUITE_BUDGET:-330} SUITE_ARGS="--sections ${SUITE_SECTIONS:-engine,sharegpt,prefix,serving} ${SUITE_EXTRA:-}" \
                OUT="$R" bash benchmarks/gpu_suite.sh > "$R/suite.log" 2>&1
              grep -E "^\| (decode-only|new request)|TTFT p50 / p90 \(ms\), prefix|ShareGPT|compiled after start-up|^\| [0-9.]+ \| [0-9]+/" \
                "$R/suite/suite.md" | cut -c1-200 ;;

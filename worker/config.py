@@ -173,8 +173,9 @@ class EngineConfig:
     # with cuda_graphs: steps with prompt tokens (up to max_num_batched_tokens) replay piecewise graphs, attention
     # launched between the pieces (CUDA, Triton backend)
     piecewise_graphs: bool = True
-    # with piecewise_graphs: steps of up to 2,048 tokens whose attention takes one key split replay a whole-step
-    # graph (attention inside, one replay; worker/cuda_graphs.py WholeStepGraphs); the others replay the pieces
+    # with piecewise_graphs: steps of up to 2,048 tokens whose attention launch was captured (tile choice and a
+    # power-of-two key split count) replay a whole-step graph, attention inside (worker/cuda_graphs.py
+    # WholeStepGraphs); the others replay the pieces
     whole_step_graphs: bool = False
     # Schedule step N+1 while step N runs on the device (one step in flight). None: on for CUDA only.
     async_scheduling: bool | None = None

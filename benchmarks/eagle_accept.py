@@ -102,7 +102,8 @@ def measure_sequence(runner: ModelRunner, head: EagleHead, backend: ChainBackend
     n = len(seq) - 1  # head rows t = 0..L-2
     backend.prefix()
     meta = attention_metadata([n], [n], [[0]], [-1] * n, runner.device)
-    rows = head(embed(ids[1:]), head.fuse(feats[:-1]), torch.arange(n, device=runner.device), _EMPTY, meta)
+    empty = (torch.empty(0), torch.empty(0))  # no KV cache: ChainBackend keeps the head's keys and values
+    rows = head(embed(ids[1:]), head.fuse(feats[:-1]), torch.arange(n, device=runner.device), empty, meta)
     first = logits(rows).argmax(-1)  # [n] row t: the draft of x_{t+2}
     hit = first == greedy[1:]  # [n] row t right
     reply_rows = torch.arange(max(start - 2, 0), n, device=runner.device)  # rows t with t + 2 in the reply
@@ -119,7 +120,7 @@ def measure_sequence(runner: ModelRunner, head: EagleHead, backend: ChainBackend
             right += alive
             if j == k_max or not bool(alive.any()):
                 break
-            hidden = head(embed(tokens), hidden, starts + j - 1, _EMPTY, meta)
+            hidden = head(embed(tokens), hidden, starts + j - 1, empty, meta)
             tokens = logits(hidden).argmax(-1)
     early = starts < start + window
     return {"length": len(seq), "reply_start": start,
@@ -137,7 +138,6 @@ def _accepted_counts(right: Tensor, k_max: int) -> list[int]:
     return [int((right >= j).sum()) for j in range(k_max + 1)]
 
 
-_EMPTY = (torch.empty(0), torch.empty(0))
 
 
 def summarize(per_seq: list[dict[str, Any]], k_max: int) -> dict[str, Any]:
@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--draft-model", action="append", default=None,
                     help="head folder (repeatable; default: the head shipped for the embedded model)")
     ap.add_argument("--model", default="embedded")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--k", type=int, default=MAX_K, help="longest chain measured")
     ap.add_argument("--stride", type=int, default=1, help="draft at every stride-th reply position")
     ap.add_argument("--window", type=int, default=64, help="the early_ figures: the first N reply tokens only")
@@ -202,7 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     seqs = read_sequences(args.data)[-args.heldout :][: args.sequences]
-    engine = LLMEngine(EngineConfig(model=args.model, dtype="float32", device="cpu", max_model_len=1024,
+    engine = LLMEngine(EngineConfig(model=args.model, dtype="float32", device=args.device, max_model_len=1024,
+                                    cuda_graphs=False,
                                     cache=CacheConfig(num_blocks=1024 // 16 + 1)))
     marker = assistant_marker(engine.tokenizer)
     heads = [Path(p) for p in args.draft_model] if args.draft_model else [head_folder(None, args.model)]

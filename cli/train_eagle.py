@@ -64,7 +64,9 @@ def register(sub: Any) -> None:
     p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of the saved head")
     p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--time-limit-s", type=float, default=None, help="stop training after this long (the head is kept)")
+    p.add_argument("--time-limit-s", type=float, default=None,
+                   help="stop training once its steps have run this long (the head is kept; the feature caching "
+                        "before them not counted)")
     p.add_argument("--batch-sequences", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--cls-weight", type=float, default=0.1, help="weight of the token cross-entropy")

@@ -63,7 +63,7 @@ class EagleTrainConfig:
     grad_clip: float = 0.5
     seed: int = 0
     log_every: int = 50
-    time_limit_s: float | None = None  # stop early (and keep the head) once training has run this long
+    time_limit_s: float | None = None  # stop early (and keep the head) once the steps have run this long
     cache_features: bool = True  # the target's features computed once before training (else at every step)
     unroll: int = 1  # draft steps trained per row (1: the first draft only; > 1: the training-time test)
     lr_schedule: str = "constant"  # or "cosine": linear warm-up, then cosine decay to 0 over steps or the time limit
@@ -419,6 +419,7 @@ def train(runner: ModelRunner, train_seqs: Sequence[Sequence[int]], heldout: Seq
     cached = all_features(runner, train_seqs, layers) if config.cache_features else None
     if cached is not None:
         log.info("target features of %d sequences cached in %.1f s", len(cached), time.perf_counter() - start)
+    steps_start = time.perf_counter()  # the time limit and the schedule count from here
     for step in range(1, config.steps + 1):
         picks = rng.sample(range(len(train_seqs)), min(config.batch_sequences, len(train_seqs)))
         rows = head_rows(runner, [train_seqs[i] for i in picks], config.noise, gen,
@@ -426,7 +427,7 @@ def train(runner: ModelRunner, train_seqs: Sequence[Sequence[int]], heldout: Seq
                          loss_starts=None if loss_starts is None else [loss_starts[i] for i in picks],
                          depth=config.unroll)
         loss, reg, cls = head_loss(runner, head, rows, config.cls_weight)
-        lr = learning_rate(config, step, time.perf_counter() - start)
+        lr = learning_rate(config, step, time.perf_counter() - steps_start)
         for group in opt.param_groups:
             group["lr"] = lr
         opt.zero_grad()
@@ -436,7 +437,7 @@ def train(runner: ModelRunner, train_seqs: Sequence[Sequence[int]], heldout: Seq
         history.append({"step": step, "loss": loss.item(), "regression": reg.item(), "token_ce": cls.item(), "lr": lr})
         if progress is not None and (step % config.log_every == 0 or step == config.steps):
             progress(history[-1])
-        if config.time_limit_s is not None and time.perf_counter() - start > config.time_limit_s:
+        if config.time_limit_s is not None and time.perf_counter() - steps_start > config.time_limit_s:
             log.info("time limit reached after %d of %d steps", step, config.steps)
             break
     after = evaluate(runner, head, heldout, config.cls_weight, heldout_loss_starts, config.eval_depth)

@@ -11,12 +11,12 @@ import random
 from pathlib import Path
 
 import pytest
+import test_eagle
 import torch
-from tiny_hf import save_tiny_model
 
 from tokenmill.cli.main import main
 from tokenmill.protocol import SamplingParams
-from tokenmill.worker.config import CacheConfig, EngineConfig, SpeculativeConfig
+from tokenmill.worker.config import EngineConfig, SpeculativeConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.model_runner import attention_metadata
 from tokenmill.worker.spec.eagle import CONFIG_FILE, DenseCausalBackend, EagleHead, load_eagle_head
@@ -33,12 +33,7 @@ from tokenmill.worker.spec.eagle_train import (
 )
 
 EMPTY = (torch.empty(0), torch.empty(0))
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> LLMEngine:
-    path = save_tiny_model("llama", tmp_path_factory.mktemp("tiny"))
-    return LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", cache=CacheConfig(num_blocks=64)))
+engine = test_eagle.engine  # the fixture: the tiny target
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +129,7 @@ def test_an_unrolled_head_on_reply_rows_drafts_its_sequences_through_the_engine(
     outs = spec.generate([s[:6] for s in seqs], params)
     assert [s[:6] + o.token_ids for s, o in zip(seqs, outs)] == seqs
     assert spec.counters.accepted_draft_tokens >= 0.9 * spec.counters.draft_tokens > 0
-    again, summary2 = train(engine.runner, seqs, seqs, EagleTrainConfig(steps=1, lr=1e-9), loss_starts=starts,
+    _, summary2 = train(engine.runner, seqs, seqs, EagleTrainConfig(steps=1, lr=1e-9), loss_starts=starts,
                             heldout_loss_starts=starts, init_from=tmp_path / "head")
     assert summary2["heldout_agreement_before"] == pytest.approx(summary["heldout_agreement_after"])
     assert summary2["heldout_tau_before"] == pytest.approx(summary["heldout_tau_after"])

@@ -153,3 +153,15 @@ def test_train_eagle_reply_rows_unrolled_command(engine: LLMEngine, sequences: l
     data.write_text("".join(json.dumps({"token_ids": s}) + "\n" for s in sequences[:6]))  # no reply marker
     assert main([*argv[:6], str(tmp_path / "h2"), *argv[7:]]) == 2
     assert "--loss-rows reply" in capsys.readouterr().err
+
+
+def test_heldout_prompts_skip_the_pairs_of_the_head_trained_on(tmp_path: Path) -> None:
+    """spec_gpu / spec_cpu prompts start after every ShareGPT pair the head saw, its init head's included."""
+    from tokenmill.benchmarks.spec_gpu import heldout_offset
+
+    first = {"command": "tokenmill train-eagle --num-sequences 8000 --heldout 200"}
+    on = {"command": "tokenmill train-eagle --num-sequences 1020 --init-head h", "init_head_training": first}
+    for training, want in ((on, 8000), ({"command": "tokenmill train-eagle --num-sequences 1020"}, 2000),
+                           ({"command": "tokenmill train-eagle --num-sequences 3000"}, 3000)):
+        (tmp_path / CONFIG_FILE).write_text(json.dumps({"training": training}))
+        assert heldout_offset(tmp_path) == want

@@ -123,6 +123,8 @@ def measure_sequence(runner: ModelRunner, head: EagleHead, backend: ChainBackend
             hidden = head(embed(tokens), hidden, starts + j - 1, empty, meta)
             tokens = logits(hidden).argmax(-1)
     early = starts < start + window
+    walk = {str(k): _walk(right.tolist(), int(starts[0]) if len(starts) else 0, start, k, window)
+            for k in range(1, k_max + 1)} if stride == 1 else {}
     return {"length": len(seq), "reply_start": start,
             "tf_all_rows": n, "tf_all_hits": int(hit.sum()),
             "tf_reply_rows": len(reply_rows), "tf_reply_hits": int(hit[reply_rows].sum()),
@@ -130,7 +132,20 @@ def measure_sequence(runner: ModelRunner, head: EagleHead, backend: ChainBackend
             "data_tokens": len(seq) - start - 1,
             "data_equals_greedy": int((ids[start + 1 :] == greedy[start:-1]).sum()),
             "chains": len(starts), "chain_accepted": _accepted_counts(right, k_max),
-            "early_chains": int(early.sum()), "early_chain_accepted": _accepted_counts(right[early], k_max)}
+            "early_chains": int(early.sum()), "early_chain_accepted": _accepted_counts(right[early], k_max),
+            "walk": walk}
+
+
+def _walk(right: list[int], first: int, start: int, k: int, window: int) -> list[int]:
+    """[verify steps, tokens they gave] of the engine's walk over the first `window` reply tokens with k drafts
+    per step: the prefill gives x_start, then at each m (chains from `first`: right[m - first] leading drafts
+    right) a step accepts a = min(right, k) drafts and the bonus token, and the next step is at m + a + 1."""
+    steps = tokens = 0
+    m = start
+    while m - start + 1 < window and 0 <= m - first < len(right):
+        a = min(right[m - first], k, window - (m - start + 1) - 1)
+        steps, tokens, m = steps + 1, tokens + a + 1, m + a + 1
+    return [steps, tokens]
 
 
 def _accepted_counts(right: Tensor, k_max: int) -> list[int]:
@@ -155,7 +170,11 @@ def summarize(per_seq: list[dict[str, Any]], k_max: int) -> dict[str, Any]:
                 prefix + "chain_draft_accept_given_previous": {str(j): acc[j] / acc[j - 1] if acc[j - 1] else 0.0
                                                                for j in range(1, k_max + 1)}}
 
+    walks = {k: [sum(r["walk"][k][i] for r in per_seq) for i in (0, 1)] for k in per_seq[0]["walk"]} if per_seq else {}
     return {"sequences": len(per_seq),
+            # tokens per verify step of the engine's own walk over each reply's first `window` tokens (spec_cpu.py's
+            # tokens / step when the replies are the target's greedy ones)
+            "walk_tau": {k: t / n if n else 0.0 for k, (n, t) in walks.items()},
             "teacher_forced_all_rows_agreement": ratio("tf_all_hits", "tf_all_rows"),
             "teacher_forced_reply_agreement": ratio("tf_reply_hits", "tf_reply_rows"),
             "early_teacher_forced_reply_agreement": ratio("early_tf_reply_hits", "early_tf_reply_rows"),

@@ -145,9 +145,18 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
                 **{k: getattr(config, k) for k in ("steps", "batch_sequences", "lr", "cls_weight", "noise", "seed",
                                                    "unroll", "lr_schedule", "warmup_steps", "eval_depth")},
                 "summary": summary}
+    if args.init_head is not None:  # the training the head started from (spec_gpu.heldout_offset reads it)
+        training["init_head_training"] = _head_training(args.init_head)
     head.to(getattr(torch, args.save_dtype)).save(args.out, target, training)
     print(json.dumps(summary))
     return 0
+
+
+def _head_training(folder: Path) -> Any:
+    """The "training" section of a saved head's config (None if it has none)."""
+    from tokenmill.worker.spec.eagle import CONFIG_FILE
+
+    return json.loads((folder / CONFIG_FILE).read_text()).get("training")
 
 
 def _fusion_layers(value: str | None, num_layers: int) -> tuple[int, int, int] | None:

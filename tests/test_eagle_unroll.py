@@ -150,6 +150,10 @@ def test_train_eagle_reply_rows_unrolled_command(engine: LLMEngine, sequences: l
     training = json.loads((out / CONFIG_FILE).read_text())["training"]
     assert training["unroll"] == 2 and training["loss_rows"] == "reply" and training["lr_schedule"] == "cosine"
     load_eagle_head(out, engine.runner.arch, DenseCausalBackend(), dtype=torch.float32, device=torch.device("cpu"))
+    assert main([*argv[:6], str(tmp_path / "on"), *argv[7:], "--init-head", str(out)]) == 0  # trained on
+    on = json.loads((tmp_path / "on" / CONFIG_FILE).read_text())["training"]
+    assert on["init_head"] == str(out) and on["init_head_training"] == training
+    capsys.readouterr()
     data.write_text("".join(json.dumps({"token_ids": s}) + "\n" for s in sequences[:6]))  # no reply marker
     assert main([*argv[:6], str(tmp_path / "h2"), *argv[7:]]) == 2
     assert "--loss-rows reply" in capsys.readouterr().err

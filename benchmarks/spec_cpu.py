@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--draft-model", default=None, help="eagle: head folder (default: the one shipped)")
     ap.add_argument("--tree-width", type=int, nargs="+", default=[1],
                     help="eagle: tree widths, one engine each (1: chain drafts)")
+    ap.add_argument("--prompt-offset", type=int, default=None,
+                    help="eagle: first ShareGPT pair of its prompts (default: after the head's training pairs)")
     ap.add_argument("--name", default="spec_cpu", help="result file name (<name>.json / .md in --out)")
     args = ap.parse_args(argv)
     if args.threads:
@@ -182,7 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     if head is not None:
         for width in args.tree_width:
             engine = spec_engine(SpeculativeConfig(method="eagle", draft_model=str(head), tree_width=width))
-            chats = heldout_prompts(engine, heldout_offset(head), args.requests, args.max_prompt)
+            offset = heldout_offset(head) if args.prompt_offset is None else args.prompt_offset
+            chats = heldout_prompts(engine, offset, args.requests, args.max_prompt)
             tail = "" if width == 1 else f"_w{width}"
             results |= {f"eagle_chat_k{k}{tail}": {**run_workload(engine, chats, k, args.max_tokens),
                                                     "tree_width": width} for k in args.k}

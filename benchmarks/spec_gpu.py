@@ -48,17 +48,22 @@ TRAIN_EAGLE_DEFAULT_SEQUENCES = 2000  # cli/train_eagle.py --num-sequences
 
 
 def heldout_offset(head_dir: Path) -> int:
-    """Index of the first ShareGPT pair the head was not trained on: the --num-sequences of the train-eagle
-    command in its config (train-eagle reads the file's pairs in order), never below train-eagle's default."""
+    """Index of the first ShareGPT pair the head was not trained on: the largest --num-sequences of the train-eagle
+    commands in its config (train-eagle reads the file's pairs in order; a head trained on from another one keeps
+    that one's training as "init_head_training"), never below train-eagle's default."""
+    commands = []
     try:
-        command = json.loads((head_dir / CONFIG_FILE).read_text()).get("training", {}).get("command", "")
-        argv = shlex.split(command)
+        training = json.loads((head_dir / CONFIG_FILE).read_text()).get("training", {})
+        while isinstance(training, dict):
+            commands.append(str(training.get("command", "")))
+            training = training.get("init_head_training")
+        argv = [a for c in commands for a in shlex.split(c)]
     except (OSError, ValueError, AttributeError):
         argv = []
     used = TRAIN_EAGLE_DEFAULT_SEQUENCES
     for flag, value in itertools.pairwise(argv):
         if flag == "--num-sequences" and re.fullmatch(r"\d+", value):
-            used = int(value)
+            used = max(used, int(value))
     return max(used, TRAIN_EAGLE_DEFAULT_SEQUENCES)
 
 

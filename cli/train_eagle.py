@@ -10,6 +10,12 @@ the target's own greedy reply to the same prompt (up to --max-len tokens in all)
 distribution it will draft for. The last --heldout sequences are held out (none of them is trained on). The
 head, its config and the training summary go to --out (model.safetensors, eagle_config.json).
 
+--unroll U trains the draft steps past the first as the engine runs them (the training-time test: step j reads the
+head's own prediction of step j-1; without it the head only ever sees the target's real features, and its second
+and later drafts are rarely right). --loss-rows reply keeps the loss on the rows after the chat template's
+reply marker (the rows the engine drafts on); the held-out figures are then on reply rows too, and include the
+chain acceptance tau at --eval-depth drafts. --init-head DIR goes on training a saved head.
+
 --fusion-layers auto|L,M,H trains an EAGLE-3-style head instead: its input fuses the target's residual streams
 after decoder layers L, M and H (0-based; auto: 2, n // 2, n - 3 of an n-layer target), trained on token
 cross-entropy alone. Serve it with --no-cuda-graphs."""
@@ -47,10 +53,20 @@ def register(sub: Any) -> None:
     p.add_argument("--fusion-layers", default=None,
                    help="EAGLE-3 fusion of three target layers: 'auto' (2, n // 2, n - 3) or L,M,H (0-based); "
                         "default: none (EAGLE-1)")
+    p.add_argument("--unroll", type=int, default=1, help="draft steps trained per row (the training-time test)")
+    p.add_argument("--loss-rows", default="all", choices=["all", "reply"],
+                   help="the rows in the loss: all, or those after the chat template's reply marker")
+    p.add_argument("--eval-depth", type=int, default=4, help="drafts per chain of the held-out tau")
+    p.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"],
+                   help="cosine: linear warm-up, then a cosine decay to 0 over --steps or --time-limit-s")
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--init-head", type=Path, default=None, help="go on training this saved head (its folder)")
     p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of the saved head")
     p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--time-limit-s", type=float, default=None, help="stop training after this long (the head is kept)")
+    p.add_argument("--time-limit-s", type=float, default=None,
+                   help="stop training once its steps have run this long (the head is kept; the feature caching "
+                        "before them not counted)")
     p.add_argument("--batch-sequences", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--cls-weight", type=float, default=0.1, help="weight of the token cross-entropy")
@@ -74,7 +90,9 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
     try:
         config = EagleTrainConfig(steps=args.steps, batch_sequences=args.batch_sequences, lr=args.lr,
                                   cls_weight=args.cls_weight, noise=args.noise, seed=args.seed,
-                                  time_limit_s=args.time_limit_s, cache_features=not args.online_features)
+                                  time_limit_s=args.time_limit_s, cache_features=not args.online_features,
+                                  unroll=args.unroll, lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
+                                  eval_depth=args.eval_depth)
         if args.max_len < 2 or args.heldout < 1 or args.num_sequences <= args.heldout:
             raise ValueError("need --max-len >= 2, --heldout >= 1 and --num-sequences > --heldout")
         if args.replies == "self" and not _is_sharegpt(args.data):
@@ -106,18 +124,39 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"tokenmill: error: --fusion-layers: {e}", file=sys.stderr)
         return 2
+    starts: tuple[list[int] | None, list[int] | None] = (None, None)
+    if args.loss_rows == "reply":
+        try:
+            train_seqs, train_starts = _with_replies(engine.tokenizer, train_seqs)
+            heldout, heldout_starts = _with_replies(engine.tokenizer, heldout)
+        except ValueError as e:
+            print(f"tokenmill: error: --loss-rows reply: {e}", file=sys.stderr)
+            return 2
+        starts = train_starts, heldout_starts
     head, summary = train(engine.runner, train_seqs, heldout, config,
-                          progress=lambda h: print(json.dumps(h), file=sys.stderr, flush=True), fusion_layers=fusion)
+                          progress=lambda h: print(json.dumps(h), file=sys.stderr, flush=True), fusion_layers=fusion,
+                          loss_starts=starts[0], heldout_loss_starts=starts[1], init_from=args.init_head)
     arch = engine.runner.arch
     target = {"model": engine.model_name, "arch": arch.arch, "vocab_size": arch.vocab_size,
               "hidden_size": arch.hidden_size, "num_layers": arch.num_layers}
     training = {"command": " ".join(["tokenmill", *sys.argv[1:]]), "data": args.data, "replies": args.replies,
                 "max_len": args.max_len, "fusion_layers": None if fusion is None else list(fusion),
-                **{k: getattr(config, k) for k in ("steps", "batch_sequences", "lr", "cls_weight", "noise", "seed")},
+                "loss_rows": args.loss_rows, "init_head": None if args.init_head is None else str(args.init_head),
+                **{k: getattr(config, k) for k in ("steps", "batch_sequences", "lr", "cls_weight", "noise", "seed",
+                                                   "unroll", "lr_schedule", "warmup_steps", "eval_depth")},
                 "summary": summary}
+    if args.init_head is not None:  # the training the head started from (spec_gpu.heldout_offset reads it)
+        training["init_head_training"] = _head_training(args.init_head)
     head.to(getattr(torch, args.save_dtype)).save(args.out, target, training)
     print(json.dumps(summary))
     return 0
+
+
+def _head_training(folder: Path) -> Any:
+    """The "training" section of a saved head's config (None if it has none)."""
+    from tokenmill.worker.spec.eagle import CONFIG_FILE
+
+    return json.loads((folder / CONFIG_FILE).read_text()).get("training")
 
 
 def _fusion_layers(value: str | None, num_layers: int) -> tuple[int, int, int] | None:
@@ -133,6 +172,18 @@ def _fusion_layers(value: str | None, num_layers: int) -> tuple[int, int, int] |
     except ValueError:
         raise ValueError(f"want 'auto' or three comma-separated layer indices, got {value!r}") from None
     return check_fusion_layers(layers, num_layers)
+
+
+def _with_replies(tokenizer: Any, seqs: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """The sequences holding the chat template's reply marker and their replies' first indices (ValueError if
+    none does)."""
+    from tokenmill.worker.spec.eagle_train import assistant_marker, reply_start
+
+    marker = assistant_marker(tokenizer)
+    kept = [(s, i) for s in seqs if (i := reply_start(s, marker)) is not None and i < len(s)]
+    if not kept:
+        raise ValueError(f"none of {len(seqs)} sequences holds the chat template's reply marker {marker}")
+    return [s for s, _ in kept], [i for _, i in kept]
 
 
 def _training_engine(args: argparse.Namespace) -> Any:

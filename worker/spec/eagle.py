@@ -9,7 +9,8 @@ target's (not stored in the head); the head's checkpoint is its fc and its layer
 config naming the target shape it was trained for, which `load_eagle_head` checks.
 
 The layer has the target's shape (ModelArch with one layer, no sliding window) and runs through any
-attention backend; `DenseCausalBackend` is the cache-free one training uses. The head is trained by
+attention backend; `DenseCausalBackend` is the cache-free one training uses (eagle_train's UnrolledDenseBackend
+extends it to the draft steps past the first). The head is trained by
 worker/spec/eagle_train.py (`tokenmill train-eagle`); the engine drafts with it through
 worker/spec/eagle_proposer.py. Heads shipped with the package live in worker/spec/heads/<name>/
 (`SHIPPED_HEADS`: the model each one is for).

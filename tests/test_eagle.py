@@ -1,7 +1,8 @@
 """The EAGLE-1 draft head (worker/spec/eagle.py) and its training (`tokenmill train-eagle`), on a tiny
 model on CPU: the dense training attention equals the paged reference, a smoke training run lowers the
 held-out loss, the safetensors checkpoint round-trips exactly, and a head that does not fit the target, a
-broken checkpoint or bad data are clear errors. (The engine does not draft with the head yet.)"""
+broken checkpoint or bad data are clear errors. Drafting with the head through the engine: test_eagle_spec.py,
+test_eagle_tree.py, test_eagle_unroll.py."""
 
 from __future__ import annotations
 

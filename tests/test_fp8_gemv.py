@@ -107,9 +107,10 @@ def _sm90_compile() -> None:
 
     fn = fg._fp8_skinny_kernel
     names = list(fn.arg_names)
-    for prologue in (0, 1, 2):
+    for prologue, block_n, block_k in ((0, 64, 128), (1, 64, 128), (2, 64, 128), (1, 16, 256), (2, 16, 512)):
+        # (16 rows x 256 / 512 columns: the default rule's M = 1 shapes for 1-byte weights, as the tl.dot variant)
         consts = {"PROLOGUE": prologue, "HAS_RESIDUAL": prologue == 1, "HAS_BIAS": True, "BLOCK_M": 16,
-                  "BLOCK_N": 64, "BLOCK_K": 128, "EVEN_K": True, "STATS_BLOCK": 256, "EVEN_KS": True,
+                  "BLOCK_N": block_n, "BLOCK_K": block_k, "EVEN_K": True, "STATS_BLOCK": 256, "EVEN_KS": True,
                   "NUM_STAGES": 3, "PDL": False}
         types = {"q_ptr": "*fp8e4nv", "ws_ptr": "*fp32"}
         sig = {a: "constexpr" if a in consts else types.get(a, "*bf16") if a.endswith("_ptr") else

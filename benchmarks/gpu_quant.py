@@ -364,13 +364,18 @@ def _plane_tiles(cell: _Cell) -> list[Candidate]:
 
 
 def _magic_tiles(cell: _Cell) -> list[Candidate]:
-    """INT4 in groups of 128 (GPTQ / AWQ), every skinny M: the tensor-core variant whose fields become floats by their
-    bits (kernels/quant_gemv.py magic_dot), K steps of whole 128-column segments."""
-    from tokenmill.kernels.tuned import QuantSkinnyConfig
+    """INT4 in groups of 128 (GPTQ / AWQ), every M: the variants whose fields become floats by their bits
+    (kernels/quant_gemv.py magic_dot), K steps of whole 128-column segments; skinny 6 tiles, tiled 3."""
+    from tokenmill.kernels.tuned import GemmConfig, QuantSkinnyConfig
 
     bits, group, kind, _ = SWEEP_FORMATS[cell.fmt]
-    if cell.kernel != "skinny" or bits != 4 or not group or group % 128 or kind == "min":
+    if bits != 4 or not group or group % 128 or kind == "min":
         return []
+    if cell.kernel == "tiled":
+        shapes = [(64, 64, 128), (64, 128, 128), (32, 128, 256)] if cell.m <= 64 else \
+            [(128, 128, 128), (128, 64, 128), (64, 128, 256)]
+        return [GemmConfig(bm, bn, bk, num_warps=8 if bm * bn >= 128 * 128 else 4, num_stages=3, magic=True)
+                for bm, bn, bk in shapes]
     tiles = [(16, 256), (32, 256), (64, 256), (16, 512), (32, 512), (64, 128)]
     return [QuantSkinnyConfig(bn, bk, 4, 3, planes=True) for bn, bk in tiles]
 
@@ -741,8 +746,8 @@ def sweep_table(cells: list[_Cell], device: str, dtype: torch.dtype, base: dict[
 def _cfg_text(cfg: Candidate) -> str:
     d = dataclasses.asdict(cfg)
     tile = "x".join(str(d[f]) for f in ("block_m", "block_n", "block_k") if f in d)
-    extra = ("" if d.get("use_dot", True) else " fma") + ((" magic" if d.get("use_dot", True) else " planes")
-                                                          if d.get("planes") else "")
+    planes = (" magic" if d.get("use_dot", True) else " planes") if d.get("planes") else ""
+    extra = ("" if d.get("use_dot", True) else " fma") + planes + (" magic" if d.get("magic") else "")
     return f"{tile} w{d['num_warps']} s{d['num_stages']} sk{d['split_k']}{extra}"
 
 

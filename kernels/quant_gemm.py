@@ -27,10 +27,12 @@ from tokenmill.kernels.gemv import _check_out
 from tokenmill.kernels.launch import next_pow2
 from tokenmill.kernels.quant_gemv import (
     activation_cols,
+    check_magic_dot,
     check_quant_weight,
     dequant_tile,
     k_slice,
     k_slices,
+    magic_dot,
     split_k_sum,
 )
 from tokenmill.kernels.quant_weight import PackedWeight, scale_later
@@ -71,7 +73,7 @@ def _quant_gemm_kernel(
     HAS_BIAS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
     HAS_MINS: tl.constexpr, HAS_PERM: tl.constexpr, SCALE_LATER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, MAGIC: tl.constexpr,
 ):  # fmt: skip
     dtype = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -93,18 +95,27 @@ def _quant_gemm_kernel(
     s_rows = s_ptr + rn[:, None] * G
     z_rows = z_ptr + rn[:, None] * G
     m_rows = m_ptr + rn[:, None] * G
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if MAGIC:  # magic_dot's [BLOCK_N, BLOCK_M] sums, transposed once at the end
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_lo, k_hi = k_slice(pid_k, K, k_split, SPLIT)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        cols = activation_cols(perm_ptr, offs_k, K, HAS_PERM, EVEN_K)
-        if EVEN_K:
-            x = tl.load(x_rows + cols[None, :])
+        if MAGIC:
+            acc_t += magic_dot(q_rows, s_rows, z_rows, x_rows, x_rows, x_ptr, tl.zeros([BLOCK_M], dtype=tl.float32),
+                               perm_ptr, k0, K, dtype, 0, False, GROUP, HAS_ZEROS, HAS_PERM, BLOCK_K, EVEN_K)
         else:
-            x = tl.load(x_rows + cols[None, :], mask=(offs_k < K)[None, :], other=0.0)
-        w = dequant_tile(q_rows, s_rows, z_rows, m_rows, k0, K, dtype, BITS, GROUP, HAS_ZEROS, HAS_MINS,
-                         SCALE_LATER, BLOCK_K, EVEN_K)  # [BLOCK_N, BLOCK_K]
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            cols = activation_cols(perm_ptr, offs_k, K, HAS_PERM, EVEN_K)
+            if EVEN_K:
+                x = tl.load(x_rows + cols[None, :])
+            else:
+                x = tl.load(x_rows + cols[None, :], mask=(offs_k < K)[None, :], other=0.0)
+            w = dequant_tile(q_rows, s_rows, z_rows, m_rows, k0, K, dtype, BITS, GROUP, HAS_ZEROS, HAS_MINS,
+                             SCALE_LATER, BLOCK_K, EVEN_K)  # [BLOCK_N, BLOCK_K]
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if MAGIC:
+        acc = tl.trans(acc_t)
     if SCALE_LATER:  # linear: each slice's partial sums are scaled alike
         acc *= tl.load(s_ptr + rn * G).to(tl.float32)[None, :]
     if HAS_BIAS:
@@ -141,6 +152,8 @@ def quant_matmul(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = N
     y = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)
     q = w.qweight
+    if cfg.magic:
+        check_magic_dot(w, cfg.block_k, "GemmConfig(magic=True)")
     _quant_gemm_kernel[grid](
         x, q, w.scales, w.zeros if w.zeros is not None else q, w.mins if w.mins is not None else w.scales,
         w.perm if w.perm is not None else q,
@@ -148,7 +161,7 @@ def quant_matmul(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = N
         HAS_BIAS=bias is not None, BITS=w.bits, GROUP=w.group_size, HAS_ZEROS=w.zeros is not None,
         HAS_MINS=w.mins is not None, HAS_PERM=w.perm is not None, SCALE_LATER=scale_later(w),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLIT=splits > 1, MAGIC=cfg.magic,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if splits > 1:

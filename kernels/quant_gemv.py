@@ -433,7 +433,7 @@ def _launch(prologue: int, x: torch.Tensor, residual: torch.Tensor | None, norm_
     ro_arg = res_out if res_out is not None else out
     q = w.qweight
     if planes and cfg.use_dot:
-        _check_magic_dot(w, cfg)
+        check_magic_dot(w, cfg.block_k, "QuantSkinnyConfig(planes=True, use_dot=True)")
     elif planes:
         per_word = 32 // w.bits
         if cfg.use_dot or w.group_size % per_word or k % per_word or cfg.block_k % per_word:
@@ -463,14 +463,14 @@ def _launch(prologue: int, x: torch.Tensor, residual: torch.Tensor | None, norm_
     return out, res_out
 
 
-def _check_magic_dot(w: PackedWeight, cfg: SkinnyConfig) -> None:
+def check_magic_dot(w: PackedWeight, block_k: int, config: str) -> None:
     """magic_dot's weights: INT4 in groups of a multiple of 128 with scales (and zeros) per group, K steps of whole
-    128-column segments."""
+    128-column segments (`config`: the config's name, for the message)."""
     seg = 8 * _PLANE_DOT_WORDS
-    if w.bits != 4 or w.mins is not None or scale_later(w) or w.group_size % seg or cfg.block_k % seg:
-        raise ValueError(f"QuantSkinnyConfig(planes=True, use_dot=True) is the tensor-core variant for INT4 weights in "
-                         f"groups of a multiple of {seg} without mins, with block_k a multiple of {seg}; got "
-                         f"{w.bits} bits, groups of {w.group_size}, mins {w.mins is not None}, block_k {cfg.block_k}")
+    if w.bits != 4 or w.mins is not None or scale_later(w) or w.group_size % seg or block_k % seg:
+        raise ValueError(f"{config} is the tensor-core variant for INT4 weights in groups of a multiple of {seg} "
+                         f"without mins, with block_k a multiple of {seg}; got {w.bits} bits, groups of "
+                         f"{w.group_size}, mins {w.mins is not None}, block_k {block_k}")
 
 
 def quant_skinny_matmul(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, *,

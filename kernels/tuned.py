@@ -64,7 +64,8 @@ class QuantSkinnyConfig(SkinnyConfig):
 class GemmConfig:
     """Launch shape of the tiled kernel (kernels/quant_gemm.py): output tile block_m x block_n, K step block_k
     (a multiple of 8), group_m row tiles per L2 group, split_k slices of K (fp32 partials added by a second
-    kernel; 1: none)."""
+    kernel; 1: none); magic: INT4 in groups of a multiple of 128 with its fields made floats by their bits, no
+    int-to-float conversion (kernels/quant_gemv.py magic_dot)."""
 
     block_m: int
     block_n: int
@@ -73,6 +74,7 @@ class GemmConfig:
     num_stages: int = 3
     group_m: int = 8
     split_k: int = 1
+    magic: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -157,7 +159,8 @@ def _config(cls: type[Config], raw: Any, where: str) -> Config:
         raise ValueError(f"{where}: {e}") from None
 
 
-_LATER_FIELDS: dict[str, Any] = {"planes": False}  # config fields newer than VERSION 1 tables, with their defaults
+# config fields newer than VERSION 1 tables, with their defaults
+_LATER_FIELDS: dict[str, Any] = {"planes": False, "magic": False}
 
 
 def _int_key(text: str, where: str) -> int:

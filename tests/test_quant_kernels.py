@@ -56,6 +56,9 @@ TILE = GemmConfig(block_m=16, block_n=16, block_k=32, group_m=2)
 # (format name, bits, group size, zero points, act-order)
 FORMATS = [("int8", 8, None, False, False), ("int4-g32", 4, 32, False, False), ("int4-g64-zp", 4, 64, True, False),
            ("int4-g128-perm", 4, 128, False, True), ("int4-g32-zp-perm", 4, 32, True, True)]
+# (format name, bits, group size, zero points, act-order) of magic_dot: INT4 in groups of 128 (GPTQ / AWQ)
+MAGIC_DOT_FORMATS = [("int4-g128", 4, 128, False, False), ("int4-g128-zp-perm", 4, 128, True, True),
+                     ("int4-g256-zp", 4, 256, True, False)]
 K, N = 104, 40  # K: ragged last groups (104 = 3 x 32 + 8 = 64 + 40) and a tail past 3 blocks of 32
 
 
@@ -251,6 +254,20 @@ def test_planes_is_an_fma_path_over_whole_words() -> None:
         quant_skinny_matmul(_x((1, 102), torch.float32, 1), w, config=PLANES)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", MAGIC_DOT_FORMATS, ids=lambda f: f[0])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_tiled_magic_matches_the_reference(dtype: torch.dtype, fmt: Any, split_k: int) -> None:
+    """GemmConfig(magic=True): the tiled kernel through magic_dot (K = 384 in 256-column steps: a ragged last step)."""
+    w = packed_weight(fmt, N, 384, dtype, seed=23)
+    x, bias = _x((37, 384), dtype, 24), _x((N,), dtype, 25)
+    out = _poisoned(37, N, dtype)
+    quant_matmul(x, w, bias, out=out, config=GemmConfig(16, 16, 256, group_m=2, split_k=split_k, magic=True))
+    torch.testing.assert_close(out, quant_matmul_ref(x, w, bias), **_tol(dtype))
+    with pytest.raises(ValueError, match="GemmConfig\\(magic=True\\) is the tensor-core variant"):
+        quant_matmul(x, packed_weight(FORMATS[1], N, 384, dtype), config=GemmConfig(16, 16, 256, magic=True))
+
+
 def test_magic_dot_takes_int4_in_groups_of_128_only() -> None:
     for fmt in (FORMATS[0], FORMATS[1], FORMATS[2]):  # int8, int4 g32, int4 g64
         w = packed_weight(fmt, N, 256, torch.float32)
@@ -260,10 +277,6 @@ def test_magic_dot_takes_int4_in_groups_of_128_only() -> None:
     with pytest.raises(ValueError, match="block_k a multiple of 128"):
         quant_skinny_matmul(_x((2, 256), torch.float32, 1), w, config=dataclasses.replace(MAGIC_DOT, block_k=64))
 
-
-# (format name, bits, group size, zero points, act-order) of magic_dot: INT4 in groups of 128 (GPTQ / AWQ)
-MAGIC_DOT_FORMATS = [("int4-g128", 4, 128, False, False), ("int4-g128-zp-perm", 4, 128, True, True),
-                     ("int4-g256-zp", 4, 256, True, False)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -365,9 +378,14 @@ def _sm90_compile_all() -> None:
                     assert all(int(cols) == 1 for cols in tiles), f"{fmt} {prologue=}: converts weights ({tiles})"
                 assert "async_copy_global_to_local" in ttgir, f"{fmt} {prologue=} {m=} {split=} {plane=}: not pipelined"
         consts = {**fmt, "HAS_BIAS": True, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
-                  "EVEN_K": True, "DOT_PRECISION": "tf32"}
+                  "EVEN_K": True, "DOT_PRECISION": "tf32", "MAGIC": False}
         for split in (False, True):
             build(qm._quant_gemm_kernel, {**consts, "SPLIT": split}, ("K", "k_split", "stride_xm", "stride_ym"), 8, 3)
+        if bits == 4 and group % 128 == 0 and not mins:  # the tiled magic variant: no per-weight conversion either
+            ttgir = build(qm._quant_gemm_kernel, {**consts, "SPLIT": False, "MAGIC": True, "BLOCK_K": 128},
+                          ("K", "k_split", "stride_xm", "stride_ym"), 8, 3)
+            tiles = re.findall(r"arith\.[su]itofp [^\n]*: tensor<\d+x(\d+)x", ttgir)
+            assert all(int(cols) == 1 for cols in tiles), f"tiled {fmt}: converts weights ({tiles})"
 
 
 @pytest.mark.slow
@@ -404,4 +422,18 @@ def test_skinny_variants_in_bf16_on_the_gpu(fmt: Any, m: int) -> None:
     for config in configs:
         out = quant_skinny_matmul(x, w, config=config).float()
         err = float((out - ref).norm() / ref.norm())
+        assert err < 1e-2, f"{config}: relative error {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", MAGIC_DOT_FORMATS[:2], ids=lambda f: f[0])
+def test_tiled_magic_in_bf16_on_the_gpu(fmt: Any) -> None:
+    k, n = 4096, 1024
+    w = packed_weight(fmt, n, k, torch.bfloat16, seed=26)
+    x = _x((96, k), torch.bfloat16, 27)
+    ref = quant_matmul_ref(x.float(), w).float()
+    for config in (GemmConfig(64, 128, 128, num_warps=4, magic=True),
+                   GemmConfig(128, 128, 128, num_warps=8, magic=True), GemmConfig(64, 64, 256, split_k=2, magic=True)):
+        err = float((quant_matmul(x, w, config=config).float() - ref).norm() / ref.norm())
         assert err < 1e-2, f"{config}: relative error {err:.2e}"

@@ -268,6 +268,10 @@ def test_full_grid_is_bounded_and_holds_the_bf16_kernels_choice() -> None:
     assert any((c.block_n, c.block_k, c.use_dot) == (bf16.block_n, bf16.block_k, bf16.use_dot) for c in stage0)
     assert len(stage0) <= 15 and len(gpu_quant._pipelines(stage0[0])) == 9 and len(gpu_quant._splits(stage0[0])) == 3
     assert len(gpu_quant._tiles("tiled", 64)) == len(gpu_quant._tiles("tiled", 512)) == 6
+    tiled = gpu_quant._Cell("tiled", "int4-g128-sym", "o", 4096, 4096, 64, (x,), [w], x,
+                            gpu_quant._default("tiled", 64, w))
+    magic = [c for c in gpu_quant._stage_candidates(tiled, 0, tiny=False) if getattr(c, "magic", False)]
+    assert len(magic) == 3 and all(c.block_k % 128 == 0 for c in magic)
     one = gpu_quant._Cell("skinny", "int4-g128-sym", "o", 4096, 4096, 1, (x[:1],), [w], x[:1],
                           gpu_quant._default("skinny", 1, w))
     int8 = gpu_quant.random_packed("int8-ch-sym", 4096, 4096, DEV)

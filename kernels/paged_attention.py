@@ -913,10 +913,9 @@ def plan_paged_attention(
     num_tokens, num_q_heads, head_dim = q_shape
     num_kv_heads = cache_shape[2]
     itemsize = dtype.itemsize
-    choice = attention_choice(q_shape, dtype, cache_shape, device, num_seqs, max_query_len=max_query_len,
-                              max_seq_len=max_seq_len, sliding_window=sliding_window, num_splits=num_splits,
-                              config=config)
-    config, one_tile, num_splits = choice
+    config, one_tile, num_splits = attention_choice(
+        q_shape, dtype, cache_shape, device, num_seqs, max_query_len=max_query_len, max_seq_len=max_seq_len,
+        sliding_window=sliding_window, num_splits=num_splits, config=config)
     group_pad = _next_pow2(num_q_heads // num_kv_heads)
     block_m = max(config.block_m, group_pad)
     block_q = block_m // group_pad

@@ -9,11 +9,11 @@ the GPU (bf16, @gpu), with the ahead-of-time sm_90 compile on the CPU."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 import torch
+from helpers_aot import run_sm90_compile
 
 from tokenmill.kernels.fp8_gemv import (
     fp8_add_rmsnorm_matmul,
@@ -124,15 +124,7 @@ def _sm90_compile() -> None:
 
 @pytest.mark.slow
 def test_fp8_kernel_compiles_for_hopper(tmp_path: Any) -> None:
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
-    code = "import test_fp8_gemv; test_fp8_gemv._sm90_compile()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_sm90_compile("test_fp8_gemv", "_sm90_compile", tmp_path)
 
 
 # ---- CUDA, bf16: every entry point at Llama-3-8B's K -----------------------------------------------------------

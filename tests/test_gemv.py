@@ -28,6 +28,7 @@ if not torch.cuda.is_available():
 from typing import Any
 
 import pytest
+from helpers_aot import run_sm90_compile
 
 from tokenmill.kernels.activation import silu_and_mul, silu_and_mul_ref
 from tokenmill.kernels.gemv import (
@@ -484,15 +485,7 @@ def _sm90_compile_all() -> None:
 
 @pytest.mark.slow
 def test_gemv_compiles_for_hopper(tmp_path: Any) -> None:
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
-    code = "import test_gemv; test_gemv._sm90_compile_all()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_sm90_compile("test_gemv", "_sm90_compile_all", tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
 from typing import Any
 
 import pytest
+from helpers_aot import run_sm90_compile
 
 from tokenmill.kernels.gemv import SkinnyConfig
 from tokenmill.kernels.quant_gemm import GemmConfig, quant_matmul
@@ -390,15 +391,7 @@ def _sm90_compile_all() -> None:
 
 @pytest.mark.slow
 def test_quant_kernels_compile_for_hopper(tmp_path: Any) -> None:
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
-    code = "import test_quant_kernels; test_quant_kernels._sm90_compile_all()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_sm90_compile("test_quant_kernels", "_sm90_compile_all", tmp_path)
 
 
 # ---- CUDA, bf16 (the interpreter's bf16 tl.dot is wrong: these run on the GPU only) ---------------------------

@@ -78,6 +78,8 @@ def _graphs(max_num_seqs: int = 16, max_model_len: int = 4096, sizes: tuple[int,
     cache = torch.zeros((4, 16, 2, 128), dtype=torch.bfloat16)
     pieces = SimpleNamespace(
         kv_caches=[(cache, cache)], sizes=list(sizes), device=DEV, hidden=torch.zeros((sizes[-1], 64)),
+        input_ids=torch.zeros(sizes[-1], dtype=torch.long), positions=torch.zeros(sizes[-1], dtype=torch.long),
+        slot_mapping=torch.full((sizes[-1],), -1, dtype=torch.long),
         attn_q=torch.zeros((sizes[-1], 8, 128), dtype=torch.bfloat16), pool=None,
         calls={s: [_AttentionCall(cache, cache, 128**-0.5, None, None)] for s in sizes})
     return WholeStepGraphs(torch.nn.Identity(), SimpleNamespace(), pieces, max_num_seqs,  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -24,6 +24,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokenmill.cuda_graphs")
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _bucket(sizes: Sequence[int], n: int) -> int | None:
+    """The smallest of the sorted `sizes` >= n (the graph a step of n rows replays), or None."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -80,8 +86,7 @@ class DecodeGraphs:
         log.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.graphs), self.sizes)
 
     def bucket(self, b: int) -> int | None:
-        i = bisect.bisect_left(self.sizes, b)
-        return self.sizes[i] if i < len(self.sizes) else None
+        return _bucket(self.sizes, b)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Replay for a decode-only batch; returns hidden states [B, hidden] (a view of graph memory,
@@ -230,8 +235,7 @@ class PiecewiseGraphs:
                  self.sizes, len(self.pieces[self.sizes[0]]))
 
     def bucket(self, t: int) -> int | None:
-        i = bisect.bisect_left(self.sizes, t)
-        return self.sizes[i] if i < len(self.sizes) else None
+        return _bucket(self.sizes, t)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Replay for a step of T tokens; returns hidden states [T, hidden] (a view of graph memory, valid
@@ -290,19 +294,16 @@ class PiecewiseGraphs:
         batches: list[tuple[int, list[int], int, AttentionPlan]] = []  # a batch and its plan per new variant
         counts = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= max_num_seqs]
         for t in self._token_counts(max_model_len):
-            for n in (c for c in counts if c <= t):
-                for q_lens in (_even(t, n), [1] * (n - 1) + [t - n + 1]):
-                    if max(q_lens) == 1:
-                        continue
-                    for ctx in sorted({max(q_lens), min(1024, max_model_len), max_model_len}):
-                        ctx = max(ctx, max(q_lens))
-                        plan = self._plan(self.attn_q[:t].shape, self.attn_q.dtype, kc.shape, self.device, n,
-                                          call.scale, max_query_len=max(q_lens), max_seq_len=ctx,
-                                          sliding_window=call.sliding_window)
-                        new = set(_variants(plan)) - seen
-                        if new:
-                            seen |= new
-                            batches.append((t, q_lens, ctx, plan))
+            for n, q_lens in _prompt_batches(t, counts):
+                for ctx in sorted({max(q_lens), min(1024, max_model_len), max_model_len}):
+                    ctx = max(ctx, max(q_lens))
+                    plan = self._plan(self.attn_q[:t].shape, self.attn_q.dtype, kc.shape, self.device, n,
+                                      call.scale, max_query_len=max(q_lens), max_seq_len=ctx,
+                                      sliding_window=call.sliding_window)
+                    new = set(_variants(plan)) - seen
+                    if new:
+                        seen |= new
+                        batches.append((t, q_lens, ctx, plan))
         for t, q_lens, ctx, plan in batches:
             n = len(q_lens)
             qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=self.device)
@@ -331,6 +332,15 @@ def _variants(plan: AttentionPlan) -> tuple[tuple[Any, ...], ...]:
     if plan.num_splits == 1:
         return (attention,)
     return attention, ("reduce", plan.dynamic, max(8, 1 << (plan.num_splits - 1).bit_length()), plan.reduce_block_d)
+
+
+def _prompt_batches(t: int, counts: Sequence[int]) -> Iterator[tuple[int, list[int]]]:
+    """(n, query lengths) of t tokens over each n of `counts` up to t requests, spread evenly and as n - 1 decodes
+    beside one prompt, when a request has more than one token (decode-only batches replay DecodeGraphs)."""
+    for n in (c for c in counts if c <= t):
+        for q_lens in (_even(t, n), [1] * (n - 1) + [t - n + 1]):
+            if max(q_lens) > 1:
+                yield n, q_lens
 
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:
@@ -371,16 +381,15 @@ class WholeStepGraphs:
         self.max_model_len = max_model_len
         self.max_seqs = {t: min(t, max_num_seqs) for t in self.sizes}
         device = piecewise.device
-        n, s = (self.sizes[-1], max(self.max_seqs.values())) if self.sizes else (1, 1)
+        s = max(self.max_seqs.values(), default=1)
         block_size = self.kv_caches[0][0].shape[1]
-        # Static inputs the graphs read on every replay (rows and requests past the step's: padding).
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        # Static inputs the graphs read on every replay (rows and requests past the step's: padding): the pieces'
+        # token inputs and hidden states (at least as many rows), and attention metadata of their own.
+        self.input_ids, self.positions = piecewise.input_ids, piecewise.positions
+        self.slot_mapping, self.hidden = piecewise.slot_mapping, piecewise.hidden
         self.query_start_loc = torch.zeros(s + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(s, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((s, -(-max_model_len // block_size)), dtype=torch.int32, device=device)
-        self.hidden = torch.zeros_like(piecewise.hidden[:n])
         self.graphs: dict[tuple[int, AttentionChoice], torch.cuda.CUDAGraph] = {}
         self.replays = 0  # steps run by a whole-step graph (the rest of the mixed steps: the pieces)
         call = piecewise.calls[piecewise.sizes[0]][0]
@@ -409,13 +418,11 @@ class WholeStepGraphs:
         num_kv_heads, group_pad = cache_shape[2], self._group_pad
         s = self.max_seqs[t]
         tiles: set[tuple[Any, bool]] = set()
-        counts = sorted({1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, s})
+        counts = sorted({c for c in (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512) if c <= s} | {s})
         for tokens in sorted({*range(lo + 1, min(t, lo + 4) + 1), (lo + t + 1) // 2, t}):
-            for n in (c for c in counts if c <= min(tokens, s)):
-                for q_lens in (_even(tokens, n), [1] * (n - 1) + [tokens - n + 1]):
-                    if max(q_lens) > 1:  # (decode-only steps replay DecodeGraphs)
-                        c = self.choice(tokens, n, max(q_lens), max(q_lens))
-                        tiles.add((c.config, c.one_tile))
+            for n, q_lens in _prompt_batches(tokens, counts):
+                c = self.choice(tokens, n, max(q_lens), max(q_lens))
+                tiles.add((c.config, c.one_tile))
         pa = self._kernels
         found: set[AttentionChoice] = set()
         for config, one_tile in tiles:
@@ -472,8 +479,7 @@ class WholeStepGraphs:
                  len(self.sizes), self.sizes[-1] if self.sizes else 0)
 
     def bucket(self, t: int) -> int | None:
-        i = bisect.bisect_left(self.sizes, t)
-        return self.sizes[i] if i < len(self.sizes) else None
+        return _bucket(self.sizes, t)
 
     def graph_for(self, t: int, meta: AttentionMetadata) -> tuple[int, AttentionChoice] | None:
         """The key of the graph a step of t tokens replays, or None (the pieces then)."""

@@ -60,11 +60,16 @@ _PLAIN, _NORM, _SILU = 0, 1, 2  # PROLOGUE modes, as in kernels/gemv.py
 @triton.jit
 def activation_cols(perm_ptr, offs_k, K, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr):
     """The activation columns of packed columns offs_k: act-order weights (HAS_PERM) gather them through perm."""
-    if not HAS_PERM:
-        return offs_k
-    if EVEN_K:
-        return tl.load(perm_ptr + offs_k)
-    return tl.load(perm_ptr + offs_k, mask=offs_k < K, other=0)
+    # One return per constexpr branch: Triton types every return of the function, so an early `return offs_k`
+    # beside a load through a dummy perm_ptr (the int8 weight itself when there is no perm) does not compile.
+    if HAS_PERM:
+        if EVEN_K:
+            cols = tl.load(perm_ptr + offs_k)
+        else:
+            cols = tl.load(perm_ptr + offs_k, mask=offs_k < K, other=0)
+    else:
+        cols = offs_k
+    return cols
 
 
 @triton.jit

@@ -347,7 +347,9 @@ def _sm90_compile_all() -> None:
     def build(fn: Any, consts: dict[str, Any], ints: tuple[str, ...], warps: int, stages: int) -> str:
         names = list(fn.arg_names)
         words = consts["BITS"] == 4 or consts.get("PLANES")  # PLANES reads INT8 weights as int32 words
-        ptr_types = {"q_ptr": "*i32" if words else "*i8", "z_ptr": "*u8", "perm_ptr": "*i32", "s_ptr": "*fp16",
+        q_type = "*i32" if words else "*i8"  # without zeros or a perm the launchers pass q in their place, as here
+        ptr_types = {"q_ptr": q_type, "z_ptr": "*u8" if consts["HAS_ZEROS"] else q_type,
+                     "perm_ptr": "*i32" if consts["HAS_PERM"] else q_type, "s_ptr": "*fp16",
                      "m_ptr": "*fp16", "y_ptr": "*fp32" if consts["SPLIT"] else "*bf16"}
         sig = {a: "constexpr" if a in consts else ptr_types.get(a, "*bf16") if a.endswith("_ptr") else
                "fp32" if a == "eps" else "i32" for a in names}

@@ -124,9 +124,10 @@ def _check_fp8_weight(name: str, x: torch.Tensor, qweight: torch.Tensor, scales:
 
 
 def _config(m: int, n: int, k: int, device: torch.device, config: SkinnyConfig | None) -> SkinnyConfig:
-    """The launch shape: `config` or kernels/gemv.py's rule for 1-byte weights, as the tl.dot variant with K steps
-    of at least 32 (the fp8 mma's K)."""
-    cfg = config or default_config(m, n, k, 1, num_sms(device))
+    """The launch shape: `config` or kernels/gemv.py's rule for 1-byte weights at M >= 2 (its M = 1 rule is the
+    FMA kernel's: 16 rows per program, so each program's fixed cost, the RMSNorm and max |x| passes over K, is
+    spread over 16 weight rows only), as the tl.dot variant with K steps of at least 32 (the fp8 mma's K)."""
+    cfg = config or default_config(max(m, 2), n, k, 1, num_sms(device))
     if not cfg.use_dot or cfg.block_k < 32 or cfg.block_n < 16:
         cfg = SkinnyConfig(max(16, cfg.block_n), max(32, cfg.block_k), cfg.num_warps, cfg.num_stages)
     return cfg

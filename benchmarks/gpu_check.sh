@@ -50,7 +50,7 @@ for r in rows: print({k: v for k, v in r.items() if k != 'sweep'})
                bash benchmarks/gpu_suite.sh > "$R/anatomy.log" 2>&1
              grep -E "^\| (decode-only|new request)|TTFT p50 / p90 \(ms\), prefix" "$R/anatomy/suite.md" | cut -c1-220 ;;
     suite)   # suite sections SUITE_SECTIONS (default: ShareGPT offline, prefix caching + step anatomy, serving) in SUITE_BUDGET;
-             # SUITE_EXTRA: more suite arguments (e.g. --whole-step-graphs)
+             # SUITE_EXTRA: more suite arguments (e.g. --no-whole-step-graphs)
              SUITE_DIR=suite SUITE_BUDGET_S=${SUITE_BUDGET:-330} SUITE_ARGS="--sections ${SUITE_SECTIONS:-engine,sharegpt,prefix,serving} ${SUITE_EXTRA:-}" \
                OUT="$R" bash benchmarks/gpu_suite.sh > "$R/suite.log" 2>&1
              grep -E "^\| (decode-only|new request)|TTFT p50 / p90 \(ms\), prefix|ShareGPT|compiled after start-up|^\| [0-9.]+ \| [0-9]+/" \
@@ -73,7 +73,7 @@ for r in rows: print({k: v for k, v in r.items() if k != 'sweep'})
              timeout ${WHOLESTEP_TESTS_TIMEOUT:-240} python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_graphs.py \
                -k "whole_step" > "$R/wholestep_tests.log" 2>&1; tail -5 "$R/wholestep_tests.log"
              for i in 1 2; do for mode in pieces whole; do
-               flag=""; [ $mode = whole ] && flag="--whole-step-graphs"
+               flag="--no-whole-step-graphs"; [ $mode = whole ] && flag="--whole-step-graphs"
                TOKENMILL_LOG_LEVEL=info timeout ${HOSTSTEP_TIMEOUT:-150} python3 benchmarks/host_step.py --device cuda \
                  --repeats ${HOSTSTEP_REPEATS:-20} $flag --out "$R/hoststep_${mode}_$i" > "$R/hoststep_${mode}_$i.log" 2>&1
                echo "-- $mode ($i)"; grep -E "whole-step|start-up|^phase|^launch|^_forward" "$R/hoststep_${mode}_$i.log" | cut -c1-200

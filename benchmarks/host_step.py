@@ -99,12 +99,12 @@ def instrument(engine: LLMEngine, clock: PhaseClock, stub_forward: bool) -> None
     runner.sampler = _TimedSampler(runner.sampler, clock)  # type: ignore[assignment]
 
 
-def build_engine(model: str, device: str, whole_step_graphs: bool = False) -> LLMEngine:
+def build_engine(model: str, device: str, whole_step_graphs: bool | None = None) -> LLMEngine:
     """The suite's GPU engine settings (benchmarks/suite.py GPU) on CUDA; a small CPU cache otherwise.
-    `whole_step_graphs` (CUDA): EngineConfig.whole_step_graphs on (a field older commits do not have: only
-    passed when asked for)."""
+    `whole_step_graphs` (CUDA): EngineConfig.whole_step_graphs, None for the engine's default (a field older
+    commits do not have: only passed when given)."""
     if device == "cuda":
-        extra = {"whole_step_graphs": True} if whole_step_graphs else {}
+        extra = {} if whole_step_graphs is None else {"whole_step_graphs": whole_step_graphs}
         return LLMEngine(EngineConfig(
             model=model, load_format="dummy", device="cuda", dtype="bfloat16", max_model_len=4096,
             async_scheduling=False, cache=CacheConfig(gpu_memory_utilization=0.9),
@@ -181,8 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=136)
     ap.add_argument("--real-forward", action="store_true",
                     help="keep the model's forward (always on CUDA: graph replays and attention launches are timed)")
-    ap.add_argument("--whole-step-graphs", action="store_true",
-                    help="CUDA: mixed steps replay whole-step graphs where one was captured (EngineConfig)")
+    ap.add_argument("--whole-step-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="CUDA: mixed steps replay whole-step graphs where one was captured (EngineConfig; default: "
+                         "the engine's, on; --no-whole-step-graphs: the pieces)")
     ap.add_argument("--profile", choices=KINDS,
                     help="cProfile --repeats more steps of that kind (after the timed ones); print the top functions")
     ap.add_argument("--out", help="folder for host_step.json (the medians and the settings)")

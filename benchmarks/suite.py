@@ -655,8 +655,9 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="the engine's max_num_seqs (default: per device; the fixed run hands over twice as many)")
     ap.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"], help="the engine's KV cache dtype")
-    ap.add_argument("--whole-step-graphs", action="store_true",
-                    help="EngineConfig.whole_step_graphs: mixed steps replay one whole-step CUDA graph where captured")
+    ap.add_argument("--whole-step-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="EngineConfig.whole_step_graphs: mixed steps replay one whole-step CUDA graph where captured "
+                         "(default: the engine's, on)")
     ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
                     help="run nothing: merge these suite JSONs (later runs' sections win) into --out "
                          "(default: the first one's folder)")
@@ -684,8 +685,8 @@ def config_from_args(args: argparse.Namespace) -> SuiteConfig:
         spec = replace(spec, max_num_seqs=args.max_num_seqs)
     if args.kv_cache_dtype:
         spec = replace(spec, kv_cache_dtype=args.kv_cache_dtype)
-    if args.whole_step_graphs:
-        spec = replace(spec, whole_step_graphs=True)
+    if args.whole_step_graphs is not None:
+        spec = replace(spec, whole_step_graphs=args.whole_step_graphs)
     over: dict[str, Any] = {"spec": spec}
     for name in ("budget_s", "sharegpt_prompts", "fixed_requests", "hf_batch", "hf_time_s"):
         if getattr(args, name) is not None:

@@ -259,7 +259,7 @@ SETTINGS: tuple[Setting, ...] = (
        "EngineConfig.cuda_graphs"),
     _s("piecewise_graphs", BOOL, True, "with cuda_graphs: steps with prompt tokens replay piecewise CUDA graphs "
        "(attention launched between the pieces)", ENGINE_CMDS, "EngineConfig.piecewise_graphs"),
-    _s("whole_step_graphs", BOOL, False, "with piecewise_graphs: steps of up to 2,048 tokens whose attention launch "
+    _s("whole_step_graphs", BOOL, True, "with piecewise_graphs: steps of up to 2,048 tokens whose attention launch "
        "was captured replay one whole-step CUDA graph, attention inside (more graphs captured at start-up)",
        ENGINE_CMDS, "EngineConfig.whole_step_graphs"),
     _s("async_scheduling", AUTO_BOOL, None, "schedule step N+1 while step N runs on the device", ENGINE_CMDS,

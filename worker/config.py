@@ -175,8 +175,9 @@ class EngineConfig:
     piecewise_graphs: bool = True
     # with piecewise_graphs: steps of up to 2,048 tokens whose attention launch was captured (tile choice and a
     # power-of-two key split count) replay a whole-step graph, attention inside (worker/cuda_graphs.py
-    # WholeStepGraphs); the others replay the pieces
-    whole_step_graphs: bool = False
+    # WholeStepGraphs); the others replay the pieces. On by default: on the H200 it took the host launch of a mixed
+    # step from 1.8-3.1 to 1.1-1.3 ms, greedy tokens equal to the pieces' (benchmarks/results/h200/NOTES.md)
+    whole_step_graphs: bool = True
     # Schedule step N+1 while step N runs on the device (one step in flight). None: on for CUDA only.
     async_scheduling: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)

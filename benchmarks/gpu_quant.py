@@ -53,7 +53,8 @@ if TYPE_CHECKING:
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 ROWS = (1, 8, 32, 128, 512)
 FORMATS = ("int8", "int4", "fp8")
-DECODE_FORMATS = ("auto", "int8", "int4", "fp8")  # "auto": the bf16 baseline
+# "auto": the bf16 baseline; "fp8-fused": fp8 with KernelConfig.fp8_skinny (kernels/fp8_gemv.py at <= 16 tokens)
+DECODE_FORMATS = ("auto", "int8", "int4", "fp8", "fp8-fused")
 
 
 def _methods(dev: torch.device) -> dict[str, Any]:
@@ -127,11 +128,14 @@ def kernel_table(dev: torch.device) -> list[dict[str, Any]]:
 
 def decode_b1(model: str, quantization: str, steps: int) -> dict[str, Any]:
     from tokenmill.benchmarks.gpu_e2e import decode_step_times
+    from tokenmill.kernels.config import KernelConfig
     from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
     from tokenmill.worker.engine import LLMEngine
 
+    fused = quantization == "fp8-fused"
     engine = LLMEngine(EngineConfig(model=model, load_format="dummy", dtype="bfloat16", device="cuda",
-                                    quantization=quantization,  # type: ignore[arg-type]
+                                    quantization="fp8" if fused else quantization,  # type: ignore[arg-type]
+                                    kernels=KernelConfig(fp8_skinny=fused),
                                     cache=CacheConfig(gpu_memory_utilization=0.5),
                                     scheduler=SchedulerConfig(max_num_seqs=8)))
     weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())

@@ -255,6 +255,9 @@ SETTINGS: tuple[Setting, ...] = (
        "kernel (off: a separate rotary kernel)", ENGINE_CMDS, "EngineConfig.decode_rope_in_attention"),
     _s("pdl", BOOL, True, "programmatic dependent launch of the Triton kernels on Hopper and later", ENGINE_CMDS,
        "EngineConfig.kernels.pdl"),
+    _s("fp8_skinny_kernel", BOOL, False, "--quantization fp8: matmuls of up to 16 tokens through the fused Triton "
+       "kernel instead of torch._scaled_mm (slower on the H200 so far)", ENGINE_CMDS,
+       "EngineConfig.kernels.fp8_skinny"),
     _s("cuda_graphs", BOOL, True, "replay decode-only steps from captured CUDA graphs", ENGINE_CMDS,
        "EngineConfig.cuda_graphs"),
     _s("piecewise_graphs", BOOL, True, "with cuda_graphs: steps with prompt tokens replay piecewise CUDA graphs "

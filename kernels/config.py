@@ -16,9 +16,15 @@ class KernelConfig:
     """pdl: launch the kernels that support it with programmatic dependent launch (kernels/launch.py) where
     the device has it (CUDA compute capability >= 9.0, not under the Triton interpreter). False: every kernel
     waits for the one before it to complete, as without PDL (A/B measurements, or a driver that misbehaves
-    with it)."""
+    with it).
+
+    fp8_skinny: FP8 W8A8 matmuls of up to 16 tokens run kernels/fp8_gemv.py's fused kernel (RMSNorm / SwiGLU and
+    the activation quantization inside) instead of the row quantization + torch._scaled_mm. Off: on the H200 it
+    made batch-1 decode of Llama-3-8B slower (18.5 ms a token against 6.5 through torch._scaled_mm,
+    benchmarks/results/h200/NOTES.md), so it stays an A/B variant until it wins."""
 
     pdl: bool = True
+    fp8_skinny: bool = False
 
 
 class _State:

@@ -145,6 +145,31 @@ def test_fp8_is_refused_without_fp8_and_emulated_on_request() -> None:
     assert 1e-3 < rel < 0.08, rel  # e4m3 has 3 mantissa bits: visibly rounded, still close
 
 
+def test_fp8_few_token_matmuls_take_the_fused_kernel_only_when_configured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KernelConfig.fp8_skinny off (the default): the fused-prologue entry points decline (the caller runs the
+    unfused path, torch._scaled_mm); on: they launch kernels/fp8_gemv.py's kernels."""
+    import tokenmill.kernels.fp8_gemv as fg
+    import tokenmill.worker.quant.fp8 as fp8
+    from tokenmill.kernels.config import KernelConfig, configure
+
+    monkeypatch.setattr(fp8, "require_fp8", lambda *a: None)  # the CPU has no FP8: only the routing is tested
+    calls: list[str] = []
+    monkeypatch.setattr(fg, "fp8_add_rmsnorm_matmul", lambda *a, **k: calls.append("norm") or (a[0], a[0]))
+    monkeypatch.setattr(fg, "fp8_silu_mul_matmul", lambda *a, **k: calls.append("silu") or a[0])
+    method = Fp8LinearMethod(CPU)
+    layer = Linear(64, 32, False, method, dtype=torch.float32)
+    h = torch.randn(1, 64)
+    try:
+        assert method.apply_add_rmsnorm(layer, h, None, torch.ones(64), 1e-6) is None
+        assert method.apply_silu_mul(layer, torch.randn(1, 128)) is None and calls == []
+        configure(KernelConfig(fp8_skinny=True))
+        assert method.apply_add_rmsnorm(layer, h, None, torch.ones(64), 1e-6) is not None
+        assert method.apply_silu_mul(layer, torch.randn(1, 128)) is not None and calls == ["norm", "silu"]
+        assert Fp8LinearMethod(CPU, emulate=True).apply_silu_mul(layer, torch.randn(1, 128)) is None
+    finally:
+        configure(KernelConfig())
+
+
 def _int4_decoder_layer(seed: int) -> tuple[LlamaDecoderLayer, LlamaDecoderLayer]:
     """A qwen2 (qkv bias) decoder layer with INT4 act-order zero-point projections, and its dense twin holding
     the dequantized weights."""

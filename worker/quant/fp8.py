@@ -1,7 +1,8 @@
 """FP8 W8A8 (e4m3): weights per output channel (w ~ q * s_w), activations quantized per token at run time
 (x ~ q_x * s_x, s_x = max|x_row| / 448), on a GPU with FP8 tensor cores (CUDA compute capability >= 8.9:
-Ada, Hopper and later): one torch._scaled_mm per matmul, or for up to 16 tokens one Triton kernel that also
-quantizes the activations and fuses the RMSNorm / SwiGLU before it (kernels/fp8_gemv.py). Canonical tensors:
+Ada, Hopper and later): one torch._scaled_mm per matmul, or with KernelConfig.fp8_skinny (off by default: slower
+so far) for up to 16 tokens one Triton kernel that also quantizes the activations and fuses the RMSNorm / SwiGLU
+before it (kernels/fp8_gemv.py). Canonical tensors:
 qweight float8_e4m3fn [out, in], scales float32 [out, 1].
 
 Elsewhere the method refuses to build, with one exception: `emulate=True` (accuracy studies and tests on the
@@ -16,6 +17,7 @@ from typing import ClassVar, cast
 import torch
 from torch import nn
 
+from tokenmill.kernels import config as kernel_config
 from tokenmill.kernels.quant_weight import FP8, fp8_matmul_ref, quantize_fp8_rows
 from tokenmill.worker.quant.base import LinearMethod
 from tokenmill.worker.quant.packed import SKINNY_MAX_ROWS, frozen, layer_bias, register_bias
@@ -80,7 +82,7 @@ class Fp8LinearMethod(LinearMethod):
         x2 = x.reshape(-1, x.shape[-1])
         if self.emulate:
             y = fp8_matmul_ref(x2, q, scales, layer_bias(layer))
-        elif x2.shape[0] <= SKINNY_MAX_ROWS:  # one fused kernel instead of ~9 (kernels/fp8_gemv.py)
+        elif x2.shape[0] <= SKINNY_MAX_ROWS and self._skinny():  # one fused kernel instead of ~9
             from tokenmill.kernels.fp8_gemv import fp8_skinny_matmul
 
             y = fp8_skinny_matmul(x2.contiguous(), q, scales, layer_bias(layer))
@@ -88,15 +90,20 @@ class Fp8LinearMethod(LinearMethod):
             y = self._scaled_mm(x2, q, scales, layer_bias(layer))
         return y.reshape(*x.shape[:-1], q.shape[0])
 
-    # fused few-token decode (kernels/fp8_gemv.py); the emulation has none
+    def _skinny(self) -> bool:
+        """Whether few-token matmuls take the fused kernel (kernels/fp8_gemv.py): KernelConfig.fp8_skinny, never
+        in the emulation."""
+        return not self.emulate and kernel_config.current().fp8_skinny
+
+    # fused few-token decode (kernels/fp8_gemv.py) when _skinny(); None: the unfused path
     def apply_skinny(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        return None if self.emulate else self.apply(layer, x)
+        return self.apply(layer, x) if self._skinny() else None
 
     def apply_add_rmsnorm(
         self, layer: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.emulate:
+        if not self._skinny():
             return None
         from tokenmill.kernels.fp8_gemv import fp8_add_rmsnorm_matmul
 
@@ -104,7 +111,7 @@ class Fp8LinearMethod(LinearMethod):
                                       cast(torch.Tensor, layer.scales), layer_bias(layer))
 
     def apply_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
-        if self.emulate:
+        if not self._skinny():
             return None
         from tokenmill.kernels.fp8_gemv import fp8_silu_mul_matmul
 

@@ -461,3 +461,23 @@ def test_a_preempted_request_registers_its_blocks_again() -> None:
     bm.cache_computed_blocks(req)
     assert bm.find_cached_prefix(make_request([1, 2, 3, 4, 5], 2, 3)) == req.block_ids[:2]
     bm.check_integrity([req])
+
+
+def test_a_duplicate_block_is_registered_once_the_other_copy_is_gone() -> None:
+    """Two requests compute the same block; the second copy stays unhashed (a duplicate). When the first copy
+    leaves the cache (here reset_prefix_cache after its request is freed), the second's next commit registers
+    it: the cursor stops at the first duplicate (found by the state machine above)."""
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    first, second = make_request([7, 8, 9], 2, 0), make_request([7, 8, 1], 2, 1)
+    for r in (first, second):
+        assert bm.allocate(r, 3)
+        r.num_computed_tokens = 2
+        bm.cache_computed_blocks(r)
+    assert bm._blocks[second.block_ids[0]].hash is None, "the second copy is a duplicate"
+    bm.free(first)
+    bm.reset_prefix_cache()
+    assert bm.find_cached_prefix(make_request([7, 8, 5], 2, 2)) == []
+    second.num_computed_tokens = 3
+    bm.cache_computed_blocks(second)
+    assert bm.find_cached_prefix(make_request([7, 8, 5], 2, 3)) == second.block_ids[:1]
+    bm.check_integrity([second])

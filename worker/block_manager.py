@@ -159,20 +159,25 @@ class BlockManager:
         return True
 
     def cache_computed_blocks(self, req: Request) -> None:
-        """Register the hashes of `req`'s fully computed blocks so later requests can reuse them. Each block is
-        looked at once (from `req.num_hashed_blocks` on): a step costs the blocks it completed, not the prefix."""
+        """Register the hashes of `req`'s fully computed blocks so later requests can reuse them. The walk starts
+        at `req.num_hashed_blocks`, the first block not yet settled: a step costs the blocks it completed, not the
+        prefix. A duplicate (its hash registered by another block) stays unhashed and is freed normally; the
+        cursor stops at the first one, so it is registered on a later step once the other copy is evicted."""
         if not self.enable_prefix_caching:
             return
         num_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes), len(req.block_ids))
+        first_duplicate = num_full
         for i in range(min(req.num_hashed_blocks, num_full), num_full):
             block = self._blocks[req.block_ids[i]]
-            if block.hash is not None:  # adopted from the cache
+            if block.hash is not None:  # adopted from the cache, or registered on an earlier step
                 continue
             h = req.block_hashes[i]
-            if h not in self._by_hash:  # a duplicate stays unhashed and is freed normally
+            if h not in self._by_hash:
                 block.hash = h
                 self._by_hash[h] = req.block_ids[i]
-        req.num_hashed_blocks = num_full
+            else:
+                first_duplicate = min(first_duplicate, i)
+        req.num_hashed_blocks = first_duplicate
 
     def free(self, req: Request) -> None:
         """Drop `req`'s references. Tail blocks become evictable first, so LRU eviction takes the

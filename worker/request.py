@@ -42,7 +42,8 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full token blocks
-    num_hashed_blocks: int = 0  # leading blocks of block_ids the prefix cache has seen (BlockManager's cursor)
+    # leading blocks of block_ids the prefix cache has settled, up to the first duplicate (BlockManager's cursor)
+    num_hashed_blocks: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING

@@ -57,7 +57,7 @@ class ModelSpec:
     gpu_memory_utilization: float = 0.9
     cpu_kv_bytes: int = 1 << 30
     cuda_graphs: bool = True
-    whole_step_graphs: bool = True  # EngineConfig.whole_step_graphs (mixed steps of <= 2,048 tokens: one graph)
+    whole_step_graphs: bool = EngineConfig.whole_step_graphs  # mixed steps of <= 2,048 tokens: one graph
     threads: int = 0  # torch CPU threads (0: torch's default); the worker process gets the same
     async_scheduling: bool | None = None  # None: the engine's default (on for CUDA only)
     quantization: str = "auto"  # EngineConfig.quantization: auto, int8, int4, fp8

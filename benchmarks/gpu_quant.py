@@ -39,16 +39,13 @@ import dataclasses
 import gc
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from tokenmill.benchmarks import summary
 from tokenmill.benchmarks.common import write_results
-
-if TYPE_CHECKING:
-    from tokenmill.worker.engine import LLMEngine
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 ROWS = (1, 8, 32, 128, 512)
@@ -203,33 +200,39 @@ def check_fp8_kv(dev: torch.device) -> dict[str, dict[str, float]]:
     return {name: fp8_kv_case(ql, sl, dev) for name, (ql, sl) in FP8_KV_CASES.items()}
 
 
-def _free(engine: LLMEngine) -> None:
-    del engine
+def _release() -> None:
+    """Give the device memory of engines no longer referenced back (call it after the function that held the
+    engine has returned: a reference still held, even by a caller's local, keeps the whole KV cache alive)."""
     gc.collect()
     torch.cuda.empty_cache()
 
 
 def kv_blocks(model: str) -> dict[str, Any]:
     """KV blocks of bf16-weight engines with a bf16 and an fp8 cache at the same memory (see the docstring)."""
+    out: dict[str, Any] = {}
+    for kv in ("auto", "fp8"):
+        out[kv] = _kv_blocks_of(model, kv)
+        _release()
+    out["fp8_kv_blocks_ratio"] = out["fp8"]["num_blocks"] / out["auto"]["num_blocks"]
+    return out
+
+
+def _kv_blocks_of(model: str, kv: str) -> dict[str, Any]:
+    """One engine's KV blocks with KV cache dtype `kv` (the engine is dropped on return)."""
     from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig
     from tokenmill.worker.engine import LLMEngine
 
-    out: dict[str, Any] = {}
-    for kv in ("auto", "fp8"):
-        engine = LLMEngine(EngineConfig(model=model, load_format="dummy", dtype="bfloat16", device="cuda",
-                                        kv_cache_dtype=kv,  # type: ignore[arg-type]
-                                        cuda_graphs=False, max_model_len=4096,
-                                        cache=CacheConfig(gpu_memory_utilization=0.9),
-                                        scheduler=SchedulerConfig(max_num_seqs=4096)))
-        r = engine.runner
-        useful = r.config.scheduler.max_num_seqs * -(-r.max_model_len // r.block_size)
-        if r.num_blocks >= useful:
-            raise AssertionError(f"kv {kv}: {r.num_blocks} blocks hit the useful-blocks cap; raise max_num_seqs")
-        out[kv] = {"num_blocks": r.num_blocks, "bytes_per_block": r.bytes_per_block,
-                   "kv_bytes": r.num_blocks * r.bytes_per_block}
-        _free(engine)
-    out["fp8_kv_blocks_ratio"] = out["fp8"]["num_blocks"] / out["auto"]["num_blocks"]
-    return out
+    engine = LLMEngine(EngineConfig(model=model, load_format="dummy", dtype="bfloat16", device="cuda",
+                                    kv_cache_dtype=kv,  # type: ignore[arg-type]
+                                    cuda_graphs=False, max_model_len=4096,
+                                    cache=CacheConfig(gpu_memory_utilization=0.9),
+                                    scheduler=SchedulerConfig(max_num_seqs=4096)))
+    r = engine.runner
+    useful = r.config.scheduler.max_num_seqs * -(-r.max_model_len // r.block_size)
+    if r.num_blocks >= useful:
+        raise AssertionError(f"kv {kv}: {r.num_blocks} blocks hit the useful-blocks cap; raise max_num_seqs")
+    return {"num_blocks": r.num_blocks, "bytes_per_block": r.bytes_per_block,
+            "kv_bytes": r.num_blocks * r.bytes_per_block}
 
 
 def fixed_run(model: str, quantization: str, kv_cache_dtype: str, requests: int) -> dict[str, Any]:
@@ -254,7 +257,6 @@ def fixed_run(model: str, quantization: str, kv_cache_dtype: str, requests: int)
     out = {"workload": wl.summary(), **run.summary(engine.runner.bytes_per_block),
            **peak_memory(engine.runner.device.type), "window": window, "kv_blocks": engine.runner.num_blocks,
            "quantization": quantization, "kv_cache_dtype": kv_cache_dtype}
-    _free(engine)
     return out
 
 
@@ -889,8 +891,11 @@ def main(argv: list[str] | None = None) -> None:
         payload["decode"] = {q: decode_b1(args.model, q, args.steps) for q in args.decode_formats}
     if not args.skip_fixed:
         payload["kv_blocks"] = kv_blocks(args.model)
-        payload["fixed"] = {name: fixed_run(args.model, q, kv, args.fixed_requests)
-                            for name, q, kv in (("bf16", "auto", "auto"), ("fp8_fp8kv", "fp8", "fp8"))}
+        _release()
+        payload["fixed"] = {}
+        for name, q, kv in (("bf16", "auto", "auto"), ("fp8_fp8kv", "fp8", "fp8")):
+            payload["fixed"][name] = fixed_run(args.model, q, kv, args.fixed_requests)
+            _release()
         f = payload["fixed"]
         payload["fp8_over_bf16"] = f["fp8_fp8kv"]["output_tok_per_s"] / f["bf16"]["output_tok_per_s"]
     write_results(args.out, "gpu_quant", payload, table_md(payload))

@@ -162,6 +162,25 @@ def test_user_errors_are_one_line_and_exit_2(argv: list[str], capsys: pytest.Cap
     assert ("--device" in err) if "--device" in argv else ("--model" in err or "model" in err), err
 
 
+def test_api_key_file_errors_name_the_flag_and_its_keys_reach_the_gateway(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tokenmill.cli.gateway_cmds import _gateway_config
+
+    broker = ["--broker", "tcp://127.0.0.1:1", "--port", "1"]
+    for argv in (["gateway", *broker, "--api-key-file", str(tmp_path / "missing")],
+                 ["serve", "--port", "1", "--api-key-file", str(tmp_path)]):  # a folder
+        assert main(argv) == 2
+        assert _one_line_error(capsys).startswith(f"tokenmill: error: --api-key-file {tmp_path}"), argv
+    empty = tmp_path / "empty"
+    empty.write_text("# no keys yet\n")
+    assert main(["gateway", *broker, "--api-key-file", str(empty)]) == 2
+    assert f"--api-key-file {empty}: no API keys" in _one_line_error(capsys)
+    keys = tmp_path / "keys"
+    keys.write_text("alpha\n# a comment\nbeta\n")
+    args = build_parser().parse_args(["gateway", *broker, "--api-key", "gamma", "--api-key-file", str(keys)])
+    assert _gateway_config(args, "tcp://127.0.0.1:1", ()).api_keys == ("gamma", "alpha", "beta")
+
+
 def test_a_user_error_of_the_real_command_has_no_traceback() -> None:
     proc = subprocess.run([sys.executable, "-m", "tokenmill.cli.main", "up", "--model", "/missing.gguf"],
                           capture_output=True, text=True, timeout=60, cwd=REPO)

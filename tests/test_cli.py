@@ -424,3 +424,15 @@ def test_readme_client_snippet_ends_the_streamed_line() -> None:
     lines = block.splitlines()
     loop_end = next(i for i, line in enumerate(lines) if 'print(ev.text, end=""' in line)
     assert lines[loop_end + 1].strip().startswith("print()")
+
+
+def test_every_readme_stream_loop_ends_its_line() -> None:
+    """Each README snippet that prints a stream with end="" prints a newline after the loop (the shell prompt,
+    or the next answer, starts on its own line)."""
+    for block in _readme_python_blocks():
+        lines = block.splitlines()
+        for i, line in enumerate(lines):
+            if 'end=""' in line:
+                indent = len(line) - len(line.lstrip())
+                after = [x for x in lines[i + 1:] if x.strip() and len(x) - len(x.lstrip()) < indent]
+                assert after and after[0].strip().startswith("print()"), block

@@ -151,6 +151,9 @@ def test_set_values_parse_as_the_flags_do() -> None:
     ["chat", "hi", "--model", "tiny-llama"],  # a dummy shape without --load-format dummy
     ["generate", "hi", "--model", "nope", "--load-format", "dummy"],
     ["models", "pull", "no-such-model"],
+    ["bench", "serving", "--model", "/missing.gguf"],
+    ["bench", "throughput", "--device", "cuda"],
+    ["bench", "serving", "--base-url", "http://127.0.0.1:1", "--model", "served-name"],  # tokenized here
 ])
 def test_user_errors_are_one_line_and_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     import torch

@@ -245,6 +245,18 @@ def test_hints_name_flags_not_keywords() -> None:
     assert h("raise gpu_memory_utilization / cpu_kv_bytes") == "raise --gpu-memory-utilization / --cpu-kv-bytes"
     assert h("more than max_num_batched_tokens=2048, and") == "more than --max-num-batched-tokens 2048, and"
     assert h("TOKENMILL_BLOCK_SIZE: x; prompt_token_ids must be") == "TOKENMILL_BLOCK_SIZE: x; prompt_token_ids must be"
+    assert h("temperature must be in [0, 100]") == "--temperature must be in [0, 100]"
+    assert h("the model must be a path; temperature 0") == "the model must be a path; temperature 0"  # prose
+
+
+def test_one_word_flags_are_named_in_their_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: "temperature must be in [0, 100]" and "port must be in [0, 65535], got 70000"."""
+    assert main(["generate", "hi", *TINY, "--temperature", "-1"]) == 2
+    assert _one_line_error(capsys) == "tokenmill: error: --temperature must be in [0, 100]\n"
+    with pytest.raises(SystemExit) as e:  # a bounded setting now: argparse's error, as for --max-num-seqs 0
+        main(["serve", "--port", "70000"])
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert e.value.code == 2 and last.endswith("argument --port: expected an integer in [0, 65535], got '70000'")
 
 
 def test_an_engine_error_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:

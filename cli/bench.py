@@ -54,10 +54,31 @@ def bench_parser(module: str, prog: str) -> argparse.ArgumentParser:
     return parser
 
 
+def _check(ns: argparse.Namespace) -> None:
+    """The user errors of `generate` and `up` (a missing model, CUDA where there is none) are one line here
+    too, before the benchmark loads anything (suite's --model without --load-format keeps each spec's own)."""
+    from tokenmill.cli.errors import UserError, check_device, check_model
+
+    device = getattr(ns, "device", None)
+    if isinstance(device, str) and device.startswith("cuda"):
+        check_device(device)
+    model, load_format = getattr(ns, "model", None), getattr(ns, "load_format", None)
+    if model and load_format:
+        try:
+            check_model(model, load_format)
+        except UserError as e:
+            if getattr(ns, "base_url", None):  # the server's model, but its tokenizer makes the prompts here
+                raise UserError(f"{e}; with --base-url, --model must also load here (it tokenizes the "
+                                "prompts)") from None
+            raise
+
+
 def _runner(module: str, prog: str) -> Any:
     def run(args: argparse.Namespace) -> int:
         mod = importlib.import_module(module)
-        return int(mod.run_cli(bench_parser(module, prog).parse_args(args.bench_args)))
+        ns = bench_parser(module, prog).parse_args(args.bench_args)
+        _check(ns)
+        return int(mod.run_cli(ns))
 
     return run
 

@@ -37,6 +37,18 @@ def _flag_names() -> dict[str, str]:
 
 
 @cache
+def _word_flag_names() -> dict[str, str]:
+    """The one-word names ("temperature", "seed"), rewritten only where a message starts with one (in prose
+    they are plain words)."""
+    from tokenmill.cli.sampling_args import FLAGS
+    from tokenmill.cli.settings import SETTINGS
+
+    names = {s.name: s.flag for s in SETTINGS if s.flag and "_" not in s.name}
+    names |= {f.name: f.flag for f in FLAGS if "_" not in f.name}
+    return names
+
+
+@cache
 def _hint_pattern() -> re.Pattern[str]:
     names = sorted(_flag_names(), key=len, reverse=True)
     return re.compile(r"(?<![\w-])(" + "|".join(names) + r")\b(?:=('[^']*'|\"[^\"]*\"|[^\s,;)]+))?")
@@ -52,7 +64,11 @@ def flag_hints(message: str) -> str:
         flag = flags[m.group(1)]
         return flag if value is None else f"{flag} {value.strip(chr(39) + chr(34))}"
 
-    return _hint_pattern().sub(repl, message)
+    message = _hint_pattern().sub(repl, message)
+    first, sep, rest = message.partition(" must ")
+    if sep and first in _word_flag_names():  # "temperature must be in [0, 100]"
+        return f"{_word_flag_names()[first]}{sep}{rest}"
+    return message
 
 
 def say(message: str, hints: bool = True) -> None:

@@ -50,7 +50,12 @@ def _gateway_config(args: argparse.Namespace, broker: str, models: tuple[str, ..
 
     keys = list(args.api_key or [])
     if args.api_key_file:
-        keys.extend(load_api_keys(args.api_key_file))
+        try:
+            keys.extend(load_api_keys(args.api_key_file))
+        except OSError as e:
+            raise UserError(f"--api-key-file {args.api_key_file}: {e.strerror or e}") from None
+        except ValueError as e:
+            raise UserError(f"--api-key-file {e}") from None
     return GatewayConfig(broker=broker, host=args.host, port=args.port, models=models, api_keys=tuple(keys),
                          request_timeout=args.request_timeout, heartbeat_stale=args.health_stale,
                          progress_stall=args.progress_stall, log_requests=args.access_log,

@@ -85,9 +85,9 @@ def _bounds(low: float | None, low_open: bool, high: float | None) -> str:
     return f"<= {high:g}" if high is not None else ""
 
 
-def integer(low: int | None = None) -> Kind:
-    what = f"an integer {_bounds(low, False, None)}".strip()
-    return Kind(what.removeprefix("an "), _number(int, what, low, False, None))
+def integer(low: int | None = None, high: int | None = None) -> Kind:
+    what = f"an integer {_bounds(low, False, high)}".strip()
+    return Kind(what.removeprefix("an "), _number(int, what, low, False, high))
 
 
 def number(low: float | None = None, *, low_open: bool = False, high: float | None = None) -> Kind:
@@ -314,7 +314,7 @@ SETTINGS: tuple[Setting, ...] = (
     _s("broker_address", TEXT, "tcp://127.0.0.1:5555", "gateway: the broker's client (frontend) address",
        (GATEWAY,), "GatewayConfig.broker", flag_name="--broker"),
     _s("host", TEXT, "127.0.0.1", "HTTP address the gateway binds", (SERVE, GATEWAY), "GatewayConfig.host"),
-    _s("port", integer(0), 8000, "HTTP port of the gateway", (SERVE, GATEWAY), "GatewayConfig.port"),
+    _s("port", integer(0, 65535), 8000, "HTTP port of the gateway", (SERVE, GATEWAY), "GatewayConfig.port"),
     _s("api_key_file", TEXT, None, "file of accepted API keys, one per line (with --api-key: requests need "
        "'Authorization: Bearer KEY'; each key is its own tenant)", (SERVE, GATEWAY)),
     _s("request_timeout", number(0, low_open=True), None, "deadline in seconds of each HTTP request's jobs",

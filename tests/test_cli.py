@@ -151,6 +151,9 @@ def test_set_values_parse_as_the_flags_do() -> None:
     ["chat", "hi", "--model", "tiny-llama"],  # a dummy shape without --load-format dummy
     ["generate", "hi", "--model", "nope", "--load-format", "dummy"],
     ["models", "pull", "no-such-model"],
+    ["bench", "serving", "--model", "/missing.gguf"],
+    ["bench", "throughput", "--device", "cuda"],
+    ["bench", "serving", "--base-url", "http://127.0.0.1:1", "--model", "served-name"],  # tokenized here
 ])
 def test_user_errors_are_one_line_and_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     import torch
@@ -160,6 +163,25 @@ def test_user_errors_are_one_line_and_exit_2(argv: list[str], capsys: pytest.Cap
     assert main(argv) == 2
     err = _one_line_error(capsys)
     assert ("--device" in err) if "--device" in argv else ("--model" in err or "model" in err), err
+
+
+def test_api_key_file_errors_name_the_flag_and_its_keys_reach_the_gateway(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tokenmill.cli.gateway_cmds import _gateway_config
+
+    broker = ["--broker", "tcp://127.0.0.1:1", "--port", "1"]
+    for argv in (["gateway", *broker, "--api-key-file", str(tmp_path / "missing")],
+                 ["serve", "--port", "1", "--api-key-file", str(tmp_path)]):  # a folder
+        assert main(argv) == 2
+        assert _one_line_error(capsys).startswith(f"tokenmill: error: --api-key-file {tmp_path}"), argv
+    empty = tmp_path / "empty"
+    empty.write_text("# no keys yet\n")
+    assert main(["gateway", *broker, "--api-key-file", str(empty)]) == 2
+    assert f"--api-key-file {empty}: no API keys" in _one_line_error(capsys)
+    keys = tmp_path / "keys"
+    keys.write_text("alpha\n# a comment\nbeta\n")
+    args = build_parser().parse_args(["gateway", *broker, "--api-key", "gamma", "--api-key-file", str(keys)])
+    assert _gateway_config(args, "tcp://127.0.0.1:1", ()).api_keys == ("gamma", "alpha", "beta")
 
 
 def test_a_user_error_of_the_real_command_has_no_traceback() -> None:
@@ -223,6 +245,18 @@ def test_hints_name_flags_not_keywords() -> None:
     assert h("raise gpu_memory_utilization / cpu_kv_bytes") == "raise --gpu-memory-utilization / --cpu-kv-bytes"
     assert h("more than max_num_batched_tokens=2048, and") == "more than --max-num-batched-tokens 2048, and"
     assert h("TOKENMILL_BLOCK_SIZE: x; prompt_token_ids must be") == "TOKENMILL_BLOCK_SIZE: x; prompt_token_ids must be"
+    assert h("temperature must be in [0, 100]") == "--temperature must be in [0, 100]"
+    assert h("the model must be a path; temperature 0") == "the model must be a path; temperature 0"  # prose
+
+
+def test_one_word_flags_are_named_in_their_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: "temperature must be in [0, 100]" and "port must be in [0, 65535], got 70000"."""
+    assert main(["generate", "hi", *TINY, "--temperature", "-1"]) == 2
+    assert _one_line_error(capsys) == "tokenmill: error: --temperature must be in [0, 100]\n"
+    with pytest.raises(SystemExit) as e:  # a bounded setting now: argparse's error, as for --max-num-seqs 0
+        main(["serve", "--port", "70000"])
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert e.value.code == 2 and last.endswith("argument --port: expected an integer in [0, 65535], got '70000'")
 
 
 def test_an_engine_error_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
@@ -405,3 +439,15 @@ def test_readme_client_snippet_ends_the_streamed_line() -> None:
     lines = block.splitlines()
     loop_end = next(i for i, line in enumerate(lines) if 'print(ev.text, end=""' in line)
     assert lines[loop_end + 1].strip().startswith("print()")
+
+
+def test_every_readme_stream_loop_ends_its_line() -> None:
+    """Each README snippet that prints a stream with end="" prints a newline after the loop (the shell prompt,
+    or the next answer, starts on its own line)."""
+    for block in _readme_python_blocks():
+        lines = block.splitlines()
+        for i, line in enumerate(lines):
+            if 'end=""' in line:
+                indent = len(line) - len(line.lstrip())
+                after = [x for x in lines[i + 1:] if x.strip() and len(x) - len(x.lstrip()) < indent]
+                assert after and after[0].strip().startswith("print()"), block

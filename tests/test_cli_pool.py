@@ -123,6 +123,26 @@ def test_readme_client_snippet_prints_two_lines(pool: Pool) -> None:
     assert len(lines) == 2 and all(len(line) == 32 for line in lines), proc.stdout  # fake engine: a char a token
 
 
+def test_readme_http_snippets_work_as_written(pool: Pool) -> None:
+    """The README's curl and `openai` snippets of the HTTP API, only their address replaced by the gateway's."""
+    text = (REPO / "README.md").read_text().split("## The OpenAI-compatible HTTP API", 1)[1]
+    readme_url = "http://127.0.0.1:8000"
+    curl = next(b.split("```", 1)[0] for b in text.split("```bash\n")[1:] if b.startswith("curl "))
+    assert readme_url in curl
+    proc = subprocess.run(["bash", "-c", curl.replace(readme_url, pool.base_url)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    answer = json.loads(proc.stdout)
+    assert answer["choices"][0]["message"]["content"] and answer["usage"]["completion_tokens"] == 32, answer
+    block = next(b.split("```", 1)[0] for b in text.split("```python\n")[1:] if "from openai import OpenAI" in b)
+    assert readme_url in block
+    proc = subprocess.run([sys.executable, "-c", block.replace(readme_url, pool.base_url)], capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [len(line) for line in lines] == [32, 16], proc.stdout  # fake engine: a char a token
+
+
 def test_generate_through_the_broker(pool: Pool) -> None:
     proc = _cli("generate", "hello", "--broker", pool.frontend, "--max-tokens", "5")
     assert proc.returncode == 0, proc.stderr

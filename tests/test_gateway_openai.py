@@ -342,7 +342,7 @@ def _kv_idle(c: Client) -> bool:
                             for w in ws)
 
 
-def test_a_tenant_cannot_cancel_another_tenants_job(pool: Pool) -> None:
+def test_a_tenant_cannot_see_or_cancel_another_tenants_job(pool: Pool) -> None:
     conn, resp = _stream_request(pool, LONG, KEY_A)
     try:
         job_id = _first_data(resp)["id"] + "-0"
@@ -351,6 +351,13 @@ def test_a_tenant_cannot_cancel_another_tenants_job(pool: Pool) -> None:
             async with AsyncClient(pool.broker, owner=owner_of_key(key)) as c:
                 await c.cancel(job_id)
 
+        async def try_subscribe(key: str) -> None:
+            async with AsyncClient(pool.broker, owner=owner_of_key(key)) as c:
+                h = await c.subscribe(job_id)
+                await h.next_events(timeout=10)
+
+        with pytest.raises(Forbidden):
+            asyncio.run(try_subscribe(KEY_B))  # nor see its tokens
         with pytest.raises(Forbidden):
             asyncio.run(try_cancel(KEY_B))
         asyncio.run(try_cancel(KEY_A))  # the owner may

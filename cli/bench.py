@@ -13,6 +13,8 @@ import argparse
 import importlib
 from typing import Any
 
+from tokenmill.cli.errors import OneLineErrorParser
+
 # command -> (module, help); each module has build_parser(parser) and run_cli(args) -> int. Their arguments
 # are parsed by the module's own parser when the command runs, so `tokenmill` itself never imports torch.
 COMMANDS = {
@@ -47,7 +49,7 @@ def bench_parser(module: str, prog: str) -> argparse.ArgumentParser:
     mod = importlib.import_module(module)
     description = (mod.__doc__ or "").replace(f"python -m {module}", prog)
     parser: argparse.ArgumentParser = mod.build_parser(
-        argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter))
+        OneLineErrorParser(prog=prog, description=description, formatter_class=HelpFormatter))
     for action in parser._actions:
         if action.help is None and action.option_strings:
             action.help = "default: %(default)s"  # the formatter adds defaults only to options with a help text

@@ -7,11 +7,13 @@ them as the command line's flags (`--max-tokens`, `--load-format dummy`)."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import socket
 import sys
 from functools import cache
 from pathlib import Path
+from typing import NoReturn
 from urllib.parse import urlsplit
 
 EXIT_USAGE = 2  # a user error (argparse's status for a bad command line)
@@ -24,6 +26,14 @@ class UserError(Exception):
 
 class CommandFailed(Exception):
     """The command cannot run here and now (a port in use, no broker): one line, exit status 1."""
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose command-line errors are one line, as every other user error of `tokenmill` is
+    (argparse prints the whole usage first: ~50 lines for `serve`), with a pointer to --help; exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 @cache

@@ -59,7 +59,7 @@ def _gateway_config(args: argparse.Namespace, broker: str, models: tuple[str, ..
     return GatewayConfig(broker=broker, host=args.host, port=args.port, models=models, api_keys=tuple(keys),
                          request_timeout=args.request_timeout, heartbeat_stale=args.health_stale,
                          progress_stall=args.progress_stall, log_requests=args.access_log,
-                         workers=args.gateway_workers,
+                         workers=args.gateway_workers, drain_timeout=args.drain_timeout,
                          curve_server_key=getattr(args, "curve_server_key", None),
                          curve_secret_key=getattr(args, "curve_secret", None))
 

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from tokenmill.cli.errors import OneLineErrorParser
+
 ENV_PREFIX = "TOKENMILL_"
 CONFIG_ENV = "TOKENMILL_CONFIG"
 PRECEDENCE = "command line > environment (TOKENMILL_*) > --config file > default"
@@ -194,8 +196,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("max_retained", integer(0), 10_000, "finished jobs kept at most", (BROKER, UP), "BrokerConfig.max_retained"),
     _s("migration_limit", integer(0), 3, "dying workers a job may run on before it fails", (BROKER, UP),
        "BrokerConfig.migration_limit"),
-    _s("drain_timeout", number(0), 30.0, "seconds SIGTERM waits for in-flight jobs", (BROKER, UP),
-       "BrokerConfig.drain_timeout"),
+    _s("drain_timeout", number(0), 30.0, "seconds SIGTERM / Ctrl-C waits for in-flight jobs (a gateway: for its "
+       "requests in flight) before it cuts them", (BROKER, UP, GATEWAY),
+       "BrokerConfig.drain_timeout", "GatewayConfig.drain_timeout"),
     _s("busy_poll", number(0, high=1), 0.0, "seconds to keep polling without sleeping after each message (0: off); "
        "lower relay latency for a broker that owns a core, at 100% of that core while tokens flow",
        (BROKER, UP), "BrokerConfig.busy_poll"),
@@ -378,7 +381,7 @@ def add_settings(parser: argparse.ArgumentParser, command: str) -> None:
                                 metavar="{" + ",".join(s.kind.values) + "}" if s.kind.values else s.name.upper())
 
 
-class SettingsParser(argparse.ArgumentParser):
+class SettingsParser(OneLineErrorParser):
     """An ArgumentParser that, after parsing, gives each of its rows (`add_settings`) its value from the
     environment, the --config file or the default when the command line left it off."""
 

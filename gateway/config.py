@@ -33,6 +33,7 @@ class GatewayConfig:
     curve_secret_key: str | None = None  # this gateway's NAME.key_secret
     log_requests: bool = False  # one log line per request (uvicorn's access log)
     workers: int = 1  # gateway processes sharing the port (SO_REUSEPORT; gateway/server.py)
+    drain_timeout: float = 30.0  # seconds a stopping gateway lets its requests in flight finish before it cuts them
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))
@@ -44,6 +45,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
+        if not self.drain_timeout >= 0:
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.max_n < 1:

@@ -11,6 +11,7 @@ keys), never from the command line."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -40,15 +41,30 @@ def uvicorn_config(cfg: GatewayConfig, **overrides: Any) -> uvicorn.Config:
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
     kwargs: dict[str, Any] = {"host": cfg.host, "port": cfg.port, "loop": loop, "http": http,
                               "access_log": cfg.log_requests, "log_level": "warning", "lifespan": "on",
-                              "timeout_graceful_shutdown": 5, "log_config": None}
+                              "timeout_graceful_shutdown": cfg.drain_timeout, "log_config": None}
     kwargs.update(overrides)
     return uvicorn.Config(create_app(cfg), **kwargs)
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, saying on stderr what its graceful shutdown waits for: the first SIGINT / SIGTERM stops
+    new connections and lets the requests in flight (open streams) finish for up to the config's
+    timeout_graceful_shutdown seconds (the gateway's drain_timeout); a second one cuts them at once."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        running = len(self.server_state.tasks)
+        if running and not self.force_exit:
+            print(f"tokenmill gateway: draining: waiting for {running} request(s) in flight, at most "
+                  f"{self.config.timeout_graceful_shutdown:g} s; new connections are refused (Ctrl-C again to "
+                  "stop at once)", file=sys.stderr, flush=True)
+        await super().shutdown(sockets)
+
+
 def serve(cfg: GatewayConfig, **overrides: Any) -> None:
-    """Serve until SIGINT / SIGTERM (uvicorn's handlers; with several workers, the parent's)."""
+    """Serve until SIGINT / SIGTERM (uvicorn's handlers; with several workers, the parent's); then drain
+    (`DrainingServer`)."""
     if cfg.workers == 1:
-        uvicorn.Server(uvicorn_config(cfg, **overrides)).run()
+        DrainingServer(uvicorn_config(cfg, **overrides)).run()
         return
     Workers(cfg).run()
 
@@ -120,17 +136,26 @@ class Workers:
         if callable(previous) and previous not in (signal.default_int_handler,):
             previous(signum, frame)  # e.g. `serve`'s Stopper, which then drains the pool
 
-    def _stop_all(self, timeout: float = 10.0) -> None:
+    def _stop_all(self) -> None:
+        """After a forwarded signal the children drain on their own (up to drain_timeout): wait that long, then
+        SIGTERM them (a second signal: uvicorn stops at once), then SIGKILL. When a child exited by itself,
+        the others are stopped at once."""
+        _wait_all(self.procs, self.cfg.drain_timeout + 5.0 if self._stop else 0.0)
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
-        deadline = time.monotonic() + timeout
+        _wait_all(self.procs, 10.0)
         for p in self.procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(0.0, deadline - time.monotonic()))
 
 
 def _listeners(port: int) -> int:
@@ -159,7 +184,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     cfg = dataclasses.replace(config_from_file(args.config_file), workers=1)
     configure_from_env()
     sock = reuse_port_socket(cfg.host, cfg.port)
-    uvicorn.Server(uvicorn_config(cfg)).run(sockets=[sock])
+    DrainingServer(uvicorn_config(cfg)).run(sockets=[sock])
     return 0
 
 

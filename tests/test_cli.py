@@ -191,6 +191,21 @@ def test_a_user_error_of_the_real_command_has_no_traceback() -> None:
     assert proc.stderr.startswith("tokenmill: error: --model /missing.gguf: ") and proc.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize(("argv", "prog", "says"), [
+    (["serve", "--port", "70000"], "tokenmill serve", "argument --port: expected an integer in [0, 65535]"),
+    (["serv"], "tokenmill", "argument command: invalid choice: 'serv'"),
+    (["generate"], "tokenmill generate", "the following arguments are required: prompt"),
+    (["bench", "serving", "--num-prompts", "x"], "tokenmill bench serving", "argument --num-prompts: invalid int"),
+])
+def test_a_bad_command_line_is_one_line_not_the_whole_usage(argv: list[str], prog: str, says: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"{prog}: error: {says}") and err.endswith(f"(see {prog} --help)\n"), err
+
+
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     from importlib.metadata import version
 
@@ -255,8 +270,9 @@ def test_one_word_flags_are_named_in_their_errors(capsys: pytest.CaptureFixture[
     assert _one_line_error(capsys) == "tokenmill: error: --temperature must be in [0, 100]\n"
     with pytest.raises(SystemExit) as e:  # a bounded setting now: argparse's error, as for --max-num-seqs 0
         main(["serve", "--port", "70000"])
-    last = capsys.readouterr().err.splitlines()[-1]
-    assert e.value.code == 2 and last.endswith("argument --port: expected an integer in [0, 65535], got '70000'")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("tokenmill serve: error: argument --port: expected an integer in "
+                                                "[0, 65535], got '70000'") and err.count("\n") == 1, err
 
 
 def test_an_engine_error_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,8 +1,8 @@
 """FP8 W8A8 (e4m3): weights per output channel (w ~ q * s_w), activations quantized per token at run time
 (x ~ q_x * s_x, s_x = max|x_row| / 448), on a GPU with FP8 tensor cores (CUDA compute capability >= 8.9:
-Ada, Hopper and later): one torch._scaled_mm per matmul, or with KernelConfig.fp8_skinny (off by default: slower
-so far) for up to 16 tokens one Triton kernel that also quantizes the activations and fuses the RMSNorm / SwiGLU
-before it (kernels/fp8_gemv.py). Canonical tensors:
+Ada, Hopper and later): one activation-quantizing kernel (kernels/fp8_quant.py) and one torch._scaled_mm per
+matmul, or with KernelConfig.fp8_skinny (off by default: slower so far) for up to 16 tokens one Triton kernel that
+also quantizes the activations and fuses the RMSNorm / SwiGLU before it (kernels/fp8_gemv.py). Canonical tensors:
 qweight float8_e4m3fn [out, in], scales float32 [out, 1].
 
 Elsewhere the method refuses to build, with one exception: `emulate=True` (accuracy studies and tests on the
@@ -12,6 +12,7 @@ never asks for it. FP8 KV cache: `check_kv_cache_dtype` (the cache itself: worke
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar, cast
 
 import torch
@@ -23,6 +24,12 @@ from tokenmill.worker.quant.base import LinearMethod
 from tokenmill.worker.quant.packed import SKINNY_MAX_ROWS, frozen, layer_bias, register_bias
 
 KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+@functools.cache
+def _one(device: torch.device) -> torch.Tensor:
+    """The unit scale of a tensor-wise torch._scaled_mm operand (float32, one element, on `device`)."""
+    return torch.ones((), dtype=torch.float32, device=device)
 
 
 def fp8_supported(device: torch.device) -> bool:
@@ -121,9 +128,22 @@ class Fp8LinearMethod(LinearMethod):
     @staticmethod
     def _scaled_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
-        """Row-wise scaled e4m3 GEMM: scale_a [M, 1] per token, scale_b [1, N] per channel (bf16 output, as
-        cuBLASLt's row-wise scaling requires), then the bias and the cast to x's dtype."""
-        qx, sx = quantize_fp8_rows(x)
+        """e4m3 GEMM of x quantized per token (one kernel: kernels/fp8_quant.py) with the weight, then the
+        bias and the cast to x's dtype. Several tokens: row-wise scaling, scale_a [M, 1] x scale_b [1, N] (bf16
+        output, as cuBLASLt's row-wise scaling requires). One token (batch-1 decode): its scale is the whole
+        activation's, so the GEMM is cuBLASLt's tensor-wise one (1.4-1.8x bf16's speed at M = 1 on the H200,
+        where row-wise runs at 0.86-1.4x: ../shared/GPU.md) with a float32 output, and the channel scales,
+        the bias and the one rounding follow it."""
+        from tokenmill.kernels.fp8_quant import fp8_quantize_rows  # Triton: imported where a GPU runs it
+
+        qx, sx = fp8_quantize_rows(x)
+        if x.shape[0] == 1:
+            y32 = torch._scaled_mm(qx, q.t(), scale_a=sx.reshape(()), scale_b=_one(x.device),
+                                   out_dtype=torch.float32)  # [1, N] = sum q_x q_w * s_x
+            y32 = y32 * scales.reshape(1, -1)
+            if bias is not None:
+                y32 = y32 + bias.float()
+            return y32.to(x.dtype)
         y = torch._scaled_mm(qx, q.t(), scale_a=sx, scale_b=scales.reshape(1, -1), out_dtype=torch.bfloat16)
         if bias is not None:
             y = y + bias.to(y.dtype)

@@ -1,0 +1,118 @@
+"""kernels/fp8_quant.py, per-row e4m3 quantization of activations in one kernel, against its torch reference
+(kernels/quant_weight.py quantize_fp8_rows): the same scales and the same bits.
+
+Under the Triton interpreter the float -> e4m3 conversion is not the hardware's between grid points (see
+tests/test_fp8_gemv.py), so the CPU tests use rows that lie on the e4m3 grid after their scaling (one element
++-448 x a power of two); random rows, whose values fall between grid points, are checked on the GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_aot import run_sm90_compile
+
+from tokenmill.kernels.fp8_quant import _MAX_SINGLE_PASS, fp8_quantize_rows
+from tokenmill.kernels.quant_weight import FP8, quantize_fp8_rows
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+
+def _grid_rows(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rows whose quantization is exact: e4m3 values times a power of two per row, one of them 448."""
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(m, k, generator=gen) * 100).clamp(-440, 440).to(FP8).float()
+    q[torch.arange(m), torch.randint(0, k, (m,), generator=gen)] = 448.0
+    return (q * 2.0 ** torch.randint(-8, 3, (m, 1), generator=gen).float()).to(dtype).to(DEV)
+
+
+def _check(x: torch.Tensor) -> None:
+    q, s = fp8_quantize_rows(x)
+    rq, rs = quantize_fp8_rows(x)
+    assert q.dtype == FP8 and q.shape == x.shape and q.is_contiguous() and s.shape == (x.shape[0], 1)
+    assert torch.equal(s, rs), (s - rs).abs().max()
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), (q.float() - rq.float()).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("m", "k"), [(1, 576), (5, 200), (3, _MAX_SINGLE_PASS + 1000)],
+                         ids=["m1", "m5-ragged", "two-pass"])
+def test_fp8_quantize_rows_on_grid_rows(dtype: torch.dtype, m: int, k: int) -> None:
+    _check(_grid_rows(m, k, dtype, m + k))
+
+
+def test_fp8_quantize_rows_zero_rows_and_a_row_stride() -> None:
+    x = _grid_rows(4, 300, torch.float32, 7)
+    x[2] = 0.0  # an all-zero row keeps a finite scale and quantizes to zeros
+    _check(x)
+    wide = torch.zeros(4, 512, device=DEV)
+    wide[:, 100:400] = x
+    _check(wide[:, 100:400])  # columns contiguous, rows 512 apart
+    assert fp8_quantize_rows(x)[1][2, 0].item() == pytest.approx(1e-12)
+
+
+@pytest.mark.parametrize(("x", "says"), [
+    (torch.zeros(2, 3, 4), "must be \\[rows, cols\\]"),
+    (torch.zeros(2, 4, dtype=torch.int32), "dtype"),
+    (torch.zeros(4, 2).t(), "contiguous"),
+])
+def test_fp8_quantize_rows_bad_input(x: torch.Tensor, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        fp8_quantize_rows(x.to(DEV))
+
+
+def _sm90_compile() -> None:
+    """Run in a subprocess with TRITON_INTERPRET=0: both variants compile for Hopper, with an e4m3 cast and
+    IEEE-rounded division (the reference's)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler import compile as triton_compile
+
+    import tokenmill.kernels.fp8_quant as fq
+
+    fn = fq._fp8_quantize_rows_kernel
+    names = list(fn.arg_names)
+    for single, block in ((True, 16384), (False, 4096)):
+        consts = {"FP8_MAX_": 448.0, "MIN_SCALE": 1e-12, "BLOCK": block, "SINGLE_PASS": single, "PDL": True}
+        types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+        sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in names}
+        kernel = triton_compile(ASTSource(fn, sig, {(names.index(a),): v for a, v in consts.items()}),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        ptx = str(kernel.asm["ptx"])
+        assert "e4m3" in ptx and "div.rn.f32" in ptx, f"{single=}: no e4m3 cast or no IEEE division"
+
+
+@pytest.mark.slow
+def test_fp8_quantize_kernel_compiles_for_hopper(tmp_path: Path) -> None:
+    run_sm90_compile("test_fp8_quant", "_sm90_compile", tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the hardware's e4m3 rounding between grid points")
+@pytest.mark.parametrize(("m", "k"), [(1, 4096), (37, 4096), (1, 14336), (9, 20000)])
+def test_fp8_quantize_rows_random_bf16_rows_on_the_gpu(m: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(k + m)
+    _check((torch.randn(m, k, generator=gen) * 3).to(torch.bfloat16).to(DEV))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._scaled_mm needs FP8 tensor cores")
+@pytest.mark.parametrize("m", [1, 5, 64], ids=lambda m: f"m{m}")  # m1: the tensor-wise GEMM; more: row-wise
+def test_fp8_method_matmul_against_the_emulation_on_the_gpu(m: int) -> None:
+    from tokenmill.kernels.quant_weight import fp8_matmul_ref
+    from tokenmill.worker.quant.fp8 import Fp8LinearMethod, fp8_supported
+
+    if not fp8_supported(DEV):
+        pytest.skip("this GPU has no FP8 tensor cores")
+    gen = torch.Generator().manual_seed(m)
+    w = (torch.randn(1024, 4096, generator=gen) / 64).to(DEV)
+    q, s = quantize_fp8_rows(w)
+    x = torch.randn(m, 4096, generator=gen).to(torch.bfloat16).to(DEV)
+    bias = torch.randn(1024, generator=gen).to(torch.bfloat16).to(DEV)
+    for b in (None, bias):
+        y = Fp8LinearMethod._scaled_mm(x, q, s, b)
+        ref = fp8_matmul_ref(x, q, s, b)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, 1024)
+        assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2

@@ -2,10 +2,11 @@
 torch._scaled_mm (worker/quant/fp8.py).
 
     fp8_quantize_rows(x [R, C]) -> (q e4m3 [R, C], scales float32 [R, 1])
-        scale_r = max(max_c |x_rc| / 448, 1e-12);  q_rc = e4m3(clamp(x_rc / scale_r, -448, 448))
+        scale_r = max(max_c |x_rc| * fp32(1 / 448), 1e-12);  q_rc = e4m3(clamp(x_rc / scale_r, -448, 448))
 
-exactly kernels/quant_weight.py `quantize_fp8_rows` (the reference: fp32 arithmetic, IEEE division, the cast
-rounding to nearest even). That torch version is ~8 kernels (a float copy, abs, amax, two divisions, two
+exactly kernels/quant_weight.py `quantize_fp8_rows` (the reference: fp32 arithmetic, the scale a product with
+the reciprocal as PyTorch's CUDA division by a scalar computes it, the quotients x / scale IEEE-rounded, the
+cast rounding to nearest even). That torch version is ~8 kernels (a float copy, abs, amax, two divisions, two
 clamps, the cast) and several passes over x; at batch 1 their launches cost more than the matmul's weight
 bytes, 128 matmuls a step for Llama-3-8B. Here one program per row reads it once (rows up to
 _MAX_SINGLE_PASS columns stay in registers; longer rows are read twice).
@@ -18,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .launch import next_pow2, pdl_launch_args, pdl_release, pdl_wait
-from .quant_weight import _FP8_MIN_SCALE, FP8, FP8_MAX
+from .quant_weight import _FP8_MIN_SCALE, FP8, FP8_INV_MAX, FP8_MAX
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_SINGLE_PASS = 16384  # columns a program keeps in registers (Llama-3-8B's widest input: 14,336)
@@ -31,7 +32,7 @@ def _fp8_quantize_rows_kernel(
     q_ptr,  # [R, C] e4m3, contiguous
     s_ptr,  # [R] float32 scales
     C, stride_x,
-    FP8_MAX_: tl.constexpr, MIN_SCALE: tl.constexpr,
+    FP8_MAX_: tl.constexpr, INV_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
     SINGLE_PASS: tl.constexpr,  # BLOCK >= C: one read of the row
     PDL: tl.constexpr,  # programmatic dependent launch protocol (kernels/launch.py)
@@ -44,7 +45,7 @@ def _fp8_quantize_rows_kernel(
         offs = tl.arange(0, BLOCK)
         mask = offs < C
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), FP8_MAX_), MIN_SCALE)
+        scale = tl.maximum(tl.max(tl.abs(x), 0) * INV_MAX, MIN_SCALE)
         q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_, FP8_MAX_)
         tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     else:
@@ -53,7 +54,7 @@ def _fp8_quantize_rows_kernel(
             offs = start + tl.arange(0, BLOCK)
             x = tl.load(x_row + offs, mask=offs < C, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), FP8_MAX_), MIN_SCALE)
+        scale = tl.maximum(tl.max(amax, 0) * INV_MAX, MIN_SCALE)
         for start in range(0, C, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < C
@@ -81,6 +82,6 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     single = cols <= _MAX_SINGLE_PASS
     block = next_pow2(cols) if single else _LOOP_BLOCK
     _fp8_quantize_rows_kernel[(rows,)](
-        x, q, scales, cols, x.stride(0), FP8_MAX_=FP8_MAX, MIN_SCALE=_FP8_MIN_SCALE, BLOCK=block,
+        x, q, scales, cols, x.stride(0), FP8_MAX_=FP8_MAX, INV_MAX=FP8_INV_MAX, MIN_SCALE=_FP8_MIN_SCALE, BLOCK=block,
         SINGLE_PASS=single, num_warps=8 if block >= 4096 else 4, **pdl_launch_args(x.device))
     return q, scales

@@ -190,13 +190,19 @@ def scale_later(w: PackedWeight) -> bool:
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
+FP8_INV_MAX = 1.0 / FP8_MAX  # the scales' factor (quantize_fp8_rows); 448 * fp32(1 / 448) == 1 exactly
 _FP8_MIN_SCALE = 1e-12  # an all-zero row or token keeps a finite scale
 
 
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C] -> (q e4m3 [R, C], scales float32 [R, 1]) with x ~ q * scale, scale = max|x_row| / 448."""
+    """x [R, C] -> (q e4m3 [R, C], scales float32 [R, 1]) with x ~ q * scale, scale = max|x_row| / 448.
+
+    The scale is max|x_row| times fp32(1 / 448): what PyTorch's CUDA division by a Python scalar computes
+    (a * reciprocal(b)), where its CPU division rounds the quotient itself and may differ in the last bit.
+    Written as the product, the scales are the same on every device, and the Triton kernel
+    (kernels/fp8_quant.py) computes the same bits."""
     x32 = x.float()
-    scales = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(_FP8_MIN_SCALE)
+    scales = (x32.abs().amax(dim=-1, keepdim=True) * FP8_INV_MAX).clamp_min(_FP8_MIN_SCALE)
     return (x32 / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
 
 

@@ -43,6 +43,18 @@ def test_fp8_quantize_rows_on_grid_rows(dtype: torch.dtype, m: int, k: int) -> N
     _check(_grid_rows(m, k, dtype, m + k))
 
 
+def test_the_scale_is_the_product_with_the_reciprocal_on_every_device() -> None:
+    """PyTorch's CUDA division by a Python scalar multiplies by the reciprocal and its CPU division does not:
+    13.37 / 448 differs between them in the last bit. The reference (and so the kernel) takes the product."""
+    amax = torch.tensor([13.37])
+    assert (amax * (1 / 448)).item() != (amax / 448).item()  # the two roundings differ for this value
+    x = torch.tensor([[13.37, -2.0, 0.5]])
+    assert quantize_fp8_rows(x)[1].item() == (amax * (1 / 448)).item()
+    gen = torch.Generator().manual_seed(5)
+    rows = (torch.randn(6, 333, generator=gen) * 7).to(DEV)  # off the grid: the scales are exact all the same
+    assert torch.equal(fp8_quantize_rows(rows)[1], quantize_fp8_rows(rows)[1])
+
+
 def test_fp8_quantize_rows_zero_rows_and_a_row_stride() -> None:
     x = _grid_rows(4, 300, torch.float32, 7)
     x[2] = 0.0  # an all-zero row keeps a finite scale and quantizes to zeros
@@ -75,7 +87,8 @@ def _sm90_compile() -> None:
     fn = fq._fp8_quantize_rows_kernel
     names = list(fn.arg_names)
     for single, block in ((True, 16384), (False, 4096)):
-        consts = {"FP8_MAX_": 448.0, "MIN_SCALE": 1e-12, "BLOCK": block, "SINGLE_PASS": single, "PDL": True}
+        consts = {"FP8_MAX_": 448.0, "INV_MAX": 1 / 448, "MIN_SCALE": 1e-12, "BLOCK": block, "SINGLE_PASS": single,
+                  "PDL": True}
         types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
         sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in names}
         kernel = triton_compile(ASTSource(fn, sig, {(names.index(a),): v for a, v in consts.items()}),

@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,7 +56,8 @@ def register(sub: Any) -> None:
     h = sub.add_parser("health", help="exit 0 if the gateway (--url) or broker (--broker) is healthy, else 1")
     where = h.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", default=None,
-                       help="a gateway's /health URL: healthy when it answers 200 (default: none)")
+                       help="a gateway's /health URL (or its base URL, http://HOST:PORT or .../v1: /health is "
+                            "added): healthy when it answers 200 (default: none)")
     where.add_argument("--broker", default=None,
                        help="a broker's client address: healthy when it answers (default: none; give --url or this)")
     h.add_argument("--worker", default=None, help="only this worker: with --broker, healthy while it is registered; "
@@ -232,7 +234,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
 def cmd_health(args: argparse.Namespace) -> int:
     """Exit 0 when healthy; else one line saying why and exit 1."""
     if args.url:
-        ok, why = _url_health(args.url, args.timeout, args.worker)
+        ok, why = _url_health(health_url(args.url), args.timeout, args.worker)
     else:
         stats = _stats(args.broker, args.timeout)
         names = {str(w.get("name")) for w in stats.get("workers") or []}
@@ -242,6 +244,15 @@ def cmd_health(args: argparse.Namespace) -> int:
         print(f"tokenmill: unhealthy: {args.url or args.broker}: {why}", file=sys.stderr)
         return EXIT_FAILURE
     return 0
+
+
+def health_url(url: str) -> str:
+    """`url` as a gateway's /health URL: a base URL (no path, "/" or the OpenAI base "/v1") gets "/health";
+    any other path is taken as given."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.path.rstrip("/") in ("", "/v1"):
+        parts = parts._replace(path="/health")
+    return urllib.parse.urlunsplit(parts)
 
 
 def _url_health(url: str, timeout: float, worker: str | None) -> tuple[bool, str]:

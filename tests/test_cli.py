@@ -206,6 +206,16 @@ def test_a_bad_command_line_is_one_line_not_the_whole_usage(argv: list[str], pro
     assert err.startswith(f"{prog}: error: {says}") and err.endswith(f"(see {prog} --help)\n"), err
 
 
+def test_health_takes_a_gateways_base_url_too() -> None:
+    from tokenmill.cli.models_cmds import health_url
+
+    for given in ("http://127.0.0.1:8000", "http://127.0.0.1:8000/", "http://127.0.0.1:8000/v1",
+                  "http://127.0.0.1:8000/v1/"):
+        assert health_url(given) == "http://127.0.0.1:8000/health", given
+    assert health_url("http://h:1/health?worker=w") == "http://h:1/health?worker=w"
+    assert health_url("http://h:1/custom/healthz") == "http://h:1/custom/healthz"
+
+
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     from importlib.metadata import version
 

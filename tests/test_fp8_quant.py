@@ -110,19 +110,20 @@ def test_fp8_quantize_rows_random_bf16_rows_on_the_gpu(m: int, k: int) -> None:
     _check((torch.randn(m, k, generator=gen) * 3).to(torch.bfloat16).to(DEV))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._scaled_mm needs FP8 tensor cores")
 @pytest.mark.parametrize("m", [1, 5, 64], ids=lambda m: f"m{m}")  # m1: the tensor-wise GEMM; more: row-wise
-def test_fp8_method_matmul_against_the_emulation_on_the_gpu(m: int) -> None:
+def test_fp8_method_matmul_against_the_emulation(m: int) -> None:
+    """Fp8LinearMethod's GPU path (this kernel, torch._scaled_mm, the scales and bias after it) against the
+    emulation; on the CPU through torch's own _scaled_mm and the interpreter, with rows on the e4m3 grid."""
     from tokenmill.kernels.quant_weight import fp8_matmul_ref
     from tokenmill.worker.quant.fp8 import Fp8LinearMethod, fp8_supported
 
-    if not fp8_supported(DEV):
+    if DEV.type == "cuda" and not fp8_supported(DEV):
         pytest.skip("this GPU has no FP8 tensor cores")
     gen = torch.Generator().manual_seed(m)
     w = (torch.randn(1024, 4096, generator=gen) / 64).to(DEV)
     q, s = quantize_fp8_rows(w)
-    x = torch.randn(m, 4096, generator=gen).to(torch.bfloat16).to(DEV)
+    x = (torch.randn(m, 4096, generator=gen).to(torch.bfloat16).to(DEV) if DEV.type == "cuda" else
+         _grid_rows(m, 4096, torch.bfloat16, m))
     bias = torch.randn(1024, generator=gen).to(torch.bfloat16).to(DEV)
     for b in (None, bias):
         y = Fp8LinearMethod._scaled_mm(x, q, s, b)

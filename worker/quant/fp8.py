@@ -140,10 +140,10 @@ class Fp8LinearMethod(LinearMethod):
         if x.shape[0] == 1:
             y32 = torch._scaled_mm(qx, q.t(), scale_a=sx.reshape(()), scale_b=_one(x.device),
                                    out_dtype=torch.float32)  # [1, N] = sum q_x q_w * s_x
-            y32 = y32 * scales.reshape(1, -1)
-            if bias is not None:
-                y32 = y32 + bias.float()
-            return y32.to(x.dtype)
+            y = torch.empty(y32.shape, dtype=x.dtype, device=x.device)  # one kernel: * s_w (+ bias), one rounding
+            if bias is None:
+                return torch.mul(y32, scales.reshape(1, -1), out=y)
+            return torch.addcmul(bias, y32, scales.reshape(1, -1), out=y)
         y = torch._scaled_mm(qx, q.t(), scale_a=sx, scale_b=scales.reshape(1, -1), out_dtype=torch.bfloat16)
         if bias is not None:
             y = y + bias.to(y.dtype)

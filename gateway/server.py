@@ -33,17 +33,21 @@ from tokenmill.protocol.logs import configure_from_env
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's multiprocess mode reads it at import
 
 
-def uvicorn_config(cfg: GatewayConfig, **overrides: Any) -> uvicorn.Config:
-    """uvicorn's settings for the gateway app (uvloop and httptools where they are installed)."""
-    from tokenmill.gateway.app import create_app
-
+def uvicorn_settings(cfg: GatewayConfig) -> dict[str, Any]:
+    """uvicorn.Config's keyword arguments for the gateway (uvloop and httptools where they are installed)."""
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
-    kwargs: dict[str, Any] = {"host": cfg.host, "port": cfg.port, "loop": loop, "http": http,
-                              "access_log": cfg.log_requests, "log_level": "warning", "lifespan": "on",
-                              "timeout_graceful_shutdown": cfg.drain_timeout, "log_config": None}
-    kwargs.update(overrides)
-    return uvicorn.Config(create_app(cfg), **kwargs)
+    return {"host": cfg.host, "port": cfg.port, "loop": loop, "http": http, "access_log": cfg.log_requests,
+            "log_level": "warning", "lifespan": "on", "timeout_graceful_shutdown": cfg.drain_timeout,
+            "log_config": None}
+
+
+def uvicorn_config(cfg: GatewayConfig, **overrides: Any) -> uvicorn.Config:
+    """uvicorn's Config for the gateway app (`uvicorn_settings` and `overrides`). Building one sets the levels
+    of uvicorn's loggers in this process."""
+    from tokenmill.gateway.app import create_app
+
+    return uvicorn.Config(create_app(cfg), **(uvicorn_settings(cfg) | overrides))
 
 
 class DrainingServer(uvicorn.Server):

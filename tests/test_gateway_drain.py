@@ -15,7 +15,7 @@ from pathlib import Path
 from helpers_net import free_port, wait_until
 
 from tokenmill.gateway.config import GatewayConfig
-from tokenmill.gateway.server import uvicorn_config
+from tokenmill.gateway.server import uvicorn_settings
 
 # A stand-in for a long completion stream: 8 chunks 0.75 s apart (6 s, past uvicorn's old 5 s cut-off).
 SLOW_APP = textwrap.dedent('''
@@ -102,5 +102,6 @@ def test_a_second_ctrl_c_cuts_the_streams_at_once(tmp_path: Path) -> None:
 
 
 def test_the_drain_timeout_reaches_uvicorn() -> None:
-    assert uvicorn_config(GatewayConfig(drain_timeout=12.5)).timeout_graceful_shutdown == 12.5
-    assert uvicorn_config(GatewayConfig()).timeout_graceful_shutdown == 30.0
+    # (the settings, not a uvicorn.Config: building one would set uvicorn's logger levels for later tests)
+    assert uvicorn_settings(GatewayConfig(drain_timeout=12.5))["timeout_graceful_shutdown"] == 12.5
+    assert uvicorn_settings(GatewayConfig())["timeout_graceful_shutdown"] == 30.0

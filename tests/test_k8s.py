@@ -65,7 +65,8 @@ def test_broker_gateway_and_workers() -> None:
         assert {p["targetPort"] for p in svc["spec"]["ports"]} <= named
     assert deps["tokenmill-broker"]["spec"]["replicas"] == 1
     assert deps["tokenmill-broker"]["spec"]["strategy"]["type"] == "Recreate"
-    assert deps["tokenmill-broker"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 30  # drain
+    for name in ("tokenmill-broker", "tokenmill-gateway"):  # drain: jobs in flight, open streams (30 s each)
+        assert deps[name]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 30, name
     worker = _container(deps["tokenmill-worker"])
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
     gateway = _container(deps["tokenmill-gateway"])

@@ -101,12 +101,30 @@ class Procs:
     def close(self) -> None:
         for pr in self.procs:
             if pr.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pr.pid, signal.SIGCONT)
-                    os.killpg(pr.pid, signal.SIGKILL)
+                # `serve` / `up` start their broker and workers in sessions of their own (a terminal's Ctrl-C
+                # reaches only the parent, which drains them in order): kill those groups as well
+                for pid in (*_descendants(pr.pid), pr.pid):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pid, signal.SIGCONT)
+                        os.killpg(pid, signal.SIGKILL)
         for pr in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 pr.wait(10)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The live descendants of `pid` (from /proc; none where it cannot be read), children before their own."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def wait_gateway(ps: Procs, gateway: subprocess.Popen[bytes], port: int, timeout: float = 120.0,

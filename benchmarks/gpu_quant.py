@@ -890,8 +890,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_decode:
         payload["decode"] = {q: decode_b1(args.model, q, args.steps) for q in args.decode_formats}
     if not args.skip_fixed:
-        payload["kv_blocks"] = kv_blocks(args.model)
-        _release()
+        payload["kv_blocks"] = kv_blocks(args.model)  # (its engines released)
         payload["fixed"] = {}
         for name, q, kv in (("bf16", "auto", "auto"), ("fp8_fp8kv", "fp8", "fp8")):
             payload["fixed"][name] = fixed_run(args.model, q, kv, args.fixed_requests)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from helpers_aot import run_sm90_compile
+from helpers_fp8 import grid_rows
 
 from tokenmill.kernels.fp8_gemv import (
     fp8_add_rmsnorm_matmul,
@@ -23,7 +24,7 @@ from tokenmill.kernels.fp8_gemv import (
     fp8_skinny_matmul,
 )
 from tokenmill.kernels.gemv import SkinnyConfig
-from tokenmill.kernels.quant_weight import FP8, fp8_matmul_ref, quantize_fp8_rows
+from tokenmill.kernels.quant_weight import fp8_matmul_ref, quantize_fp8_rows
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -36,21 +37,12 @@ def _weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(DEV), s.to(DEV)
 
 
-def _grid_rows(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Activations whose per-token quantization is exact: e4m3 values times a power of two per row, one of them
-    +-448 (so the row's scale is that power of two)."""
-    gen = torch.Generator().manual_seed(seed)
-    q = (torch.randn(m, k, generator=gen) * 100).clamp(-440, 440).to(FP8).float()
-    q[:, int(torch.randint(0, k, (1,), generator=gen))] = 448.0
-    return (q * 2.0 ** torch.randint(-8, 3, (m, 1), generator=gen).float()).to(dtype).to(DEV)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize(("m", "k"), [(1, 256), (5, 200), (16, 128)], ids=["m1", "m5-ragged-k", "m16"])
 def test_fp8_skinny_matmul_on_grid_activations(dtype: torch.dtype, m: int, k: int) -> None:
     n = 40
     q, s = _weight(n, k, 1)
-    x = _grid_rows(m, k, dtype, 2)
+    x = grid_rows(m, k, dtype, 2, DEV)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEV)
     qx, sx = quantize_fp8_rows(x)
     assert torch.equal(qx.float() * sx, x.float()), "the test's activations quantize exactly"

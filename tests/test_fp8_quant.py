@@ -12,20 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_aot import run_sm90_compile
+from helpers_fp8 import grid_rows
 
 from tokenmill.kernels.fp8_quant import _MAX_SINGLE_PASS, fp8_quantize_rows
 from tokenmill.kernels.quant_weight import FP8, quantize_fp8_rows
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
-
-
-def _grid_rows(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Rows whose quantization is exact: e4m3 values times a power of two per row, one of them 448."""
-    gen = torch.Generator().manual_seed(seed)
-    q = (torch.randn(m, k, generator=gen) * 100).clamp(-440, 440).to(FP8).float()
-    q[torch.arange(m), torch.randint(0, k, (m,), generator=gen)] = 448.0
-    return (q * 2.0 ** torch.randint(-8, 3, (m, 1), generator=gen).float()).to(dtype).to(DEV)
 
 
 def _check(x: torch.Tensor) -> None:
@@ -40,7 +33,7 @@ def _check(x: torch.Tensor) -> None:
 @pytest.mark.parametrize(("m", "k"), [(1, 576), (5, 200), (3, _MAX_SINGLE_PASS + 1000)],
                          ids=["m1", "m5-ragged", "two-pass"])
 def test_fp8_quantize_rows_on_grid_rows(dtype: torch.dtype, m: int, k: int) -> None:
-    _check(_grid_rows(m, k, dtype, m + k))
+    _check(grid_rows(m, k, dtype, m + k, DEV))
 
 
 def test_the_scale_is_the_product_with_the_reciprocal_on_every_device() -> None:
@@ -56,7 +49,7 @@ def test_the_scale_is_the_product_with_the_reciprocal_on_every_device() -> None:
 
 
 def test_fp8_quantize_rows_zero_rows_and_a_row_stride() -> None:
-    x = _grid_rows(4, 300, torch.float32, 7)
+    x = grid_rows(4, 300, torch.float32, 7, DEV)
     x[2] = 0.0  # an all-zero row keeps a finite scale and quantizes to zeros
     _check(x)
     wide = torch.zeros(4, 512, device=DEV)
@@ -123,7 +116,7 @@ def test_fp8_method_matmul_against_the_emulation(m: int) -> None:
     w = (torch.randn(1024, 4096, generator=gen) / 64).to(DEV)
     q, s = quantize_fp8_rows(w)
     x = (torch.randn(m, 4096, generator=gen).to(torch.bfloat16).to(DEV) if DEV.type == "cuda" else
-         _grid_rows(m, 4096, torch.bfloat16, m))
+         grid_rows(m, 4096, torch.bfloat16, m, DEV))
     bias = torch.randn(1024, generator=gen).to(torch.bfloat16).to(DEV)
     for b in (None, bias):
         y = Fp8LinearMethod._scaled_mm(x, q, s, b)

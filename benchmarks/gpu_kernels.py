@@ -226,13 +226,14 @@ def run_attn(
     max_seq_len: int,
     config: Any = None,
     num_splits: int | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     from tokenmill.kernels.paged_attention import paged_attention
 
     return paged_attention(
         s.q, k_pool, v_pool, s.block_tables, s.seq_lens, s.qsl, HEAD_DIM**-0.5,
         max_query_len=max_query_len, max_seq_len=max_seq_len, out=s.out, config=config,
-        num_splits=num_splits,
+        num_splits=num_splits, kv_scales=kv_scales,
     )  # fmt: skip
 
 
@@ -244,11 +245,12 @@ def attn_call(
     max_seq_len: int,
     config: Any = None,
     num_splits: int | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> Callable[[int], object]:
     """fn(i) running the attention kernel on input set i."""
 
     def call(i: int) -> object:
-        return run_attn(sets[i], k_pool, v_pool, max_query_len, max_seq_len, config, num_splits)
+        return run_attn(sets[i], k_pool, v_pool, max_query_len, max_seq_len, config, num_splits, kv_scales)
 
     return call
 
@@ -261,12 +263,14 @@ def check_attn(
     max_seq_len: int,
     config: Any = None,
     num_splits: int | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> float:
     from tokenmill.kernels.attention_ref import paged_attention_ref
 
     s.out.fill_(float("nan"))
-    out = run_attn(s, k_pool, v_pool, max_query_len, max_seq_len, config, num_splits).clone()
-    ref = paged_attention_ref(s.q, k_pool, v_pool, s.block_tables, s.seq_lens, s.qsl, HEAD_DIM**-0.5)
+    out = run_attn(s, k_pool, v_pool, max_query_len, max_seq_len, config, num_splits, kv_scales).clone()
+    ref = paged_attention_ref(s.q, k_pool, v_pool, s.block_tables, s.seq_lens, s.qsl, HEAD_DIM**-0.5,
+                              kv_scales=kv_scales)
     err = rel_err(out, ref)
     if not err < 1e-2:  # also catches NaN
         raise AssertionError(f"paged_attention mismatch: relative error {err:.3e}")
@@ -391,6 +395,67 @@ def section_decode(ctx: Ctx) -> Row:
          f"({DECODE_CONFIG})",
          ["batch", "context", "splits", "us", "KV GB/s", "% copy"], rows)
     )  # fmt: skip
+    return result
+
+
+# FP8 KV decode: (batch, context) points of serving (the fixed 1000/1000 run decodes 256 requests at 1-2k keys)
+FP8_DECODE_POINTS = [(1, 4096), (32, 4096), (128, 2048), (256, 1536), (256, 4096)]
+
+
+def section_decode_fp8(ctx: Ctx) -> Row:
+    """Decode attention over fp8 caches against bf16: V slot-major (a plain [blocks, slots, Hkv, D] tensor) and
+    dim-major (kernels/kv_cache.py new_kv_cache, the engine's), at the default decode config and wider tiles."""
+    from tokenmill.kernels.attention_ref import quantize_kv_fp8
+    from tokenmill.kernels.kv_cache import FP8_KV, new_kv_cache
+    from tokenmill.kernels.paged_attention import DECODE_CONFIG, PagedAttentionConfig
+
+    gen = torch.Generator().manual_seed(0)
+    points = FP8_DECODE_POINTS if not SMOKE else DECODE_TUNE_POINTS
+    rot = {bc: n_rotations(kv_bytes(*bc) // 2, ctx.l2_bytes) for bc in points}
+    pool_blocks = max(rot[(b, c)] * b * math.ceil(c / BLOCK_SIZE) for b, c in points)
+    shape = (pool_blocks, BLOCK_SIZE, HKV, HEAD_DIM)
+    k16 = torch.empty(shape, dtype=DTYPE, device=DEV).normal_()
+    v16 = torch.empty(shape, dtype=DTYPE, device=DEV).normal_()
+    scales = torch.full((2, HKV), 1.0 / 64, device=DEV)
+    k8, v8_dim = new_kv_cache(*shape, FP8_KV, DEV)
+    k8.copy_(quantize_kv_fp8(k16.float(), scales[0]))
+    v8_slot = quantize_kv_fp8(v16.float(), scales[1])
+    v8_dim.copy_(v8_slot)
+    del v16
+    v16 = (v8_slot.float() * scales[1][:, None]).to(DTYPE)  # bf16 pools hold the same values as the fp8 ones
+    k16.copy_(k8.float() * scales[0][:, None])
+    variants: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None, PagedAttentionConfig]] = [
+        (str(DTYPE).removeprefix("torch."), k16, v16, None, DECODE_CONFIG),
+        ("fp8 V slot-major", k8, v8_slot, scales, DECODE_CONFIG),
+        ("fp8 V dim-major", k8, v8_dim, scales, DECODE_CONFIG),
+        ("fp8 V dim-major, block_n 128", k8, v8_dim, scales, PagedAttentionConfig(16, 128, 4, 2)),
+        ("fp8 V dim-major, block_n 128, 8 warps", k8, v8_dim, scales, PagedAttentionConfig(16, 128, 8, 2)),
+        ("fp8 V dim-major, 3 stages", k8, v8_dim, scales, PagedAttentionConfig(16, 64, 4, 3)),
+    ]
+    result: Row = {"points": points}
+    chk = make_sets([1] * 3, [37, 300, 1025], pool_blocks, 1, gen)[0]
+    errs = {}
+    for name, kp, vp, sc, cfg in variants:
+        errs[name] = check_attn(chk, kp, vp, 1, 1025, cfg, None, sc)
+    result["check_rel_err"] = errs
+    rows: list[list[str]] = []
+    sweep: list[Row] = []
+    for b, c in points:
+        if ctx.time_left() < 30:
+            ctx.notes.append(f"fp8 decode stopped before B={b} ctx={c} (time budget)")
+            break
+        sets = make_sets([1] * b, [c] * b, pool_blocks, rot[(b, c)], gen)
+        base = None
+        for name, kp, vp, sc, cfg in variants:
+            ms = bench_ms(attn_call(sets, kp, vp, 1, c, cfg, None, sc), len(sets))
+            base = ms if base is None else base
+            nbytes = kv_bytes(b, c) // (2 if sc is not None else 1)
+            sweep.append({"batch": b, "context": c, "variant": name, "ms": ms, "kv_gbps": nbytes / ms / 1e6})
+            rows.append([str(b), str(c), name, f"{ms * 1e3:.1f}", f"{nbytes / ms / 1e6:.0f}", f"{base / ms:.2f}x"])
+    result["sweep"] = sweep
+    ctx.tables.append((f"Decode attention over fp8 caches (Hq={HQ}, Hkv={HKV}, D={HEAD_DIM}, q {DTYPE}, block "
+                       f"{BLOCK_SIZE}); speed-up against bf16 at the same point", ["batch", "context", "cache",
+                       "us", "KV GB/s", "vs bf16"], rows))  # fmt: skip
     return result
 
 
@@ -643,6 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     sections: dict[str, Callable[[Ctx], Row]] = {
         "copy": section_copy,
         "decode": section_decode,
+        "decode_fp8": section_decode_fp8,
         "prefill": section_prefill,
         "small": section_small,
     }

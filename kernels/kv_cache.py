@@ -75,6 +75,7 @@ def _write_kv_cache_kernel(
     stride_vcb,
     stride_vcs,
     stride_vch,
+    stride_vcd,  # 1, or block_size for a dim-major V cache (new_kv_cache)
     BLOCK_SIZE: tl.constexpr,  # cache block size
     HEADS_PAD: tl.constexpr,  # next_pow2(Hkv)
     DIM_PAD: tl.constexpr,  # next_pow2(D)
@@ -95,7 +96,7 @@ def _write_kv_cache_kernel(
     k = tl.load(k_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
-    vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
+    vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd
     if KV_FP8:
         k_scale, v_scale = load_kv_scales(scales_ptr, offs_h, num_kv_heads)
         k = quantize_e4m3(k.to(tl.float32), k_scale[:, None])
@@ -140,15 +141,34 @@ def check_kv_cache_args(
     for name, t in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
         if t.device != k.device:
             raise ValueError(f"{name} is on {t.device}, k is on {k.device}")
-    for name, t in (
-        ("k", k),
-        ("v", v),
-        ("k_cache", k_cache),
-        ("v_cache", v_cache),
-        ("slot_mapping", slot_mapping),
-    ):
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("slot_mapping", slot_mapping)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+    check_v_cache_layout(v_cache)
+
+
+def check_v_cache_layout(v_cache: torch.Tensor) -> None:
+    """v_cache [num_blocks, block_size, Hkv, D] is contiguous in D, or (any dtype) in the block's slots: the
+    dim-major layout of new_kv_cache's fp8 caches."""
+    if v_cache.stride(3) != 1 and v_cache.stride(1) != 1:
+        raise ValueError(f"v_cache must be contiguous in its head dim or in its block's slots, got strides "
+                         f"{v_cache.stride()}")
+
+
+def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed K and V caches, each [num_blocks, block_size, Hkv, D]. K is contiguous. An fp8 V cache is stored
+    dim-major inside each block ([num_blocks, Hkv, D, block_size] in memory, returned as the permuted view):
+    the attention kernel's P @ V then reads V as its tensor cores want it (pairs of consecutive keys), which
+    for 8-bit entries no shared-memory load instruction can transpose on the way; with the slot-major layout
+    the decode loop spends byte loads and moves on it and runs out of issue slots before bandwidth
+    (benchmarks/results/h200/NOTES.md, fourteenth session). Every kernel takes the caches' strides."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k = torch.zeros(shape, dtype=dtype, device=device)
+    if dtype != FP8_KV:
+        return k, torch.zeros(shape, dtype=dtype, device=device)
+    v = torch.zeros((num_blocks, num_kv_heads, head_dim, block_size), dtype=dtype, device=device)
+    return k, v.permute(0, 3, 1, 2)
 
 
 def check_kv_scales(k_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
@@ -186,7 +206,7 @@ def write_kv_cache(
         k, v, k_cache, v_cache, slot_mapping, k if kv_scales is None else kv_scales, num_kv_heads, head_dim,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         BLOCK_SIZE=k_cache.shape[1], HEADS_PAD=heads_pad, DIM_PAD=dim_pad, KV_FP8=kv_scales is not None,
         num_warps=4 if heads_pad * dim_pad >= 2048 else 2, **pdl_launch_args(k.device),
     )  # fmt: skip

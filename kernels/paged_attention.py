@@ -39,8 +39,10 @@ Kernel structure (one kernel + an optional reduce kernel):
     the stores visible to its loads). This replaces the rotary kernel of a decode step (one launch fewer per
     layer; the H200 figure is in benchmarks/results/h200/NOTES.md, "Figures behind the code's rules").
   * FP8 KV cache (float8_e4m3fn caches, KV_FP8, kv_scales [2, Hkv] float32): K/V tiles are loaded as e4m3 and
-    converted to q's dtype in registers (exact); each program's kv head has one K and one V scale, folded into
-    the scores' scale and into the output (or the split partials), so the inner loops gain only the conversions.
+    converted to fp16 in registers (exact; q is converted once, the products run in fp16 with fp32 sums); each
+    program's kv head has one K and one V scale, folded into the scores' scale and into the output (or the split
+    partials), so the inner loops gain only the conversions. The kernel takes V's dim stride: new_kv_cache
+    stores an fp8 V dim-major inside each block, so the P @ V operand needs no byte-wise transpose.
     The fused decode write rounds as kernels/kv_cache.py (`quantize_e4m3`).
   * Programmatic dependent launch on Hopper (kernels/launch.py): both kernels wait on the previous kernel
     before their first load and release the next one after their last store.
@@ -59,7 +61,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from .direct_launch import direct_launcher
-from .kv_cache import FP8_KV, check_kv_cache_args, check_kv_scales, quantize_e4m3
+from .kv_cache import FP8_KV, check_kv_cache_args, check_kv_scales, check_v_cache_layout, quantize_e4m3
 from .launch import l2_bytes as _l2_bytes
 from .launch import next_pow2 as _next_pow2
 from .launch import num_sms as _num_sms
@@ -219,6 +221,7 @@ def _attn_segment(
     stride_ks,
     stride_vb,
     stride_vs,
+    stride_vd,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -239,7 +242,7 @@ def _attn_segment(
         k_off = blk.to(tl.int64) * stride_kb + slot * stride_ks  # [BLOCK_N]
         v_off = blk.to(tl.int64) * stride_vb + slot * stride_vs
         k_ptrs = k_base + k_off[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
-        v_ptrs = v_base + v_off[:, None] + offs_d[None, :]
+        v_ptrs = v_base + v_off[:, None] + offs_d[None, :] * stride_vd
         if MASKED:
             k = tl.load(k_ptrs, mask=kmask[:, None], other=0.0).to(q.dtype)
         else:
@@ -315,6 +318,7 @@ def _paged_attn_fn(
     stride_vb,
     stride_vs,
     stride_vh,
+    stride_vd,  # 1, or block_size for fp8 caches (V stored dim-major per block: kernels/kv_cache.py)
     stride_bt,
     stride_ot,
     stride_oh,
@@ -461,10 +465,14 @@ def _paged_attn_fn(
                 k_new = k_rot.to(k_cache_ptr.dtype.element_ty)
                 v_new = vx.to(v_cache_ptr.dtype.element_ty)
             tl.store(k_base + blk * stride_kb + off * stride_ks + offs_d, k_new)
-            tl.store(v_base + blk * stride_vb + off * stride_vs + offs_d, v_new)
+            tl.store(v_base + blk * stride_vb + off * stride_vs + offs_d * stride_vd, v_new)
             tl.debug_barrier()  # the stores above are visible to every thread of this program below
     else:
         q = tl.load(q_rows + offs_d[None, :], mask=row_valid[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+    if KV_FP8 and q_ptr.dtype.element_ty != tl.float32:
+        # e4m3 converts to fp16 in one instruction per pair (bf16 takes three) and every e4m3 value is exact in
+        # fp16: the products run in fp16 (q clamped to its range; p in [0, 1] gains mantissa over bf16)
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -474,12 +482,12 @@ def _paged_attn_fn(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attn_segment(
         acc, m_i, l_i, q, qpos, k_base, v_base, bt_row, seg_lo, full_hi, qk_scale, window, tree_lo, tree_bits,
-        stride_kb, stride_ks, stride_vb, stride_vs,
+        stride_kb, stride_ks, stride_vb, stride_vs, stride_vd,
         HEAD_DIM, BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, DOT_PRECISION, TREE,
     )  # fmt: skip
     acc, m_i, l_i = _attn_segment(
         acc, m_i, l_i, q, qpos, k_base, v_base, bt_row, full_hi, seg_hi, qk_scale, window, tree_lo, tree_bits,
-        stride_kb, stride_ks, stride_vb, stride_vs,
+        stride_kb, stride_ks, stride_vb, stride_vs, stride_vd,
         HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, DOT_PRECISION, TREE,
     )  # fmt: skip
 
@@ -616,9 +624,10 @@ def paged_attention(
     device = q.device
     if k_cache.device != device or v_cache.device != device:
         raise ValueError(f"caches on {k_cache.device}/{v_cache.device}, q on {device}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, t in (("q", q), ("k_cache", k_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+    check_v_cache_layout(v_cache)
     _check_int_tensor("block_tables", block_tables, 2, device)
     _check_int_tensor("seq_lens", seq_lens, 1, device)
     _check_int_tensor("query_start_loc", query_start_loc, 1, device)
@@ -752,7 +761,7 @@ class AttentionPlan:
             self.num_seqs, self.heads_per_group, self.num_splits, num_q_heads, self.qk_scale, self.window,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
             block_tables.stride(0), out.stride(0), out.stride(1),
             kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), cs.stride(0),
         )  # fmt: skip

@@ -87,6 +87,7 @@ def _rotary_kernel(
     stride_vcb,
     stride_vcs,
     stride_vch,
+    stride_vcd,  # 1, or block_size for a dim-major V cache (kernels/kv_cache.py: new_kv_cache)
     QHEADS_PAD: tl.constexpr,
     KHEADS_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
@@ -113,7 +114,9 @@ def _rotary_kernel(
             mask = (offs_h[:, None] < num_kv_heads) & dmask[None, :]  # [KHEADS_PAD, HALF_PAD]
             kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
             vp = v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
-            vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
+            vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch
+            vc += offs_d[None, :] * stride_vcd
+            vc_hi = vc + half * stride_vcd  # the second half of each head's dims
             if KV_FP8:
                 k_scale, v_scale = load_kv_scales(scales_ptr, offs_h, num_kv_heads)
                 ks, vs = k_scale[:, None], v_scale[:, None]
@@ -121,12 +124,12 @@ def _rotary_kernel(
                 tl.store(kc, quantize_e4m3(k1.to(kt).to(tl.float32), ks), mask=mask)
                 tl.store(kc + half, quantize_e4m3(k2.to(kt).to(tl.float32), ks), mask=mask)
                 tl.store(vc, quantize_e4m3(tl.load(vp, mask=mask).to(tl.float32), vs), mask=mask)
-                tl.store(vc + half, quantize_e4m3(tl.load(vp + half, mask=mask).to(tl.float32), vs), mask=mask)
+                tl.store(vc_hi, quantize_e4m3(tl.load(vp + half, mask=mask).to(tl.float32), vs), mask=mask)
             else:
                 tl.store(kc, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
                 tl.store(kc + half, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
                 tl.store(vc, tl.load(vp, mask=mask), mask=mask)
-                tl.store(vc + half, tl.load(vp + half, mask=mask), mask=mask)
+                tl.store(vc_hi, tl.load(vp + half, mask=mask), mask=mask)
     pdl_release(PDL)
 
 
@@ -179,7 +182,7 @@ def _launch(
         num_q_heads, num_kv_heads, half,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         QHEADS_PAD=qh_pad, KHEADS_PAD=kh_pad, HALF_PAD=half_pad,
         BLOCK_SIZE=k_cache.shape[1] if write_cache else 1, WRITE_CACHE=write_cache,
         KV_FP8=kv_scales is not None, num_warps=4 if qh_pad * half_pad >= 2048 else 2, **pdl_launch_args(q.device),

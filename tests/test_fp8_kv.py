@@ -33,7 +33,7 @@ from tokenmill.kernels.attention_ref import (
     rotary_embedding_ref,
     write_kv_cache_ref,
 )
-from tokenmill.kernels.kv_cache import write_kv_cache
+from tokenmill.kernels.kv_cache import new_kv_cache, write_kv_cache
 from tokenmill.kernels.paged_attention import DecodeRope, PagedAttentionConfig, paged_attention
 from tokenmill.kernels.rotary import cos_sin_cache_from_inv_freq, rotary_and_cache
 from tokenmill.protocol.sampling import SamplingParams
@@ -87,7 +87,16 @@ def fp8_batch(batch: Batch, scales: torch.Tensor) -> Batch:
         poison = torch.full_like(x.float(), POISON).to(FP8_KV)
         return torch.where(cache.isnan(), poison.view(torch.uint8), x.view(torch.uint8)).view(FP8_KV)
 
-    return dataclasses.replace(batch, k_cache=quant(batch.k_cache, scales[0]), v_cache=quant(batch.v_cache, scales[1]))
+    v_cache = dim_major(quant(batch.v_cache, scales[1]))
+    return dataclasses.replace(batch, k_cache=quant(batch.k_cache, scales[0]), v_cache=v_cache)
+
+
+def dim_major(v_cache: torch.Tensor) -> torch.Tensor:
+    """The same [num_blocks, block_size, Hkv, D] values laid out as new_kv_cache lays out an fp8 V cache."""
+    out = new_kv_cache(*v_cache.shape, v_cache.dtype, v_cache.device)[1]
+    out.copy_(v_cache)
+    assert out.stride(1) == 1 or v_cache.dtype != FP8_KV
+    return out
 
 
 def _make_fp8_batch(query_lens: list[int], seq_lens: list[int], hq: int, hkv: int, d: int, bs: int,
@@ -129,7 +138,7 @@ def test_write_kv_cache_fp8_slots_and_heads(dtype: torch.dtype) -> None:
     scales = torch.ones(2, hkv, device=DEV)
     calibrate(k, v, scales)  # per-head powers of two: nothing saturates
     kc = torch.full((nb, bs, hkv, d), 7.0, device=DEV).to(FP8_KV)
-    vc, kr, vr = kc.clone(), kc.clone(), kc.clone()
+    vc, kr, vr = dim_major(kc), kc.clone(), kc.clone()
     write_kv_cache(k, v, kc, vc, slots, scales)
     write_kv_cache_ref(k, v, kr, vr, slots, scales)
     assert torch.equal(_bits(kc), _bits(kr)) and torch.equal(_bits(vc), _bits(vr))
@@ -149,8 +158,8 @@ def test_rotary_and_cache_fp8(dtype: torch.dtype) -> None:
     slots = torch.randperm(nb * bs)[:t].to(DEV)
     slots[3] = -1
     scales = _scales(hkv, 1)
-    kc = torch.zeros((nb, bs, hkv, d), dtype=FP8_KV, device=DEV)
-    vc, kr, vr = kc.clone(), kc.clone(), kc.clone()
+    kc, vc = new_kv_cache(nb, bs, hkv, d, FP8_KV, DEV)
+    kr, vr = kc.clone(), kc.clone()
     q_ref, k_ref = rotary_embedding_ref(q, k, cos_sin, positions)
     rotary_and_cache(q, k, v, cos_sin, positions, kc, vc, slots, scales)
     write_kv_cache_ref(k, v, kr, vr, slots, scales)  # k: rotated in place by the kernel
@@ -178,7 +187,9 @@ def _check(batch: Batch, scales: torch.Tensor, *, num_splits: int | None = None,
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 def test_decode_fp8(dtype: torch.dtype, num_splits: int | None) -> None:
     batch, scales = _make_fp8_batch([1] * 4, [15, 16, 17, 33], 8, 2, 32, 8, dtype)
+    assert batch.v_cache.stride(1) == 1  # new_kv_cache's dim-major V
     _check(batch, scales, num_splits=num_splits)
+    _check(dataclasses.replace(batch, v_cache=batch.v_cache.contiguous()), scales, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
@@ -245,6 +256,11 @@ def test_fp8_cache_bad_input() -> None:
         write_kv_cache(k, k, batch.k_cache, batch.v_cache, torch.zeros(1, dtype=torch.long, device=DEV))
     with pytest.raises(ValueError, match="dtypes differ"):
         write_kv_cache(k, k, batch.k_cache, dense.v_cache, torch.zeros(1, dtype=torch.long, device=DEV), scales)
+    strided = torch.zeros((*batch.v_cache.shape[:3], 64), dtype=FP8_KV, device=DEV)[..., ::2]  # neither layout
+    with pytest.raises(ValueError, match="v_cache must be contiguous in its head dim or in its block's slots"):
+        paged_attention(batch.q, batch.k_cache, strided, *batch.args()[3:], 1.0, kv_scales=scales, **kw)
+    with pytest.raises(ValueError, match="v_cache must be contiguous in its head dim or in its block's slots"):
+        write_kv_cache(k, k, batch.k_cache, strided, torch.zeros(1, dtype=torch.long, device=DEV), scales)
 
 
 # ---- calibration and backends ----------------------------------------------------------------------------------
@@ -280,8 +296,7 @@ def test_backends_agree_and_calibrate(query_lens: list[int]) -> None:
     table = _rope_table(d, 64)
     layers = [AttentionLayer(d**-0.5, None, table, torch.ones(2, hkv, device=DEV)) for _ in range(3)]
     shape = (16, bs, hkv, d)
-    caches = [(torch.zeros(shape, dtype=dt, device=DEV), torch.zeros(shape, dtype=dt, device=DEV))
-              for dt in (FP8_KV, FP8_KV, torch.float32)]  # fmt: skip
+    caches = [new_kv_cache(*shape, dt, DEV) for dt in (FP8_KV, FP8_KV, torch.float32)]
     backends = [TritonBackend(), TorchRefBackend(), TorchRefBackend()]
     for step, (ql, sl) in enumerate((([20, 7], [20, 7]), (query_lens, [s + n for s, n in zip([20, 7], query_lens)]))):
         q, k, v, meta, positions = _step(ql, sl, hq, hkv, d, bs, dtype)
@@ -378,8 +393,8 @@ def test_gpu_fp8_writes_bit_exact_bf16() -> None:
     positions = torch.randint(0, 4096, (t,), device=DEV)
     slots = torch.randperm(40 * 16, device=DEV)[:t]
     scales = _scales(hkv)
-    kc = torch.zeros((40, 16, hkv, d), dtype=FP8_KV, device=DEV)
-    vc, kr, vr = kc.clone(), kc.clone(), kc.clone()
+    kc, vc = new_kv_cache(40, 16, hkv, d, FP8_KV, DEV)
+    kr, vr = kc.clone(), kc.clone()
     rotary_and_cache(q, k, v, cos_sin, positions, kc, vc, slots, scales)
     write_kv_cache_ref(k, v, kr, vr, slots, scales)
     assert torch.equal(_bits(kc), _bits(kr)) and torch.equal(_bits(vc), _bits(vr))

@@ -804,6 +804,7 @@ def _sm90_compile_all() -> None:
 
     target = GPUTarget("cuda", 90, 32)
     built_shared: list[int] = []  # shared memory of each kernel built, in order
+    built_ptx: list[str] = []
 
     def build(fn: Any, ptrs: dict[str, str], consts: dict[str, Any], num_warps: int, num_stages: int) -> str:
         names = list(fn.arg_names)
@@ -813,13 +814,14 @@ def _sm90_compile_all() -> None:
             if n in signature:
                 signature[n] = "fp32"
         constexprs = {(names.index(k),): v for k, v in consts.items()}
-        aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride_")]
+        aligned = [n for n in names if (n.endswith("_ptr") or n.startswith("stride_")) and n not in consts]
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
         kernel = triton_compile(ASTSource(fn, signature, constexprs, attrs), target=target,
                                 options={"num_warps": num_warps, "num_stages": num_stages,
                                          "launch_pdl": True})  # fmt: skip
         built_shared.append(int(kernel.metadata.shared))
         ptx = str(kernel.asm["ptx"])
+        built_ptx.append(ptx)
         wait, release = ptx.find("griddepcontrol.wait"), ptx.rfind("griddepcontrol.launch_dependents")
         first_load = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i > -1)
         assert -1 < wait < first_load and ptx.rfind("st.global") < release, (fn.__name__, consts)
@@ -839,6 +841,8 @@ def _sm90_compile_all() -> None:
                   "BLOCK_Q": block_m // gpad, "BLOCK_N": block_n, "SPLIT": split, "ONE_TILE_PER_SEQ": one_tile,
                   "USE_WINDOW": window, "DOT_PRECISION": "tf32", "FUSE_ROPE": rope, "KV_FP8": fp8,
                   "TREE": tree}  # fmt: skip
+        # the JIT makes a stride of 1 a constant: V's head dim, or (new_kv_cache's fp8 V) its block's slots
+        consts |= {"stride_vs": 1} if fp8 else {"stride_vd": 1}
         return build(pa._paged_attn_kernel, ptrs, consts, num_warps, num_stages)
 
     cfg_d, cfg_p = pa.DECODE_CONFIG, pa.PREFILL_CONFIG
@@ -859,6 +863,8 @@ def _sm90_compile_all() -> None:
     attention("fp16", 3, 64, cfg_p.block_m, True, False, True, cfg_p.num_warps, cfg_p.num_stages)
     for rope in (False, True):  # FP8 KV cache (e4m3 loads, scales): decode split with and without rope, prefill
         attention("bf16", 4, 128, cfg_d.block_m, True, True, False, cfg_d.num_warps, cfg_d.num_stages, rope, fp8=True)
+        # dim-major V (new_kv_cache): P @ V's operand comes by ldmatrix, not byte by byte from shared memory
+        assert "ld.shared.b8" not in built_ptx[-1] and "ldmatrix" in built_ptx[-1], "fp8 decode: byte-wise V loads"
     ttgir = attention("bf16", 4, 128, cfg_p.block_m, False, False, False, cfg_p.num_warps, cfg_p.num_stages, fp8=True)
     assert "warp_group_dot" in ttgir and "async_copy_global_to_local" in ttgir, "fp8 prefill: wgmma, pipelined"
     attention("bf16", 1, 64, cfg_d.block_m, False, True, True, cfg_d.num_warps, cfg_d.num_stages)

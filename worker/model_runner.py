@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from tokenmill.kernels.config import configure as configure_kernels
+from tokenmill.kernels.kv_cache import new_kv_cache
 from tokenmill.worker.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.worker.config import CacheConfig, EngineConfig, ModelArch
 from tokenmill.worker.cuda_graphs import (
@@ -187,11 +188,10 @@ class ModelRunner:
             log.info("CUDA graphs off: the %s attention backend cannot be captured", self.backend.name)
         self._wants_piecewise = graphs and config.piecewise_graphs and hasattr(self.backend, "split")
         self.num_blocks = self._size_kv_cache(config.cache)
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.arch.head_dim)
         # Zeroed so that padding rows of a graph replay read finite values.
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+            new_kv_cache(self.num_blocks, self.block_size, self.num_kv_heads, self.arch.head_dim, self.kv_dtype,
+                         self.device)
             for _ in range(self.arch.num_layers)
         ]
         # fp8 caches: the first step sets every layer's K/V scales (worker/attention/kv_scales.py)

@@ -40,8 +40,13 @@ def scatter_blocks(kv_caches: KVCaches, block_ids: Sequence[int], kv: Tensor) ->
     idx = torch.tensor(list(block_ids), dtype=torch.long, device=key.device)
     dev = kv.to(key.device, non_blocking=kv.is_pinned())  # pinned (stage_in): the engine loop does not wait
     for layer, (k, v) in enumerate(kv_caches):
-        k.index_copy_(0, idx, dev[layer, 0])
-        v.index_copy_(0, idx, dev[layer, 1])
+        _raw(k).index_copy_(0, idx, _raw(dev[layer, 0]))
+        _raw(v).index_copy_(0, idx, _raw(dev[layer, 1]))
+
+
+def _raw(t: Tensor) -> Tensor:
+    """fp8 entries as bytes (index_copy_ has no float8 kernel on the CPU); other dtypes as they are."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
 
 
 def as_buffer(t: Tensor) -> memoryview:

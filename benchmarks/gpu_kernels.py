@@ -417,20 +417,24 @@ def section_decode_fp8(ctx: Ctx) -> Row:
     k16 = torch.empty(shape, dtype=DTYPE, device=DEV).normal_()
     v16 = torch.empty(shape, dtype=DTYPE, device=DEV).normal_()
     scales = torch.full((2, HKV), 1.0 / 64, device=DEV)
-    k8, v8_dim = new_kv_cache(*shape, FP8_KV, DEV)
+    k8 = new_kv_cache(*shape, FP8_KV, DEV)[0]
     k8.copy_(quantize_kv_fp8(k16.float(), scales[0]))
-    v8_slot = quantize_kv_fp8(v16.float(), scales[1])
-    v8_dim.copy_(v8_slot)
+    v8_slot = quantize_kv_fp8(v16.float(), scales[1])  # [blocks, slots, Hkv, D] in memory
+    v8_dim = torch.empty((pool_blocks, HKV, HEAD_DIM, BLOCK_SIZE), dtype=FP8_KV, device=DEV).permute(0, 3, 1, 2)
+    v8_dim.copy_(v8_slot)  # the same values, dim-major inside each block
     del v16
     v16 = (v8_slot.float() * scales[1][:, None]).to(DTYPE)  # bf16 pools hold the same values as the fp8 ones
     k16.copy_(k8.float() * scales[0][:, None])
     variants: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None, PagedAttentionConfig]] = [
         (str(DTYPE).removeprefix("torch."), k16, v16, None, DECODE_CONFIG),
         ("fp8 V slot-major", k8, v8_slot, scales, DECODE_CONFIG),
+        ("fp8 V slot-major, maxnreg 128", k8, v8_slot, scales, PagedAttentionConfig(16, 64, 4, 2, 128)),
+        ("fp8 V slot-major, block_n 128", k8, v8_slot, scales, PagedAttentionConfig(16, 128, 4, 2)),
+        ("fp8 V slot-major, block_n 32, maxnreg 128", k8, v8_slot, scales, PagedAttentionConfig(16, 32, 4, 2, 128)),
         ("fp8 V dim-major", k8, v8_dim, scales, DECODE_CONFIG),
+        ("fp8 V dim-major, maxnreg 168", k8, v8_dim, scales, PagedAttentionConfig(16, 64, 4, 2, 168)),
+        ("fp8 V dim-major, maxnreg 128", k8, v8_dim, scales, PagedAttentionConfig(16, 64, 4, 2, 128)),
         ("fp8 V dim-major, block_n 128", k8, v8_dim, scales, PagedAttentionConfig(16, 128, 4, 2)),
-        ("fp8 V dim-major, block_n 128, 8 warps", k8, v8_dim, scales, PagedAttentionConfig(16, 128, 8, 2)),
-        ("fp8 V dim-major, 3 stages", k8, v8_dim, scales, PagedAttentionConfig(16, 64, 4, 3)),
     ]
     result: Row = {"points": points}
     chk = make_sets([1] * 3, [37, 300, 1025], pool_blocks, 1, gen)[0]

@@ -96,8 +96,11 @@ class PagedAttentionConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    maxnreg: int | None = None  # registers per thread at most (ptxas spills beyond): more programs per SM
 
     def __post_init__(self) -> None:
+        if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
+            raise ValueError(f"maxnreg must be in 24..255 or None, got {self.maxnreg}")
         for name in ("block_m", "block_n"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
@@ -773,6 +776,7 @@ class AttentionPlan:
             KV_FP8=kv_scales is not None, TREE=tree is not None, PDL=self.pdl["PDL"],
         )  # fmt: skip
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                   **({"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None else {}),
                    **{k: v for k, v in self.pdl.items() if k != "PDL"}}
         kernels = (_paged_attn_kernel_dyn, _reduce_splits_kernel_dyn) if self.dynamic else \
             (_paged_attn_kernel, _reduce_splits_kernel)
@@ -788,6 +792,7 @@ class AttentionPlan:
                               PDL=self.pdl["PDL"])
             options["num_warps"] = 4 if self.reduce_block_d * splits_pad >= 4096 else 2
             options.pop("num_stages")
+            options.pop("maxnreg", None)
             compiled[1] = _run(kernels[1], compiled[1], self.reduce_grid, args, constexprs, options)
             reduce_args = (*args, *constexprs.values())
         attn, red = compiled

@@ -75,7 +75,7 @@ def _write_kv_cache_kernel(
     stride_vcb,
     stride_vcs,
     stride_vch,
-    stride_vcd,  # 1, or block_size for a dim-major V cache (new_kv_cache)
+    stride_vcd,  # 1, or block_size for a V cache stored dim-major inside each block
     BLOCK_SIZE: tl.constexpr,  # cache block size
     HEADS_PAD: tl.constexpr,  # next_pow2(Hkv)
     DIM_PAD: tl.constexpr,  # next_pow2(D)
@@ -148,8 +148,7 @@ def check_kv_cache_args(
 
 
 def check_v_cache_layout(v_cache: torch.Tensor) -> None:
-    """v_cache [num_blocks, block_size, Hkv, D] is contiguous in D, or (any dtype) in the block's slots: the
-    dim-major layout of new_kv_cache's fp8 caches."""
+    """v_cache [num_blocks, block_size, Hkv, D] is contiguous in D, or in the block's slots (dim-major)."""
     if v_cache.stride(3) != 1 and v_cache.stride(1) != 1:
         raise ValueError(f"v_cache must be contiguous in its head dim or in its block's slots, got strides "
                          f"{v_cache.stride()}")
@@ -157,18 +156,11 @@ def check_v_cache_layout(v_cache: torch.Tensor) -> None:
 
 def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed K and V caches, each [num_blocks, block_size, Hkv, D]. K is contiguous. An fp8 V cache is stored
-    dim-major inside each block ([num_blocks, Hkv, D, block_size] in memory, returned as the permuted view):
-    the attention kernel's P @ V then reads V as its tensor cores want it (pairs of consecutive keys), which
-    for 8-bit entries no shared-memory load instruction can transpose on the way; with the slot-major layout
-    the decode loop spends byte loads and moves on it and runs out of issue slots before bandwidth
-    (benchmarks/results/h200/NOTES.md, fourteenth session). Every kernel takes the caches' strides."""
+    """Zeroed K and V caches, each [num_blocks, block_size, Hkv, D] and contiguous. (The kernels take V's strides,
+    so a V cache stored dim-major inside each block also works; for fp8 it measured no faster on the H200:
+    benchmarks/results/h200/NOTES.md, thirteenth session.)"""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k = torch.zeros(shape, dtype=dtype, device=device)
-    if dtype != FP8_KV:
-        return k, torch.zeros(shape, dtype=dtype, device=device)
-    v = torch.zeros((num_blocks, num_kv_heads, head_dim, block_size), dtype=dtype, device=device)
-    return k, v.permute(0, 3, 1, 2)
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
 
 def check_kv_scales(k_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> None:

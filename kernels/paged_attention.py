@@ -41,8 +41,8 @@ Kernel structure (one kernel + an optional reduce kernel):
   * FP8 KV cache (float8_e4m3fn caches, KV_FP8, kv_scales [2, Hkv] float32): K/V tiles are loaded as e4m3 and
     converted to fp16 in registers (exact; q is converted once, the products run in fp16 with fp32 sums); each
     program's kv head has one K and one V scale, folded into the scores' scale and into the output (or the split
-    partials), so the inner loops gain only the conversions. The kernel takes V's dim stride: new_kv_cache
-    stores an fp8 V dim-major inside each block, so the P @ V operand needs no byte-wise transpose.
+    partials), so the inner loops gain only the conversions. Decode over fp8 caches is latency-bound at half
+    the bytes per tile: FP8_DECODE_CONFIG caps registers so that four programs share an SM, as bf16's do.
     The fused decode write rounds as kernels/kv_cache.py (`quantize_e4m3`).
   * Programmatic dependent launch on Hopper (kernels/launch.py): both kernels wait on the previous kernel
     before their first load and release the next one after their last store.
@@ -118,6 +118,9 @@ class PagedAttentionConfig:
 # lose bandwidth at batch 8-32. (On sm_90 two stages compile without async copies: 22 KB of shared memory per
 # program, so registers, not shared memory, bound the programs per SM.)
 DECODE_CONFIG = PagedAttentionConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
+# decode over fp8 caches: with the conversions the kernel takes 150 registers a thread (3 programs per SM, 1.1x bf16's
+# speed at batch 128-256); capped at 128 (4 programs, 16 B of spills) it ran 1.37-1.39x (NOTES.md, thirteenth session)
+FP8_DECODE_CONFIG = PagedAttentionConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, maxnreg=128)
 # prefill: best of 9 configs on the H200 at 4k tokens (benchmarks/results/h200/gpu_kernels.md)
 PREFILL_CONFIG = PagedAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
 # long query runs: 64 tokens x 4 heads per tile halves the K/V reads per FLOP; faster than PREFILL_CONFIG from 4k
@@ -161,6 +164,7 @@ def default_config(
     itemsize: int,
     head_dim: int = 128,
     shared_limit: int = 0,
+    kv_fp8: bool = False,
 ) -> PagedAttentionConfig:
     """The launch shape for a batch, from host ints only: decode tiles when every request fits one
     (max_query_len x group rows <= decode block_m), else the large prefill tiles for long query runs (the
@@ -168,7 +172,7 @@ def default_config(
     in fp32. The deep-pipeline variants of the large tiles are taken when they fit `shared_limit` (the device's
     shared memory per program)."""
     if max_query_len * group_pad <= max(DECODE_CONFIG.block_m, group_pad):
-        return DECODE_CONFIG
+        return FP8_DECODE_CONFIG if kv_fp8 else DECODE_CONFIG
     if itemsize >= 4:
         return FP32_PREFILL_CONFIG
     if num_tokens >= _VERY_LONG_QUERY * num_seqs and group_pad == 4:  # the measured shape (Llama-3-8B)
@@ -321,7 +325,7 @@ def _paged_attn_fn(
     stride_vb,
     stride_vs,
     stride_vh,
-    stride_vd,  # 1, or block_size for fp8 caches (V stored dim-major per block: kernels/kv_cache.py)
+    stride_vd,  # 1, or block_size for a V cache stored dim-major inside each block
     stride_bt,
     stride_ot,
     stride_oh,
@@ -663,7 +667,7 @@ def paged_attention(
     defaulted = config is None
     plan = plan_paged_attention(q.shape, q.dtype, k_cache.shape, device, num_seqs, scale, max_query_len=max_query_len,
                                 max_seq_len=max_seq_len, sliding_window=sliding_window, num_splits=num_splits,
-                                config=config)  # fmt: skip
+                                config=config, kv_dtype=k_cache.dtype)  # fmt: skip
     try:
         plan.launch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, rope, kv_scales, tree)
     except OutOfResources as exc:
@@ -880,6 +884,7 @@ def attention_choice(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     config: PagedAttentionConfig | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> AttentionChoice:
     """The launch choices plan_paged_attention makes for these arguments (its own), without building a plan."""
     num_tokens, num_q_heads, head_dim = q_shape
@@ -888,7 +893,8 @@ def attention_choice(
     group_pad = _next_pow2(num_q_heads // num_kv_heads)
     if config is None:
         shared_limit = 0 if device in _NO_DEEP_TILES else _shared_limit(device)
-        config = default_config(max_query_len, num_tokens, num_seqs, group_pad, itemsize, head_dim, shared_limit)
+        config = default_config(max_query_len, num_tokens, num_seqs, group_pad, itemsize, head_dim, shared_limit,
+                                kv_fp8=kv_dtype == FP8_KV)
     block_q = max(config.block_m, group_pad) // group_pad
     one_tile = max_query_len <= block_q
     num_tile_slots = num_seqs if one_tile else num_tokens // block_q + num_seqs
@@ -915,9 +921,11 @@ def plan_paged_attention(
     num_splits: int | None = None,
     config: PagedAttentionConfig | None = None,
     variants: dict[tuple[Any, ...], dict[tuple[bool, bool, bool], list[Any]]] | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> AttentionPlan:
     """Launch decisions for q of `q_shape` [T, Hq, D] against caches of `cache_shape` [blocks, block_size,
-    Hkv, D] over `num_seqs` requests (T, num_seqs >= 1). Arguments as paged_attention's, unchecked.
+    Hkv, D] over `num_seqs` requests (T, num_seqs >= 1); kv_dtype: the caches' (None: `dtype`). Arguments as
+    paged_attention's, unchecked.
 
     `variants`: compiled variants kept across the plans of many steps (PiecewiseGraphs keeps one store). A dynamic
     plan's kernels specialize on no per-step value (_PER_STEP_INTS), so two dynamic plans of the same compile-time
@@ -929,7 +937,7 @@ def plan_paged_attention(
     itemsize = dtype.itemsize
     config, one_tile, num_splits = attention_choice(
         q_shape, dtype, cache_shape, device, num_seqs, max_query_len=max_query_len, max_seq_len=max_seq_len,
-        sliding_window=sliding_window, num_splits=num_splits, config=config)
+        sliding_window=sliding_window, num_splits=num_splits, config=config, kv_dtype=kv_dtype)
     group_pad = _next_pow2(num_q_heads // num_kv_heads)
     block_m = max(config.block_m, group_pad)
     block_q = block_m // group_pad

@@ -87,7 +87,7 @@ def _rotary_kernel(
     stride_vcb,
     stride_vcs,
     stride_vch,
-    stride_vcd,  # 1, or block_size for a dim-major V cache (kernels/kv_cache.py: new_kv_cache)
+    stride_vcd,  # 1, or block_size for a V cache stored dim-major inside each block
     QHEADS_PAD: tl.constexpr,
     KHEADS_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,

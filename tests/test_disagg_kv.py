@@ -240,20 +240,24 @@ def test_prefill_role_turns_errors_into_prefilled_zero(engines: tuple[LLMEngine,
         ctx.term()
 
 
-def test_block_moves_keep_the_values_of_an_fp8_dim_major_cache() -> None:
-    """gather_blocks / scatter_blocks move blocks in the logical [slots, Hkv, D] order whatever a cache's memory
-    layout (new_kv_cache stores an fp8 V dim-major): a block moved between an fp8 engine's caches keeps every value."""
+def test_block_moves_keep_the_values_of_fp8_caches() -> None:
+    """gather_blocks / scatter_blocks move fp8 blocks (scattered as bytes: no float8 index_copy_ on the CPU) in the
+    logical [slots, Hkv, D] order whatever a cache's memory layout (here V dim-major inside each block)."""
     from tokenmill.kernels.kv_cache import FP8_KV, new_kv_cache
     from tokenmill.worker.kv_transfer.blocks import gather_blocks, scatter_blocks
 
-    src = [new_kv_cache(6, 4, 2, 8, FP8_KV, "cpu") for _ in range(2)]
+    def caches() -> tuple[torch.Tensor, torch.Tensor]:
+        k = new_kv_cache(6, 4, 2, 8, FP8_KV, "cpu")[0]
+        return k, torch.zeros((6, 2, 8, 4), dtype=FP8_KV).permute(0, 3, 1, 2)
+
+    src = [caches() for _ in range(2)]
     assert src[0][1].stride(1) == 1 and src[0][0].stride(3) == 1
     for k, v in src:
         k.copy_(torch.randn(k.shape).mul(10).to(FP8_KV))
         v.copy_(torch.randn(v.shape).mul(10).to(FP8_KV))
     moved = gather_blocks(src, [4, 1])
     assert moved.is_contiguous() and tuple(moved.shape) == (2, 2, 2, 4, 2, 8)
-    dst = [new_kv_cache(6, 4, 2, 8, FP8_KV, "cpu") for _ in range(2)]
+    dst = [caches() for _ in range(2)]
     scatter_blocks(dst, [0, 5], moved)
     for (ks, vs), (kd, vd) in zip(src, dst):
         for a, b in ((4, 0), (1, 5)):

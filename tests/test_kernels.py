@@ -804,7 +804,6 @@ def _sm90_compile_all() -> None:
 
     target = GPUTarget("cuda", 90, 32)
     built_shared: list[int] = []  # shared memory of each kernel built, in order
-    built_ptx: list[str] = []
 
     def build(fn: Any, ptrs: dict[str, str], consts: dict[str, Any], num_warps: int, num_stages: int) -> str:
         names = list(fn.arg_names)
@@ -821,7 +820,6 @@ def _sm90_compile_all() -> None:
                                          "launch_pdl": True})  # fmt: skip
         built_shared.append(int(kernel.metadata.shared))
         ptx = str(kernel.asm["ptx"])
-        built_ptx.append(ptx)
         wait, release = ptx.find("griddepcontrol.wait"), ptx.rfind("griddepcontrol.launch_dependents")
         first_load = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i > -1)
         assert -1 < wait < first_load and ptx.rfind("st.global") < release, (fn.__name__, consts)
@@ -841,8 +839,7 @@ def _sm90_compile_all() -> None:
                   "BLOCK_Q": block_m // gpad, "BLOCK_N": block_n, "SPLIT": split, "ONE_TILE_PER_SEQ": one_tile,
                   "USE_WINDOW": window, "DOT_PRECISION": "tf32", "FUSE_ROPE": rope, "KV_FP8": fp8,
                   "TREE": tree}  # fmt: skip
-        # the JIT makes a stride of 1 a constant: V's head dim, or (new_kv_cache's fp8 V) its block's slots
-        consts |= {"stride_vs": 1} if fp8 else {"stride_vd": 1}
+        consts |= {"stride_vd": 1}  # the JIT makes a stride of 1 a constant (new_kv_cache: V contiguous in D)
         return build(pa._paged_attn_kernel, ptrs, consts, num_warps, num_stages)
 
     cfg_d, cfg_p = pa.DECODE_CONFIG, pa.PREFILL_CONFIG
@@ -863,8 +860,6 @@ def _sm90_compile_all() -> None:
     attention("fp16", 3, 64, cfg_p.block_m, True, False, True, cfg_p.num_warps, cfg_p.num_stages)
     for rope in (False, True):  # FP8 KV cache (e4m3 loads, scales): decode split with and without rope, prefill
         attention("bf16", 4, 128, cfg_d.block_m, True, True, False, cfg_d.num_warps, cfg_d.num_stages, rope, fp8=True)
-        # dim-major V (new_kv_cache): P @ V's operand comes by ldmatrix, not byte by byte from shared memory
-        assert "ld.shared.b8" not in built_ptx[-1] and "ldmatrix" in built_ptx[-1], "fp8 decode: byte-wise V loads"
     ttgir = attention("bf16", 4, 128, cfg_p.block_m, False, False, False, cfg_p.num_warps, cfg_p.num_stages, fp8=True)
     assert "warp_group_dot" in ttgir and "async_copy_global_to_local" in ttgir, "fp8 prefill: wgmma, pipelined"
     attention("bf16", 1, 64, cfg_d.block_m, False, True, True, cfg_d.num_warps, cfg_d.num_stages)
@@ -1004,6 +999,7 @@ def test_gpu_triton_backend_matches_torch_ref(window: int | None) -> None:
 
 
 def test_default_config_by_batch_shape() -> None:
+    import tokenmill.kernels.paged_attention as pa
     from tokenmill.kernels.paged_attention import (
         DECODE_CONFIG,
         FP32_PREFILL_CONFIG,
@@ -1016,6 +1012,13 @@ def test_default_config_by_batch_shape() -> None:
     )
 
     assert default_config(1, 64, 64, 4, 2) is DECODE_CONFIG  # decode-only
+    assert default_config(1, 64, 64, 4, 2, kv_fp8=True) is pa.FP8_DECODE_CONFIG  # over fp8 caches: registers capped
+    assert default_config(2048, 2048, 1, 4, 2, kv_fp8=True) is PREFILL_CONFIG
+    fp8 = pa.attention_choice((8, 32, 128), torch.bfloat16, (64, 16, 8, 128), torch.device("cpu"), 8, max_query_len=1,
+                              max_seq_len=100, kv_dtype=torch.float8_e4m3fn)
+    assert fp8.config is pa.FP8_DECODE_CONFIG and fp8.config.maxnreg == 128
+    with pytest.raises(ValueError, match="maxnreg"):
+        pa.PagedAttentionConfig(16, 64, 4, 2, maxnreg=300)
     assert default_config(2048, 2048, 1, 4, 2) is PREFILL_CONFIG  # one long prompt
     assert default_config(4096, 4096, 1, 4, 2) is LONG_PREFILL_CONFIG  # one very long prompt (GQA group 4)
     assert default_config(8192, 16384, 2, 4, 2) is LONG_PREFILL_CONFIG

@@ -253,7 +253,7 @@ class PiecewiseGraphs:
         plan = self._plan(
             q.shape, q.dtype, first.k_cache.shape, self.device, meta.num_seqs, first.scale,
             max_query_len=max(1, meta.max_query_len), max_seq_len=max(1, meta.max_seq_len),
-            sliding_window=first.sliding_window, variants=self._variants)
+            sliding_window=first.sliding_window, variants=self._variants, kv_dtype=first.k_cache.dtype)
         tree = None if meta.tree_mask is None or meta.tree_start is None else (meta.tree_mask, meta.tree_start)
         for piece, call in zip(self.pieces[g], calls):
             piece.replay()
@@ -272,7 +272,8 @@ class PiecewiseGraphs:
         counts, last = set(self.sizes), None
         for t in range(2, self.sizes[-1] + 1):
             plan = self._plan((t, *shape), self.attn_q.dtype, call.k_cache.shape, self.device, 1, call.scale,
-                              max_query_len=t, max_seq_len=max(t, max_model_len), sliding_window=call.sliding_window)
+                              max_query_len=t, max_seq_len=max(t, max_model_len), sliding_window=call.sliding_window,
+                              kv_dtype=call.k_cache.dtype)
             if (variants := _variants(plan)) != last:
                 counts.add(t)
                 last = variants
@@ -299,7 +300,7 @@ class PiecewiseGraphs:
                     ctx = max(ctx, max(q_lens))
                     plan = self._plan(self.attn_q[:t].shape, self.attn_q.dtype, kc.shape, self.device, n,
                                       call.scale, max_query_len=max(q_lens), max_seq_len=ctx,
-                                      sliding_window=call.sliding_window)
+                                      sliding_window=call.sliding_window, kv_dtype=kc.dtype)
                     new = set(_variants(plan)) - seen
                     if new:
                         seen |= new
@@ -394,7 +395,7 @@ class WholeStepGraphs:
         self.replays = 0  # steps run by a whole-step graph (the rest of the mixed steps: the pieces)
         call = piecewise.calls[piecewise.sizes[0]][0]
         self._attention = (piecewise.attn_q.shape[1:], piecewise.attn_q.dtype, call.k_cache.shape, device,
-                           call.sliding_window)  # what attention_choice needs besides the step's lengths
+                           call.sliding_window, call.k_cache.dtype)  # what attention_choice needs besides lengths
         self._group_pad = 1 << (piecewise.attn_q.shape[1] // call.k_cache.shape[2] - 1).bit_length()
         from tokenmill.kernels import launch, paged_attention  # Triton: CUDA machines only
 
@@ -403,10 +404,10 @@ class WholeStepGraphs:
 
     def choice(self, t: int, n: int, max_query_len: int, max_seq_len: int) -> AttentionChoice:
         """The launch choices paged_attention makes for a step of t tokens over n requests."""
-        head_shape, dtype, cache_shape, device, window = self._attention
+        head_shape, dtype, cache_shape, device, window, kv_dtype = self._attention
         return self._kernels.attention_choice((t, *head_shape), dtype, cache_shape, device, n,
                                               max_query_len=max_query_len, max_seq_len=max_seq_len,
-                                              sliding_window=window)
+                                              sliding_window=window, kv_dtype=kv_dtype)
 
     def choices_to_capture(self, t: int, lo: int) -> set[AttentionChoice]:
         """Every choice a step of lo < tokens <= t can take with a power-of-two split count. The tile choices
@@ -414,7 +415,7 @@ class WholeStepGraphs:
         PiecewiseGraphs.warm_up_attention plans its variants; they do not depend on the context. The split count
         grows with the context and shrinks with the launch's programs (choose_num_splits), so a tile choice's
         largest is the one of its fewest tile slots at max_model_len: every power of two up to it is captured."""
-        _, _, cache_shape, _, window = self._attention
+        _, _, cache_shape, _, window, _ = self._attention
         num_kv_heads, group_pad = cache_shape[2], self._group_pad
         s = self.max_seqs[t]
         tiles: set[tuple[Any, bool]] = set()

@@ -407,7 +407,7 @@ def section_decode_fp8(ctx: Ctx) -> Row:
     dim-major (kernels/kv_cache.py new_kv_cache, the engine's), at the default decode config and wider tiles."""
     from tokenmill.kernels.attention_ref import quantize_kv_fp8
     from tokenmill.kernels.kv_cache import FP8_KV, new_kv_cache
-    from tokenmill.kernels.paged_attention import DECODE_CONFIG, PagedAttentionConfig
+    from tokenmill.kernels.paged_attention import DECODE_CONFIG, FP8_DECODE_CONFIG, PagedAttentionConfig
 
     gen = torch.Generator().manual_seed(0)
     points = FP8_DECODE_POINTS if not SMOKE else DECODE_TUNE_POINTS
@@ -427,14 +427,13 @@ def section_decode_fp8(ctx: Ctx) -> Row:
     k16.copy_(k8.float() * scales[0][:, None])
     variants: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None, PagedAttentionConfig]] = [
         (str(DTYPE).removeprefix("torch."), k16, v16, None, DECODE_CONFIG),
-        ("fp8 V slot-major", k8, v8_slot, scales, DECODE_CONFIG),
-        ("fp8 V slot-major, maxnreg 128", k8, v8_slot, scales, PagedAttentionConfig(16, 64, 4, 2, 128)),
-        ("fp8 V slot-major, block_n 128", k8, v8_slot, scales, PagedAttentionConfig(16, 128, 4, 2)),
-        ("fp8 V slot-major, block_n 32, maxnreg 128", k8, v8_slot, scales, PagedAttentionConfig(16, 32, 4, 2, 128)),
-        ("fp8 V dim-major", k8, v8_dim, scales, DECODE_CONFIG),
-        ("fp8 V dim-major, maxnreg 168", k8, v8_dim, scales, PagedAttentionConfig(16, 64, 4, 2, 168)),
+        ("fp8 V slot-major, 150 registers (before)", k8, v8_slot, scales, DECODE_CONFIG),
+        ("fp8 (FP8_DECODE_CONFIG: maxnreg 128)", k8, v8_slot, scales, FP8_DECODE_CONFIG),
+        ("fp8, 3 stages, maxnreg 128", k8, v8_slot, scales, PagedAttentionConfig(16, 64, 4, 3, 128)),
+        ("fp8, maxnreg 96", k8, v8_slot, scales, PagedAttentionConfig(16, 64, 4, 2, 96)),
+        ("fp8, block_n 128, maxnreg 168", k8, v8_slot, scales, PagedAttentionConfig(16, 128, 4, 2, 168)),
+        ("fp8, block_n 128, 8 warps, maxnreg 128", k8, v8_slot, scales, PagedAttentionConfig(16, 128, 8, 2, 128)),
         ("fp8 V dim-major, maxnreg 128", k8, v8_dim, scales, PagedAttentionConfig(16, 64, 4, 2, 128)),
-        ("fp8 V dim-major, block_n 128", k8, v8_dim, scales, PagedAttentionConfig(16, 128, 4, 2)),
     ]
     result: Row = {"points": points}
     chk = make_sets([1] * 3, [37, 300, 1025], pool_blocks, 1, gen)[0]

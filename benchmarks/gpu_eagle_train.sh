@@ -21,21 +21,7 @@ OUT=${OUT:-/tmp/out}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENMILL_CACHE=/tmp/tokenmill-cache
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
-mkdir -p /root/stage
-for part in .stage/smollm2.gguf.part*; do [ -f "$part" ] && cp "$part" /root/stage/; done
-cat /root/stage/smollm2.gguf.part* > /root/stage/smollm2.gguf
-python3 - <<'PY'
-import hashlib, shutil
-from pathlib import Path
-from tokenmill.worker.registry_fetch import EMBEDDED_MODEL, cache_dir
-src = Path("/root/stage/smollm2.gguf")
-assert hashlib.sha256(src.read_bytes()).hexdigest() == EMBEDDED_MODEL.sha256, "the staged GGUF is not the embedded one"
-dest = cache_dir() / EMBEDDED_MODEL.package / EMBEDDED_MODEL.version / Path(EMBEDDED_MODEL.member).name
-dest.parent.mkdir(parents=True, exist_ok=True)
-shutil.copyfile(src, dest)
-Path(str(dest) + ".ok").touch()
-print("embedded model:", dest)
-PY
+bash benchmarks/stage_gguf.sh
 mkdir -p "$OUT/eagle"
 # The training data: the target's own greedy replies to the first ShareGPT prompts, generated here (--replies self)
 # or, when a previous run's sequences travel as .cache/eagle_seqs.jsonl.gz, those (the same 8,000; last 200 held out).

@@ -9,7 +9,10 @@
    off (it would pause speculation where it does not pay).
    Prompts of 1 and 2: ShareGPT first human turns through the chat template, taken from after the pairs the
    head was trained on (train-eagle trains on the first --num-sequences pairs of the file and holds out the
-   last --heldout of them; `heldout_offset` reads that count from the head's own config, at least 2000).
+   last --heldout of them; `heldout_offset` reads that count from the head's own config, and never starts before
+   pair 16,000: benchmarks/gpu_eagle_train.sh, which trained the shipped head, gives train-eagle the first 16,000
+   records, and its --replies self skips long prompts, so 8,000 sequences reach past pair 8,000; --prompt-offset
+   overrides it).
 3. Dummy Llama-3-8B (random weights, bf16): the time of a target step verifying k drafts (k+1 tokens per
    request) against a decode step at batch 1 / 8 / 32, after 512 tokens of context, and the speed-up that
    implies at tau = 3: 3 x decode / verify, a PROJECTION (no head for that model; drafting cost left out).
@@ -44,13 +47,16 @@ from tokenmill.worker.engine import LLMEngine, StepRecord
 from tokenmill.worker.registry_fetch import sharegpt_path
 from tokenmill.worker.spec.eagle import CONFIG_FILE, head_folder
 
-TRAIN_EAGLE_DEFAULT_SEQUENCES = 2000  # cli/train_eagle.py --num-sequences
+# benchmarks/gpu_eagle_train.sh gives train-eagle the first 16,000 ShareGPT records (the shipped head's data); a pair
+# index is at most its record's, so no pair from 16,000 on was read whatever --num-sequences says
+TRAINING_RECORDS = 16000
 
 
 def heldout_offset(head_dir: Path) -> int:
     """Index of the first ShareGPT pair the head was not trained on: the largest --num-sequences of the train-eagle
     commands in its config (train-eagle reads the file's pairs in order; a head trained on from another one keeps
-    that one's training as "init_head_training"), never below train-eagle's default."""
+    that one's training as "init_head_training"), never below TRAINING_RECORDS (--replies self skips the prompts
+    that do not fit, so n sequences may come from more than n pairs)."""
     commands = []
     try:
         training = json.loads((head_dir / CONFIG_FILE).read_text()).get("training", {})
@@ -60,11 +66,11 @@ def heldout_offset(head_dir: Path) -> int:
         argv = [a for c in commands for a in shlex.split(c)]
     except (OSError, ValueError, AttributeError):
         argv = []
-    used = TRAIN_EAGLE_DEFAULT_SEQUENCES
+    used = TRAINING_RECORDS
     for flag, value in itertools.pairwise(argv):
         if flag == "--num-sequences" and re.fullmatch(r"\d+", value):
             used = max(used, int(value))
-    return max(used, TRAIN_EAGLE_DEFAULT_SEQUENCES)
+    return used
 
 
 def heldout_prompts(engine: LLMEngine, offset: int, n: int, max_prompt: int) -> list[list[int]]:
@@ -228,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--k", type=int, default=4, help="drafts per step in the throughput runs")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--prompt-offset", type=int, default=None,
+                    help="first ShareGPT pair to take prompts from (default: heldout_offset of the head)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes; records no summary figures")
     args = ap.parse_args(argv)
     smoke = args.smoke
@@ -247,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
         speculative=SpeculativeConfig(method="eagle", num_speculative_tokens=args.k, draft_model=str(head),
                                       auto_switch=True),
         scheduler=SchedulerConfig(max_num_seqs=max(batches))))
-    offset = heldout_offset(head)
+    offset = heldout_offset(head) if args.prompt_offset is None else args.prompt_offset
     prompts = heldout_prompts(engine, offset, max(batches) + (0 if smoke else 64), max_prompt)
     progress(f"engine ready, {len(prompts)} prompts from ShareGPT pair {offset}")
     timed_generate(engine, prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), 2)  # warm-up

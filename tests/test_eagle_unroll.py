@@ -165,7 +165,8 @@ def test_heldout_prompts_skip_the_pairs_of_the_head_trained_on(tmp_path: Path) -
 
     first = {"command": "tokenmill train-eagle --num-sequences 8000 --heldout 200"}
     on = {"command": "tokenmill train-eagle --num-sequences 1020 --init-head h", "init_head_training": first}
-    for training, want in ((on, 8000), ({"command": "tokenmill train-eagle --num-sequences 1020"}, 2000),
-                           ({"command": "tokenmill train-eagle --num-sequences 3000"}, 3000)):
+    big = {"command": "tokenmill train-eagle --num-sequences 20000", "init_head_training": first}
+    for training, want in ((on, 16000), ({"command": "tokenmill train-eagle --num-sequences 1020"}, 16000),
+                           (big, 20000), ({"command": "tokenmill train-eagle --num-sequences 17000"}, 17000)):
         (tmp_path / CONFIG_FILE).write_text(json.dumps({"training": training}))
         assert heldout_offset(tmp_path) == want

@@ -10,9 +10,9 @@
    Prompts of 1 and 2: ShareGPT first human turns through the chat template, taken from after the pairs the
    head was trained on (train-eagle trains on the first --num-sequences pairs of the file and holds out the
    last --heldout of them; `heldout_offset` reads that count from the head's own config, and never starts before
-   pair 16,000: benchmarks/gpu_eagle_train.sh, which trained the shipped head, gives train-eagle the first 16,000
-   records, and its --replies self skips long prompts, so 8,000 sequences reach past pair 8,000; --prompt-offset
-   overrides it).
+   pair 10,051: benchmarks/gpu_eagle_train.sh, which trained the shipped head, gives train-eagle the first 16,000
+   records (10,051 pairs), and its --replies self skips long prompts, so 8,000 sequences reach past pair 8,000;
+   --prompt-offset overrides it).
 3. Dummy Llama-3-8B (random weights, bf16): the time of a target step verifying k drafts (k+1 tokens per
    request) against a decode step at batch 1 / 8 / 32, after 512 tokens of context, and the speed-up that
    implies at tau = 3: 3 x decode / verify, a PROJECTION (no head for that model; drafting cost left out).
@@ -47,15 +47,16 @@ from tokenmill.worker.engine import LLMEngine, StepRecord
 from tokenmill.worker.registry_fetch import sharegpt_path
 from tokenmill.worker.spec.eagle import CONFIG_FILE, head_folder
 
-# benchmarks/gpu_eagle_train.sh gives train-eagle the first 16,000 ShareGPT records (the shipped head's data); a pair
-# index is at most its record's, so no pair from 16,000 on was read whatever --num-sequences says
-TRAINING_RECORDS = 16000
+# benchmarks/gpu_eagle_train.sh gives train-eagle the first 16,000 ShareGPT records (the shipped head's data), which
+# hold the first 10,051 of the packaged file's 11,135 pairs: no pair from there on was read, whatever --num-sequences
+# says (--replies self skips long prompts: the shipped head's 8,000 sequences reach pair 9,644)
+TRAINING_PAIRS = 10051
 
 
 def heldout_offset(head_dir: Path) -> int:
     """Index of the first ShareGPT pair the head was not trained on: the largest --num-sequences of the train-eagle
     commands in its config (train-eagle reads the file's pairs in order; a head trained on from another one keeps
-    that one's training as "init_head_training"), never below TRAINING_RECORDS (--replies self skips the prompts
+    that one's training as "init_head_training"), never below TRAINING_PAIRS (--replies self skips the prompts
     that do not fit, so n sequences may come from more than n pairs)."""
     commands = []
     try:
@@ -66,7 +67,7 @@ def heldout_offset(head_dir: Path) -> int:
         argv = [a for c in commands for a in shlex.split(c)]
     except (OSError, ValueError, AttributeError):
         argv = []
-    used = TRAINING_RECORDS
+    used = TRAINING_PAIRS
     for flag, value in itertools.pairwise(argv):
         if flag == "--num-sequences" and re.fullmatch(r"\d+", value):
             used = max(used, int(value))

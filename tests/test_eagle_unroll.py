@@ -166,7 +166,7 @@ def test_heldout_prompts_skip_the_pairs_of_the_head_trained_on(tmp_path: Path) -
     first = {"command": "tokenmill train-eagle --num-sequences 8000 --heldout 200"}
     on = {"command": "tokenmill train-eagle --num-sequences 1020 --init-head h", "init_head_training": first}
     big = {"command": "tokenmill train-eagle --num-sequences 20000", "init_head_training": first}
-    for training, want in ((on, 16000), ({"command": "tokenmill train-eagle --num-sequences 1020"}, 16000),
-                           (big, 20000), ({"command": "tokenmill train-eagle --num-sequences 17000"}, 17000)):
+    for training, want in ((on, 10051), ({"command": "tokenmill train-eagle --num-sequences 1020"}, 10051),
+                           (big, 20000), ({"command": "tokenmill train-eagle --num-sequences 11000"}, 11000)):
         (tmp_path / CONFIG_FILE).write_text(json.dumps({"training": training}))
         assert heldout_offset(tmp_path) == want

@@ -168,17 +168,28 @@ def planes_fma(
         words = tl.load(q_rows + offs_w[None, :], mask=w_mask, other=0)
     dot = tl.zeros(words.shape, dtype=tl.float32)  # sum over the word's columns of q * x
     xsum = tl.zeros([1, BLOCK_K // P], dtype=tl.float32)  # sum over the word's columns of x
+    if BITS == 4:
+        high = words >> 12  # fields 5..7 at places 2..4 (the sign bits it brings in are masked off)
     for j in tl.static_range(P):
         offs_k = offs_w * P + j  # [W] packed columns of plane j
         cols = activation_cols(perm_ptr, offs_k, K, HAS_PERM, EVEN_K)
         x = _x_tile(x_rows, r_rows, nw_ptr, rstd, cols, (offs_k < K)[None, :], K, dtype, PROLOGUE, HAS_RESIDUAL,
                     EVEN_K).to(tl.float32)  # [1, W]
-        field = (words >> (BITS * j)) & ((1 << BITS) - 1)
         if BITS == 8:
+            field = (words >> (8 * j)) & 0xFF
             q = ((field ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0  # 2^23 + 128: the signed byte
+            dot += q * x
         else:
-            q = (field | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # [BLOCK_N, W]
-        dot += q * x
+            # INT4 fields are taken where they lie, at place p (bits 4p .. 4p + 3, p <= 4 so they stay inside the
+            # 23 mantissa bits): one AND-OR makes 2^23 + q 16^p, the 2^23 is subtracted exactly, and x is scaled by
+            # 16^-p instead (exact: a power of two), so each product is the real q x, rounded as the shifted
+            # field's product would be: no shift and no bit-field extract per weight
+            if j < 5:
+                q = ((words & (0xF << (4 * j))) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                dot += q * (x * (1.0 / (1 << (4 * j))))
+            else:
+                q = ((high & (0xF << (4 * j - 12))) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                dot += q * (x * (1.0 / (1 << (4 * j - 12))))
         xsum += x
     g = (offs_w * P // GROUP)[None, :]  # [1, W] each word's group
     if HAS_MINS:

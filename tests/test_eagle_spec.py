@@ -35,6 +35,7 @@ from tokenmill.worker.spec.eagle import (
     load_eagle_head,
 )
 from tokenmill.worker.spec.eagle_train import new_head, target_features
+from tokenmill.worker.spec.switch import SpeculationSwitch, StepCosts
 
 
 def save_head(model: Path, out: Path, seed: int = 0, fusion_layers: FusionLayers | None = None) -> Path:
@@ -201,6 +202,30 @@ def test_features_are_kept_only_for_requests_that_speculate(tiny: tuple[Path, Pa
     assert kept == []
     run(engine, [("on", [5, 6, 7], dataclasses.replace(off, num_speculative_tokens=2))])
     assert kept
+
+
+def test_a_paused_switch_keeps_features_only_before_its_probes_and_output_is_unchanged(tiny: tuple[Path, Path],
+                                                                                       ) -> None:
+    """While the switch pauses speculation, a step keeps the target's features only in the window before a probe
+    (a paused step costs what a plain one does); the probes still draft, and greedy output is the plain one."""
+    model, head = tiny
+    engine = make_engine(str(model), False, speculative=eagle(head))
+    engine.switch = SpeculationSwitch(StepCosts((1,), (0.01,), (1.0,), (0.0,), 3), prior_tau=2.0, probe_every=6,
+                                      feature_window=2)
+    keeps: list[bool] = []
+    launch = engine.runner.launch
+
+    def recording(batch: Any, eos: Any, prev: Any = None, keep: Sequence[int] = (), bitmask: Any = None) -> Any:
+        if batch.num_new_tokens == [1]:  # decode steps (the prefill precedes the switch's first decision)
+            keeps.append(bool(keep))
+        return launch(batch, eos, prev, keep, bitmask)
+
+    engine.runner.launch = recording  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    jobs = [("r", mixed_prompts(1, seed=3)[0], params)]
+    assert results(run(engine, jobs)) == results(run(make_engine(str(model), False), jobs))
+    assert engine.counters.draft_tokens > 0, "the probes drafted"
+    assert 0 < sum(keeps) < len(keeps) / 2, f"features kept at {keeps}"
 
 
 # -- bad heads -------------------------------------------------------------------------------------------------

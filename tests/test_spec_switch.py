@@ -58,6 +58,18 @@ def test_tau_follows_the_verify_steps_and_a_paused_switch_probes() -> None:
     assert switch.should_speculate(32)
 
 
+def test_a_paused_switch_keeps_features_only_before_its_probes() -> None:
+    switch = SpeculationSwitch(COSTS, prior_tau=1.0, probe_every=10, feature_window=3)
+    assert not switch.pays(1)
+    steps = [(switch.should_speculate(1), switch.keeps_features()) for _ in range(20)]
+    # paused steps 1..6 keep nothing, 7..9 keep (the probe's catch-up reads them), the 10th probes and keeps
+    assert steps == ([(False, False)] * 6 + [(False, True)] * 3 + [(True, True)]) * 2
+    paying = SpeculationSwitch(COSTS, prior_tau=2.5)
+    assert all(paying.should_speculate(1) and paying.keeps_features() for _ in range(5))
+    with pytest.raises(ValueError):
+        SpeculationSwitch(COSTS, probe_every=4, feature_window=5)
+
+
 @pytest.mark.parametrize("kw", [dict(batch_sizes=(8, 1)), dict(batch_sizes=(0, 2)), dict(decode_s=(0.0, 1.0)),
                                 dict(draft_s=(0.1,))])
 def test_bad_costs_are_refused(kw: dict[str, tuple[float, ...]]) -> None:

@@ -309,6 +309,12 @@ class LLMEngine:
                 req.draft_token_ids = drafts
         return sum(bool(r.draft_token_ids) for r in reqs)
 
+    def _keeps_features(self) -> bool:
+        """Whether this step keeps target features for the proposer (the switch keeps none over most of a pause)."""
+        if self.proposer is None or not self.proposer.wants_features:
+            return False
+        return self.switch is None or self.switch.keeps_features()
+
     def _feature_requests(self, batch: ScheduledBatch) -> list[int]:
         """The batch's requests whose target features the proposer reads: those that speculate."""
         return [i for i, r in enumerate(batch.requests) if self._num_drafts(r.params)]
@@ -324,7 +330,7 @@ class LLMEngine:
         self._note_first_scheduled(batch)
         prev = self._inflight[-1].pending if self._inflight else None
         observer = self.step_observer
-        keep = self._feature_requests(batch) if self.proposer is not None and self.proposer.wants_features else ()
+        keep = self._feature_requests(batch) if self._keeps_features() else ()
         bitmask = None
         if len(self.constraints):
             bitmask = self.constraints.step_bitmask([r for i, r in enumerate(batch.requests) if batch.samples(i)])

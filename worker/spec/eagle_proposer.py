@@ -59,15 +59,25 @@ MAX_PENDING_FEATURES = 4096
 @dataclass(eq=False)
 class _HeadState:
     """One request's draft state: the target features not yet read by the head, for positions
-    feat_start .. feat_start + rows - 1, and head_pos: the head's KV holds real rows for positions < head_pos."""
+    feat_start .. feat_start + rows - 1, and head_pos: the head's KV holds real rows for positions < head_pos.
+    Invariant: rows == the chunks' rows in all (kept as a count: `observe` runs per request and step)."""
 
     feat_start: int = 0
     head_pos: int = 0
     chunks: list[Tensor] = field(default_factory=list)  # each [n, H] on the device, in position order
+    rows: int = 0
 
     @property
     def feat_end(self) -> int:
-        return self.feat_start + sum(c.shape[0] for c in self.chunks)
+        return self.feat_start + self.rows
+
+    def restart(self, pos: int) -> None:
+        """No features kept; the next ones start at `pos`, and the head goes on from there."""
+        self.chunks, self.rows, self.feat_start, self.head_pos = [], 0, pos, pos
+
+    def append(self, features: Tensor) -> None:
+        self.chunks.append(features)
+        self.rows += features.shape[0]
 
     def features(self, start: int, end: int) -> Tensor:
         """Target features [end - start, H] of positions start .. end-1 (within the kept ones)."""
@@ -84,9 +94,9 @@ class _HeadState:
     def keep_before(self, pos: int) -> None:
         """Drop the features of positions >= pos (the target recomputes them: rejected drafts, preemption)."""
         if pos <= self.feat_start:
-            self.chunks = []
+            self.chunks, self.rows = [], 0
         elif pos < self.feat_end:
-            self.chunks = [self.features(self.feat_start, pos)]
+            self.chunks, self.rows = [self.features(self.feat_start, pos)], pos - self.feat_start
 
 
 class _Plan:
@@ -169,16 +179,15 @@ class EagleProposer(DraftProposer):
         if state is None:
             state = self._states[req] = _HeadState(feat_start=start, head_pos=start)
         state.keep_before(start)  # now feat_end <= start
-        if state.chunks and state.feat_end < start:
-            state.chunks = []  # a gap: positions the target did not compute for this request
-        if state.chunks:  # contiguous: the head catches up from where it is (not before its features)
+        if state.rows and state.feat_end < start:
+            state.chunks, state.rows = [], 0  # a gap: positions the target did not compute for this request
+        if state.rows:  # contiguous: the head catches up from where it is (not before its features)
             state.head_pos = max(min(state.head_pos, start), state.feat_start)
         else:  # positions before `start` have no features (a prefix hit, a recompute): their head KV as is
-            state.feat_start = state.head_pos = start
-        state.chunks.append(features)
+            state.restart(start)
+        state.append(features)
         if state.feat_end - state.head_pos > MAX_PENDING_FEATURES:  # not drafted for long (the switch paused it)
-            state.chunks, state.feat_start = [], state.feat_end
-            state.head_pos = state.feat_start
+            state.restart(state.feat_end)
 
     @torch.inference_mode()
     def accept_paths(self, requests: Sequence[Request], paths: dict[int, list[int]]) -> None:
@@ -198,7 +207,7 @@ class EagleProposer(DraftProposer):
     def _ready(self, req: Request) -> bool:
         state = self._states.get(req)
         m = req.num_computed_tokens
-        return (state is not None and bool(state.chunks) and state.feat_start <= state.head_pos < m
+        return (state is not None and state.rows > 0 and state.feat_start <= state.head_pos < m
                 and state.feat_end >= m)
 
     @torch.inference_mode()
@@ -219,7 +228,7 @@ class EagleProposer(DraftProposer):
         for s, i in enumerate(ready):
             out[i] = drafts[s]
             state, m = self._states[requests[i]], plan.starts[s]
-            state.chunks, state.feat_start, state.head_pos = [], m, m
+            state.restart(m)
         return out
 
     def draft_seconds(self, batch: int, k: int, context: int) -> float:

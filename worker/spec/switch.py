@@ -9,7 +9,11 @@ wins; at large b the step is bound by compute and verify(b) nears (k+1) x decode
 are measured at start-up at a few batch sizes (`measure_step_costs`) and interpolated linearly in b
 (extrapolated from the last two beyond the largest); tau is a running average of the verify steps seen.
 While speculation is paused, every `probe_every`-th step still speculates, so tau keeps up with the
-workload (a batch that shrinks back is seen at once: the decision is made every step)."""
+workload (a batch that shrinks back is seen at once: the decision is made every step). A paused step costs what
+a plain one does: the target's features (EAGLE's input) are kept only over the last `feature_window` steps
+before a probe, so the probe's catch-up reads those and the head's KV holds what it held for the positions
+before them (weaker drafts at a probe, so tau is, if anything, underestimated while paused: the switch errs
+towards plain decoding)."""
 
 from __future__ import annotations
 
@@ -59,14 +63,18 @@ class SpeculationSwitch:
     verify steps (`record`)."""
 
     def __init__(self, costs: StepCosts, *, prior_tau: float | None = None, smoothing: float = 0.05,
-                 margin: float = 1.0, probe_every: int = 50) -> None:
-        if not (0 < smoothing <= 1 and margin > 0 and probe_every >= 1):
-            raise ValueError("need 0 < smoothing <= 1, margin > 0, probe_every >= 1")
+                 margin: float = 1.0, probe_every: int = 50, feature_window: int | None = None) -> None:
+        if feature_window is None:
+            feature_window = min(8, probe_every)
+        if not (0 < smoothing <= 1 and margin > 0 and probe_every >= 1 and 1 <= feature_window <= probe_every):
+            raise ValueError("need 0 < smoothing <= 1, margin > 0, probe_every >= 1, 1 <= feature_window <= "
+                             "probe_every")
         self.costs = costs
         # Before any verify step: half the drafts accepted, a typical chat figure.
         self.tau = prior_tau if prior_tau is not None else 1.0 + costs.k / 2
         self.smoothing, self.margin, self.probe_every = smoothing, margin, probe_every
-        self._paused_steps = 0
+        self.feature_window = feature_window
+        self._paused_steps = 0  # steps since the last one that speculated
 
     def pays(self, batch: int) -> bool:
         """Whether speculating at this batch size yields more tokens per second, at the current tau."""
@@ -82,6 +90,11 @@ class SpeculationSwitch:
             self._paused_steps = 0
             return True
         return False
+
+    def keeps_features(self) -> bool:
+        """Whether the step just decided on (`should_speculate`) keeps the target's features for the drafts: a
+        speculating step, or one of the last `feature_window` paused steps before a probe."""
+        return self._paused_steps == 0 or self._paused_steps > self.probe_every - 1 - self.feature_window
 
     def record(self, verified: int, accepted: int) -> None:
         """A step verified drafts of `verified` requests, `accepted` drafts accepted in all."""

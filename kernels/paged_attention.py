@@ -184,6 +184,15 @@ def default_config(
     return deep if shared_bytes(deep, head_dim, itemsize) + _SHARED_MARGIN <= shared_limit else shallow
 
 
+def fixed_config(max_query_len: int, group_pad: int, itemsize: int) -> PagedAttentionConfig:
+    """A tile config that depends on nothing but whether a request's rows fit one decode tile: the decode tiles,
+    else the mixed tile (fp32: its small-footprint tile). For eager launches whose shapes change every call and
+    that must not meet a new compiled variant at run time (the draft head's, worker/spec/eagle_proposer.py)."""
+    if max_query_len * group_pad <= max(DECODE_CONFIG.block_m, group_pad):
+        return DECODE_CONFIG
+    return FP32_PREFILL_CONFIG if itemsize >= 4 else MIXED_CONFIG
+
+
 # Split heuristic knobs: at most this many programs per SM (the most decode programs that ran in one wave on the
 # H200), never give a split fewer keys than _MIN_KEYS_PER_SPLIT, never more than _MAX_SPLITS splits.
 # One wave, rounded down: a second wave of long programs costs a large share of the bandwidth; batch 1 at 32k keys

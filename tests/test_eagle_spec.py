@@ -19,6 +19,7 @@ from test_async_scheduling import Job, assert_same, make_engine, results, run
 from test_spec import repetitive
 from tiny_hf import ARCHS, save_tiny_model
 
+from tokenmill.kernels.launch import next_pow2
 from tokenmill.protocol import SamplingParams
 from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.worker.engine import LLMEngine
@@ -226,6 +227,38 @@ def test_a_paused_switch_keeps_features_only_before_its_probes_and_output_is_unc
     assert results(run(engine, jobs)) == results(run(make_engine(str(model), False), jobs))
     assert engine.counters.draft_tokens > 0, "the probes drafted"
     assert 0 < sum(keeps) < len(keeps) / 2, f"features kept at {keeps}"
+
+
+def test_the_heads_attention_meets_no_launch_its_warm_up_did_not_make(tiny: tuple[Path, Path],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the Triton backend (the interpreter here) the head's attention takes fixed launch choices (one key
+    split, fixed_config's tile), so every kind of launch a run meets was made by the warm-up, which on a GPU
+    compiles the variants at start-up; greedy output stays the plain one."""
+    import tokenmill.worker.attention.triton_backend as tb
+
+    model, head = tiny
+    seen: set[tuple[Any, ...]] = set()
+    launch = tb.paged_attention
+    group_pad = [0]  # the target's query heads per kv head, to a power of two (set once the engine is built)
+
+    def recording(q: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
+        config = kw.get("config")
+        if config is not None:  # the head's launches (the target's take the heuristics': no override)
+            tile_rows = max(config.block_m, group_pad[0]) // group_pad[0]  # one request's rows in a tile
+            seen.add((config, kw["num_splits"], kw["rope"] is not None, kw["max_query_len"] <= tile_rows))
+        return launch(q, *args, **kw)
+
+    monkeypatch.setattr(tb, "paged_attention", recording)
+    engine = make_engine(str(model), False, speculative=eagle(head, k=3), attention_backend="triton")
+    arch = engine.runner.arch
+    group_pad[0] = next_pow2(arch.num_heads // arch.num_kv_heads)
+    engine.proposer.warm_up(3)  # type: ignore[union-attr]  # (the engine warms up on CUDA only)
+    warmed, seen = set(seen), set()
+    assert warmed and all(splits == 1 for _, splits, _, _ in warmed)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    jobs = [(f"w{i}", p, params) for i, p in enumerate(repetitive(384, 2, seed=5) + mixed_prompts(1, seed=5))]
+    assert results(run(engine, jobs)) == results(run(make_engine(str(model), False, attention_backend="torch"), jobs))
+    assert engine.counters.draft_tokens > 0 and seen and seen <= warmed, f"met {seen - warmed}"
 
 
 # -- bad heads -------------------------------------------------------------------------------------------------

@@ -1025,6 +1025,10 @@ def test_default_config_by_batch_shape() -> None:
     assert default_config(4096, 6144, 2, 4, 2) is PREFILL_CONFIG  # mean query run below 4k
     assert default_config(8192, 8192, 1, 8, 2) is PREFILL_CONFIG  # unmeasured group shape: the 128-row tile
     assert default_config(1000, 1500, 501, 4, 2) is MIXED_CONFIG  # 500 decodes beside one prompt
+    # fixed_config (the draft head's eager launches): the same tile however long the rows, whatever the batch
+    assert pa.fixed_config(1, 4, 2) is pa.fixed_config(4, 4, 2) is DECODE_CONFIG  # 4 rows x group 4 fill 16
+    assert pa.fixed_config(5, 4, 2) is pa.fixed_config(8192, 4, 2) is MIXED_CONFIG
+    assert pa.fixed_config(8192, 4, 4) is FP32_PREFILL_CONFIG
     assert default_config(8192, 8192, 1, 4, 4) is FP32_PREFILL_CONFIG  # the large tile does not fit in fp32
     # deep pipelines where the shared memory allows: Hopper (227 KB) takes both, A100 (163 KB) only the 256-row
     # tile, head_dim 64 halves the need; the interpreter / unknown devices (0) keep the shallow ones

@@ -580,10 +580,13 @@ def make_proposer(config: EngineConfig, runner: ModelRunner, model_name: str) ->
         from tokenmill.worker.spec.eagle import EagleHeadError, head_folder
 
         try:
-            return EagleProposer(runner, head_folder(spec.draft_model, model_name), config.scheduler.max_num_seqs,
-                                 spec.tree_width)
+            proposer = EagleProposer(runner, head_folder(spec.draft_model, model_name), config.scheduler.max_num_seqs,
+                                     spec.tree_width)
         except EagleHeadError as e:
             raise ModelLoadError(f"speculative eagle: {e}") from None
+        if runner.device.type == "cuda":  # the head's Triton variants, built now rather than inside a step
+            proposer.warm_up(spec.num_speculative_tokens)
+        return proposer
     assert spec.method == "off", spec.method
     return None
 

@@ -34,6 +34,7 @@ eagerly: the CUDA graphs do not keep the layer states (refused at start-up), nor
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,13 +44,26 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tokenmill.kernels.launch import next_pow2
+from tokenmill.kernels.paged_attention import fixed_config
 from tokenmill.protocol.sampling import MAX_SPECULATIVE_TOKENS
+from tokenmill.worker.attention.backend import AttentionMetadata
+from tokenmill.worker.attention.triton_backend import TritonBackend
 from tokenmill.worker.model_runner import ModelRunner, attention_metadata
 from tokenmill.worker.request import Request
 from tokenmill.worker.spec.eagle import EagleHead, EagleHeadError, load_eagle_head
 from tokenmill.worker.spec.eagle_tree import head_tree_rows, row_bit, select_tree, tree_levels
 from tokenmill.worker.spec.proposer import DraftProposer
 from tokenmill.worker.spec.tree import MAX_TREE_NODES, kv_moves
+
+# The head's attention launches (eager: its shapes change every round) take fixed choices, so that they meet no
+# Triton variant that start-up (`warm_up`) did not build: kernels/paged_attention.fixed_config's tile and one key
+# split. Unsplit keys cost a one-layer head little (a few programs per request walking its context once); the
+# heuristics' choice would compile a new variant per (tile, split count) a batch size and context first reach,
+# ~0.6-1.4 s each on the H200, inside a step (benchmarks/results/h200/NOTES.md, fourteenth session).
+HEAD_KEY_SPLITS = 1
+# The longest catch-up `warm_up` runs: more rows than one tile of any config holds.
+WARM_UP_LONG_CATCH_UP = 256
 
 # Target feature rows one request keeps for the head at most: past that (a long pause of speculation), they
 # are dropped and the head goes on from the next ones, reading what its KV holds for the positions between.
@@ -247,6 +261,45 @@ class EagleProposer(DraftProposer):
         with torch.inference_mode():
             return timed(lambda: self._round(plan), self.runner.device, 5)
 
+    def warm_up(self, k: int) -> None:
+        """Build the Triton variants the head's rounds launch (fixed choices, `_head`), so that none compiles inside
+        a step: rounds of k drafts for 1 and 2 requests after catch-ups of every row count at which the launch
+        changes kind (one row: rotary fused in; a decode tile's rows and one more; a mixed tile's and one more;
+        many). Their head KV rows are overwritten before anything reads them (as draft_seconds')."""
+        a, bs, h = self.runner.arch, self.runner.block_size, self.runner.arch.hidden_size
+        group_pad = next_pow2(a.num_heads // a.num_kv_heads)
+        size = self.runner.dtype.itemsize
+        configs = (fixed_config(1, group_pad, size), fixed_config(WARM_UP_LONG_CATCH_UP, group_pad, size))
+        tiles = {max(c.block_m, group_pad) // group_pad for c in configs}  # a tile's rows of one request
+        counts = sorted({1, 2, WARM_UP_LONG_CATCH_UP} | tiles | {t + 1 for t in tiles})
+        span = self._span(k)
+        for batch, rows in itertools.product((1, 2), counts):
+            blocks = list(range(min(-(-(rows + span + 1) // bs), self.runner.num_blocks)))
+            m = min(rows, len(blocks) * bs - span - 1)
+            if m < 1:
+                continue
+            plan = _Plan(bs)
+            plan.ids, plan.positions, plan.slots = [0] * (m * batch), list(range(m)) * batch, [-1] * (m * batch)
+            plan.q_lens, plan.tables, plan.starts, plan.ks = [m] * batch, [blocks] * batch, [m] * batch, [k] * batch
+            plan.features = [torch.zeros(m * batch, h, dtype=self.runner.dtype, device=self.runner.device)]
+            with torch.inference_mode():
+                self._round(plan)
+
+    def _head(self, embeds: Tensor, features: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        """The head's forward over its paged KV cache; on the Triton backend its attention takes the fixed launch
+        choices (fixed_config for these rows, HEAD_KEY_SPLITS)."""
+        backend = self.runner.backend
+        if not isinstance(backend, TritonBackend):
+            return self.head(embeds, features, positions, self.kv_cache, meta)
+        a = self.runner.arch
+        config = fixed_config(max(1, meta.max_query_len), next_pow2(a.num_heads // a.num_kv_heads),
+                              self.runner.dtype.itemsize)
+        previous, backend.launch_override = backend.launch_override, (config, HEAD_KEY_SPLITS)
+        try:
+            return self.head(embeds, features, positions, self.kv_cache, meta)
+        finally:
+            backend.launch_override = previous
+
     def _round(self, plan: _Plan) -> list[list[int]]:
         """The drafts of a round: chains, or trees when the tree width is above 1."""
         return self._draft(plan) if self.tree_width == 1 else self._draft_tree(plan)
@@ -259,7 +312,7 @@ class EagleProposer(DraftProposer):
         ids = torch.tensor(plan.ids, dtype=torch.int64, device=device)
         positions = torch.tensor(plan.positions, dtype=torch.int64, device=device)
         feats = torch.cat(plan.features) if len(plan.features) > 1 else plan.features[0]
-        hidden = self.head(model.model.embed_tokens(ids), feats.to(self.runner.dtype), positions, self.kv_cache, meta)
+        hidden = self._head(model.model.embed_tokens(ids), feats.to(self.runner.dtype), positions, meta)
         last = torch.tensor(np.cumsum(plan.q_lens) - 1, dtype=torch.int64, device=device)
         return hidden[last]  # [S, H] f^_m
 
@@ -274,7 +327,7 @@ class EagleProposer(DraftProposer):
             pos, slots = plan.step_slots(j, n)
             meta = attention_metadata([1] * n, [p + 1 for p in pos], plan.tables[:n], slots, device)
             positions = torch.tensor(pos, dtype=torch.int64, device=device)
-            hidden = self.head(model.model.embed_tokens(tokens[:n]), hidden[:n], positions, self.kv_cache, meta)
+            hidden = self._head(model.model.embed_tokens(tokens[:n]), hidden[:n], positions, meta)
             tokens = model.compute_logits(hidden).argmax(dim=-1)
             steps.append(tokens)
         flat = torch.cat(steps).tolist()  # the round's one device-to-host copy
@@ -331,7 +384,7 @@ class EagleProposer(DraftProposer):
         meta.tree_mask = masks
         meta.tree_start = torch.tensor(plan.starts[:n], dtype=torch.int32, device=device)
         positions = torch.tensor(pos, dtype=torch.int64, device=device)
-        return self.head(self.runner.model.model.embed_tokens(tokens), feats, positions, self.kv_cache, meta)
+        return self._head(self.runner.model.model.embed_tokens(tokens), feats, positions, meta)
 
     def _expand(self, log_probs: Tensor, score: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The next frontier from the head's log-probs [n * W, V] after each frontier row and the frontier's

@@ -41,7 +41,7 @@ init=(); [ "$init_head" != none ] && init=(--init-head "$init_head")
 tokenmill train-eagle --model embedded "${data[@]}" --num-sequences 8000 --heldout 200 --max-len 768 \
   --batch-sequences "${EAGLE_BATCH:-16}" --lr "${EAGLE_LR:-3e-4}" --steps 1000000 --time-limit-s "${EAGLE_TIME_S:-300}" \
   --unroll "${EAGLE_UNROLL:-3}" --loss-rows "${EAGLE_LOSS_ROWS:-reply}" --lr-schedule "${EAGLE_SCHEDULE:-cosine}" \
-  --warmup-steps "${EAGLE_WARMUP:-200}" ${init[@]+"${init[@]}"} \
+  --warmup-steps "${EAGLE_WARMUP:-200}" --cls-weight "${EAGLE_CLS:-0.1}" ${init[@]+"${init[@]}"} \
   --device cuda --out "$OUT/eagle" 2> "$OUT/eagle/train.log" | tail -1 || echo "== train-eagle failed (train.log)"
 grep -v '"step"' "$OUT/eagle/train.log" | tail -5 | cut -c1-300; grep '"step"' "$OUT/eagle/train.log" | tail -3
 [ -f .cache/eagle_seqs.jsonl.gz ] || gzip -c /tmp/eagle_seqs.jsonl > "$OUT/eagle/sequences.jsonl.gz" || true

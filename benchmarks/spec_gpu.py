@@ -42,6 +42,7 @@ from tokenmill.benchmarks import summary
 from tokenmill.benchmarks.common import write_results
 from tokenmill.benchmarks.datasets import sharegpt_pairs
 from tokenmill.protocol.sampling import SamplingParams
+from tokenmill.worker.compile_watch import watch_compiles
 from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.worker.engine import LLMEngine, StepRecord
 from tokenmill.worker.registry_fetch import sharegpt_path
@@ -88,6 +89,16 @@ def heldout_prompts(engine: LLMEngine, offset: int, n: int, max_prompt: int) -> 
     raise RuntimeError(f"only {len(out)} ShareGPT prompts after pair {offset}, {n} wanted")
 
 
+class CompileLog:
+    """A logger for watch_compiles that keeps what compiled (the kernel's name, by whom) in a list."""
+
+    def __init__(self, into: list[str]) -> None:
+        self.into = into
+
+    def warning(self, event: str, *, kernel: str, by: str) -> None:
+        self.into.append(f"{kernel} ({by})")
+
+
 class Verifies:
     """Step observer: request-steps that verified drafts (a request's drafts are still set at launch)."""
 
@@ -115,6 +126,21 @@ def timed_generate(engine: LLMEngine, prompts: Sequence[list[int]], params: Samp
     return time.perf_counter() - t0, outs
 
 
+def warm_up_both(engine: LLMEngine, prompts: list[list[int]], k: int) -> list[str]:
+    """A short plain run and a short speculating one (the switch off, so that it drafts and verifies), outside
+    the measurements: the first step of each kind meets what a process meets once. Returns what compiled."""
+    compiled: list[str] = []
+    switch, engine.switch = engine.switch, None
+    try:
+        with watch_compiles(CompileLog(compiled)):
+            for drafts in (0, k):
+                timed_generate(engine, prompts, SamplingParams(temperature=0.0, max_tokens=16,
+                                                               num_speculative_tokens=drafts), len(prompts))
+    finally:
+        engine.switch = switch
+    return compiled
+
+
 def throughput(engine: LLMEngine, prompts: list[list[int]], batch: int, k: int, max_tokens: int,
                rounds: int) -> dict[str, Any]:
     """Output tok/s plain and with EAGLE at one batch size (greedy), the modes alternating over `rounds`."""
@@ -122,13 +148,15 @@ def throughput(engine: LLMEngine, prompts: list[list[int]], batch: int, k: int, 
     spec_p = SamplingParams(temperature=0.0, max_tokens=max_tokens, num_speculative_tokens=k)
     seconds = {"plain": 0.0, "eagle": 0.0}
     tokens = {"plain": 0, "eagle": 0}
+    compiled: dict[str, list[str]] = {"plain": [], "eagle": []}
     same = total = 0
     c = engine.counters
     d0, a0 = c.draft_tokens, c.accepted_draft_tokens
     for r in range(rounds):
         got: dict[str, list[list[int]]] = {}
         for mode in (("plain", "eagle") if r % 2 == 0 else ("eagle", "plain")):
-            s, got[mode] = timed_generate(engine, prompts, spec_p if mode == "eagle" else plain_p, batch)
+            with watch_compiles(CompileLog(compiled[mode])):
+                s, got[mode] = timed_generate(engine, prompts, spec_p if mode == "eagle" else plain_p, batch)
             seconds[mode] += s
             tokens[mode] += sum(map(len, got[mode]))
         same += sum(a == b for a, b in zip(got["plain"], got["eagle"]))
@@ -137,7 +165,7 @@ def throughput(engine: LLMEngine, prompts: list[list[int]], batch: int, k: int, 
     return {"batch": batch, "requests": len(prompts), "rounds": rounds, "k": k, "max_tokens": max_tokens,
             "plain_tok_s": plain_tok_s, "eagle_tok_s": eagle_tok_s, "speedup": eagle_tok_s / plain_tok_s,
             "output_tokens_plain": tokens["plain"], "output_tokens_eagle": tokens["eagle"],
-            "identical_requests": same / total, "draft_tokens": c.draft_tokens - d0,
+            "identical_requests": same / total, "compiled": compiled, "draft_tokens": c.draft_tokens - d0,
             "accepted_draft_tokens": c.accepted_draft_tokens - a0}
 
 
@@ -187,11 +215,14 @@ def table(r: dict[str, Any]) -> str:
     lines = [f"SmolLM2-135M-Instruct + EAGLE head `{r['head']}`, greedy, prompts from ShareGPT pair "
              f"{r['prompt_offset']} on (not trained on)\n",
              "| batch | k | requests x rounds | plain tok/s | EAGLE tok/s | speed-up | identical requests | "
-             "drafts accepted |", "|---|---|---|---|---|---|---|---|"]
+             "drafts accepted | compiled while measured (plain / EAGLE) |", "|---|---|---|---|---|---|---|---|---|"]
     for t in r["throughput"].values():
         acc = t["accepted_draft_tokens"] / t["draft_tokens"] if t["draft_tokens"] else 0.0
+        compiled = t.get("compiled", {})
+        names = " / ".join(", ".join(compiled.get(m, [])) or "none" for m in ("plain", "eagle"))
         lines.append(f"| {t['batch']} | {t['k']} | {t['requests']} x {t['rounds']} | {t['plain_tok_s']:.1f} | "
-                     f"{t['eagle_tok_s']:.1f} | {t['speedup']:.2f}x | {t['identical_requests']:.0%} | {acc:.0%} |")
+                     f"{t['eagle_tok_s']:.1f} | {t['speedup']:.2f}x | {t['identical_requests']:.0%} | {acc:.0%} | "
+                     f"{names} |")
     lines += ["", f"tau at batch {r['tau_batch']} (switch off): mean accepted drafts + 1 per verify step\n",
               "| k | tau | acceptance | verify request-steps |", "|---|---|---|---|"]
     for k, t in r["tau"].items():
@@ -259,7 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     offset = heldout_offset(head) if args.prompt_offset is None else args.prompt_offset
     prompts = heldout_prompts(engine, offset, max(batches) + (0 if smoke else 64), max_prompt)
     progress(f"engine ready, {len(prompts)} prompts from ShareGPT pair {offset}")
-    timed_generate(engine, prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), 2)  # warm-up
+    warm_up = warm_up_both(engine, prompts[:2], args.k)
+    progress(f"warmed up; compiled then: {warm_up or 'nothing'}")
     rounds = {1: 1} if smoke else {1: 1, 32: 2, 128: 2}
     n_b1 = 2 if smoke else 8
     tput = {str(b): throughput(engine, prompts[: (n_b1 if b == 1 else b)], b, args.k, max_tokens, rounds.get(b, 1))
@@ -283,7 +315,8 @@ def main(argv: list[str] | None = None) -> None:
                         64 if smoke else 512, device, dtype)
     payload = {"benchmark": "spec_gpu", "smoke": smoke, "config": vars(args) | {"out": str(args.out)},
                "head": str(head), "head_config": json.loads((head / CONFIG_FILE).read_text()).get("training"),
-               "prompt_offset": offset, "throughput": tput, "tau_batch": tau_batch, "tau": taus,
+               "prompt_offset": offset, "compiled_in_warm_up": warm_up, "throughput": tput, "tau_batch": tau_batch,
+               "tau": taus,
                "verify_ks": list(verify_ks), "verify_cost": cost, "switch": switch}
     write_results(args.out, "spec_gpu", payload, table(payload))
     if not smoke:

@@ -51,19 +51,33 @@ def test_tau_follows_the_verify_steps_and_a_paused_switch_probes() -> None:
     for _ in range(6):
         switch.record(2, 0)
     assert switch.tau < 1.05 and not switch.pays(1)
-    decisions = [switch.should_speculate(1) for _ in range(8)]
-    assert decisions == [False, False, False, True] * 2, "every 4th paused step probes"
+    decisions = [switch.should_speculate(1) for _ in range(188)]
+    probes = [i + 1 for i, d in enumerate(decisions) if d]
+    assert probes == [4, 12, 28, 60, 124, 188], "the first probe after 4 paused steps, each next one twice as " \
+        "late, up to 16 x 4"
     for _ in range(10):
         switch.record(1, 3)  # the probes accept everything: tau -> 4
-    assert switch.should_speculate(32)
+    assert switch.should_speculate(32) and switch.probe_wait == 4, "speculating again resets the wait"
+    switch.tau = 1.0
+    assert [switch.should_speculate(1) for _ in range(4)] == [False, False, False, True]
+
+
+def test_the_probes_back_off_only_while_they_leave_speculation_paused() -> None:
+    switch = SpeculationSwitch(COSTS, prior_tau=1.0, probe_every=2, max_probe_every=5)
+    assert [switch.should_speculate(1) for _ in range(2 + 4 + 5 + 5)].count(True) == 4
+    assert switch.probe_wait == 5
+    with pytest.raises(ValueError):
+        SpeculationSwitch(COSTS, probe_every=8, max_probe_every=4)
 
 
 def test_a_paused_switch_keeps_features_only_before_its_probes() -> None:
     switch = SpeculationSwitch(COSTS, prior_tau=1.0, probe_every=10, feature_window=3)
     assert not switch.pays(1)
-    steps = [(switch.should_speculate(1), switch.keeps_features()) for _ in range(20)]
-    # paused steps 1..6 keep nothing, 7..9 keep (the probe's catch-up reads them), the 10th probes and keeps
-    assert steps == ([(False, False)] * 6 + [(False, True)] * 3 + [(True, True)]) * 2
+    steps = [(switch.should_speculate(1), switch.keeps_features()) for _ in range(30)]
+    # paused steps 1..6 keep nothing, 7..9 keep (the probe's catch-up reads them), the 10th probes and keeps;
+    # the next probe comes 20 paused steps later, the 3 before it keeping
+    assert steps == ([(False, False)] * 6 + [(False, True)] * 3 + [(True, True)]
+                     + [(False, False)] * 16 + [(False, True)] * 3 + [(True, True)])
     paying = SpeculationSwitch(COSTS, prior_tau=2.5)
     assert all(paying.should_speculate(1) and paying.keeps_features() for _ in range(5))
     with pytest.raises(ValueError):

@@ -8,8 +8,11 @@ At small b a step is bound by reading the weights, so verify(b) is close to deco
 wins; at large b the step is bound by compute and verify(b) nears (k+1) x decode(b), so it loses. The costs
 are measured at start-up at a few batch sizes (`measure_step_costs`) and interpolated linearly in b
 (extrapolated from the last two beyond the largest); tau is a running average of the verify steps seen.
-While speculation is paused, every `probe_every`-th step still speculates, so tau keeps up with the
-workload (a batch that shrinks back is seen at once: the decision is made every step). A paused step costs what
+While speculation is paused, a probe step still speculates now and then, so tau keeps up with the workload (a
+batch that shrinks back is seen at once: the decision is made every step). The first probe comes `probe_every`
+steps into a pause; each probe that leaves it paused doubles the wait for the next, up to `max_probe_every`
+(a workload the head drafts badly for pays a probe's extra cost ever more rarely), and speculating again resets
+it. A paused step costs what
 a plain one does: the target's features (EAGLE's input) are kept only over the last `feature_window` steps
 before a probe, so the probe's catch-up reads those and the head's KV holds what it held for the positions
 before them (weaker drafts at a probe, so tau is, if anything, underestimated while paused: the switch errs
@@ -63,18 +66,25 @@ class SpeculationSwitch:
     verify steps (`record`)."""
 
     def __init__(self, costs: StepCosts, *, prior_tau: float | None = None, smoothing: float = 0.05,
-                 margin: float = 1.0, probe_every: int = 50, feature_window: int | None = None) -> None:
+                 margin: float = 1.0, probe_every: int = 50, max_probe_every: int | None = None,
+                 feature_window: int | None = None) -> None:
         if feature_window is None:
             feature_window = min(8, probe_every)
-        if not (0 < smoothing <= 1 and margin > 0 and probe_every >= 1 and 1 <= feature_window <= probe_every):
-            raise ValueError("need 0 < smoothing <= 1, margin > 0, probe_every >= 1, 1 <= feature_window <= "
-                             "probe_every")
+        if max_probe_every is None:
+            max_probe_every = 16 * probe_every
+        if not (0 < smoothing <= 1 and margin > 0 and 1 <= probe_every <= max_probe_every
+                and 1 <= feature_window <= probe_every):
+            raise ValueError("need 0 < smoothing <= 1, margin > 0, 1 <= probe_every <= max_probe_every, "
+                             "1 <= feature_window <= probe_every")
         self.costs = costs
         # Before any verify step: half the drafts accepted, a typical chat figure.
         self.tau = prior_tau if prior_tau is not None else 1.0 + costs.k / 2
-        self.smoothing, self.margin, self.probe_every = smoothing, margin, probe_every
+        self.smoothing, self.margin = smoothing, margin
+        self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.feature_window = feature_window
         self._paused_steps = 0  # steps since the last one that speculated
+        self._wait = probe_every  # paused steps from the last speculating one to the next probe
+        self._probed = False  # the last step that speculated was a probe
 
     def pays(self, batch: int) -> bool:
         """Whether speculating at this batch size yields more tokens per second, at the current tau."""
@@ -83,18 +93,25 @@ class SpeculationSwitch:
 
     def should_speculate(self, batch: int) -> bool:
         if self.pays(batch):
-            self._paused_steps = 0
+            self._paused_steps, self._probed, self._wait = 0, False, self.probe_every
             return True
+        if self._probed:  # the probe just made left speculation paused: wait twice as long for the next
+            self._wait, self._probed = min(2 * self._wait, self.max_probe_every), False
         self._paused_steps += 1
-        if self._paused_steps >= self.probe_every:
-            self._paused_steps = 0
+        if self._paused_steps >= self._wait:
+            self._paused_steps, self._probed = 0, True
             return True
         return False
+
+    @property
+    def probe_wait(self) -> int:
+        """Paused steps between the current pause's last speculating step and its next probe."""
+        return self._wait
 
     def keeps_features(self) -> bool:
         """Whether the step just decided on (`should_speculate`) keeps the target's features for the drafts: a
         speculating step, or one of the last `feature_window` paused steps before a probe."""
-        return self._paused_steps == 0 or self._paused_steps > self.probe_every - 1 - self.feature_window
+        return self._paused_steps == 0 or self._paused_steps > self._wait - 1 - self.feature_window
 
     def record(self, verified: int, accepted: int) -> None:
         """A step verified drafts of `verified` requests, `accepted` drafts accepted in all."""

@@ -47,6 +47,7 @@ from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig, 
 from tokenmill.worker.engine import LLMEngine, StepRecord
 from tokenmill.worker.registry_fetch import sharegpt_path
 from tokenmill.worker.spec.eagle import CONFIG_FILE, head_folder
+from tokenmill.worker.spec.eagle_proposer import EagleProposer
 
 # benchmarks/gpu_eagle_train.sh gives train-eagle the first 16,000 ShareGPT records (the shipped head's data), which
 # hold the first 10,051 of the packaged file's 11,135 pairs: no pair from there on was read, whatever --num-sequences
@@ -139,6 +140,28 @@ def warm_up_both(engine: LLMEngine, prompts: list[list[int]], k: int) -> list[st
     finally:
         engine.switch = switch
     return compiled
+
+
+def draft_round_costs(engine: LLMEngine, k: int, batch_sizes: Sequence[int], context: int,
+                      ) -> dict[str, dict[str, float]]:
+    """ms of one EAGLE draft round of k tokens per batch size, with the chain graphs (where the engine captured
+    them) and eagerly."""
+    proposer = engine.proposer
+    assert isinstance(proposer, EagleProposer)
+    graphs = proposer.chain_graphs
+    out: dict[str, dict[str, float]] = {}
+    try:
+        for b in batch_sizes:
+            row = {}
+            for mode, g in (("graphs", graphs), ("eager", None)):
+                if mode == "graphs" and g is None:
+                    continue
+                proposer.chain_graphs = g
+                row[mode] = proposer.draft_seconds(b, k, context) * 1e3
+            out[str(b)] = row
+    finally:
+        proposer.chain_graphs = graphs
+    return out
 
 
 def throughput(engine: LLMEngine, prompts: list[list[int]], batch: int, k: int, max_tokens: int,
@@ -238,6 +261,12 @@ def table(r: dict[str, Any]) -> str:
                            for k in r["verify_ks"])
         proj = row["projected_speedup_tau3"].get("4")
         lines.append(f"| {b} | {row['decode_ms']:.2f} | {cells} | {'-' if proj is None else f'{proj:.2f}x'} |")
+    if r.get("draft_round_ms"):
+        lines += ["", f"EAGLE draft round of k = {r['config']['k']} (ms, 256 tokens of context): its single-row steps "
+                  "from the chain CUDA graphs / eagerly\n", "| batch | graphs | eager |", "|---|---|---|"]
+        for b, row in r["draft_round_ms"].items():
+            g = row.get("graphs")
+            lines.append(f"| {b} | {'-' if g is None else f'{g:.2f}'} | {row['eager']:.2f} |")
     if r.get("switch"):
         s = r["switch"]
         lines += ["", f"automatic switch: measured costs {s['costs']}; stops paying at batch {s['breakeven']}"
@@ -300,6 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     tau_batch = 2 if smoke else 32
     ks = (1, 2) if smoke else (1, 2, 3, 4, 5)
     taus = tau_sweep(engine, prompts[-(4 if smoke else 64):], tau_batch, ks, max_tokens)
+    rounds_ms = draft_round_costs(engine, args.k, (1, 8, 32, 128) if not smoke else (1, 2), 256 if not smoke else 16)
     sw = engine.switch
     switch = None if sw is None else {
         "costs": {"batch_sizes": sw.costs.batch_sizes, "decode_ms": [t * 1e3 for t in sw.costs.decode_s],
@@ -317,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
                "head": str(head), "head_config": json.loads((head / CONFIG_FILE).read_text()).get("training"),
                "prompt_offset": offset, "compiled_in_warm_up": warm_up, "throughput": tput, "tau_batch": tau_batch,
                "tau": taus,
-               "verify_ks": list(verify_ks), "verify_cost": cost, "switch": switch}
+               "verify_ks": list(verify_ks), "verify_cost": cost, "switch": switch, "draft_round_ms": rounds_ms}
     write_results(args.out, "spec_gpu", payload, table(payload))
     if not smoke:
         print("summary.json:", summary.record_file(args.out / "spec_gpu.json"))

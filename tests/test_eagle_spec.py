@@ -35,6 +35,7 @@ from tokenmill.worker.spec.eagle import (
     head_folder,
     load_eagle_head,
 )
+from tokenmill.worker.spec.eagle_proposer import EagleProposer
 from tokenmill.worker.spec.eagle_train import new_head, target_features
 from tokenmill.worker.spec.switch import SpeculationSwitch, StepCosts
 
@@ -105,15 +106,48 @@ def reference_drafts(engine: LLMEngine, head_dir: Path, tokens: Sequence[int], k
     return drafts
 
 
+def record_drafts(proposer: EagleProposer) -> list[list[list[int]]]:
+    """The drafts of each of the proposer's rounds from now on, in a list that grows as it drafts."""
+    rounds: list[list[list[int]]] = []
+    propose = proposer.propose
+
+    def recording(reqs: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
+        rounds.append(propose(reqs, ks))
+        return rounds[-1]
+
+    proposer.propose = recording  # type: ignore[method-assign]
+    return rounds
+
+
 def test_drafts_equal_the_cache_free_reference_of_the_head(tiny: tuple[Path, Path]) -> None:
     assert_drafts_are_the_heads(*tiny)
 
 
-def assert_drafts_are_the_heads(model: Path, head: Path) -> None:
-    """Batched and chunked: every chain the engine drafts equals reference_drafts."""
+def test_drafts_from_the_chain_graphs_buffers_equal_the_reference(tiny: tuple[Path, Path]) -> None:
+    """The chain graphs' steps (run here eagerly from their static buffers, as a capture replays them), with
+    batches padded to their buckets and requests asking fewer drafts than the graphs make."""
+    assert_drafts_are_the_heads(*tiny, graph_sizes=(1, 4), per_request_k=True)
+
+
+def assert_drafts_are_the_heads(model: Path, head: Path, graph_sizes: Sequence[int] = (),
+                                per_request_k: bool = False) -> None:
+    """Batched and chunked: every chain the engine drafts equals reference_drafts (`graph_sizes`: through chain
+    graphs of those buckets; `per_request_k`: some requests ask 2 or 3 drafts instead of 4)."""
     engine = make_engine(str(model), False, speculative=eagle(head, k=4),
                          scheduler=SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=4))
-    assert engine.proposer is not None
+    assert isinstance(engine.proposer, EagleProposer)
+    used = []
+    if graph_sizes:
+        engine.proposer.capture_graphs(4, graph_sizes)
+        graphs = engine.proposer.chain_graphs
+        assert graphs is not None
+        run_graphs = graphs.run
+
+        def counting(*args: Any) -> torch.Tensor:
+            used.append(len(args[0]))
+            return run_graphs(*args)
+
+        graphs.run = counting  # type: ignore[method-assign]
     calls: list[tuple[list[int], int, list[int]]] = []
     propose = engine.proposer.propose
 
@@ -123,9 +157,13 @@ def assert_drafts_are_the_heads(model: Path, head: Path) -> None:
         return drafts
 
     engine.proposer.propose = recording  # type: ignore[method-assign]
-    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
-    run(engine, [(f"r{i}", p, params) for i, p in enumerate(mixed_prompts(5, seed=2))])
+    params = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True,
+                             num_speculative_tokens=(2 + i % 3) if per_request_k else None) for i in range(5)]
+    run(engine, [(f"r{i}", p, params[i]) for i, p in enumerate(mixed_prompts(5, seed=2))])
     assert len(calls) > 20 and all(len(d) == k for _, k, d in calls), "every decoding request was drafted"
+    if graph_sizes:
+        assert len(used) > 10 and {2, 3} <= set(used), f"the graphs drafted batches of {used}"
+        assert {2, 3, 4} <= {k for _, k, _ in calls} if per_request_k else 4 in {k for _, k, _ in calls}
     ref = make_engine(str(model), False)
     for tokens, k, drafts in calls:
         assert drafts == reference_drafts(ref, head, tokens, k), f"after {len(tokens)} tokens"
@@ -348,9 +386,18 @@ def test_eagle_on_cuda_with_the_triton_backend_is_identical(tiny: tuple[Path, Pa
     jobs = [(f"r{i}", p, params) for i, p in enumerate(repetitive(384, 6, seed=8) + mixed_prompts(4, seed=8))]
     cuda = dict(device="cuda", dtype="float32", cuda_graphs=graphs)
     spec = make_engine(str(model), True, speculative=dataclasses.replace(eagle(head, k=4), auto_switch=False), **cuda)
+    assert isinstance(spec.proposer, EagleProposer) and (spec.proposer.chain_graphs is not None) == graphs
+    drafted = record_drafts(spec.proposer)
     got = results(run(spec, jobs))
     assert got == results(run(make_engine(str(model), True, **cuda), jobs))
     assert spec.counters.draft_tokens > 0
+    if graphs:  # the captured draft steps draft what the eager ones do
+        eager = make_engine(str(model), True, speculative=dataclasses.replace(eagle(head, k=4), auto_switch=False),
+                            **cuda)
+        assert isinstance(eager.proposer, EagleProposer)
+        eager.proposer.chain_graphs = None
+        drafted_eagerly = record_drafts(eager.proposer)
+        assert results(run(eager, jobs)) == got and drafted_eagerly == drafted
     auto = make_engine(str(model), True, speculative=eagle(head), **cuda)
     assert auto.switch is not None and all(t > 0 for t in auto.switch.costs.draft_s)
     assert results(run(auto, jobs)) == got

@@ -49,8 +49,10 @@ from tokenmill.kernels.paged_attention import fixed_config
 from tokenmill.protocol.sampling import MAX_SPECULATIVE_TOKENS
 from tokenmill.worker.attention.backend import AttentionMetadata
 from tokenmill.worker.attention.triton_backend import TritonBackend
+from tokenmill.worker.cuda_graphs import graph_batch_sizes
 from tokenmill.worker.model_runner import ModelRunner, attention_metadata
 from tokenmill.worker.request import Request
+from tokenmill.worker.spec.draft_graphs import ChainDraftGraphs
 from tokenmill.worker.spec.eagle import EagleHead, EagleHeadError, load_eagle_head
 from tokenmill.worker.spec.eagle_tree import head_tree_rows, row_bit, select_tree, tree_levels
 from tokenmill.worker.spec.proposer import DraftProposer
@@ -183,6 +185,9 @@ class EagleProposer(DraftProposer):
         self.kv_cache = (torch.zeros(shape, dtype=runner.dtype, device=runner.device),
                          torch.zeros(shape, dtype=runner.dtype, device=runner.device))
         self._states: weakref.WeakKeyDictionary[Request, _HeadState] = weakref.WeakKeyDictionary()
+        self.max_num_seqs = max_num_seqs
+        # The single-row steps of chain rounds of `chain_graphs.k` drafts, in CUDA graphs (`capture_graphs`)
+        self.chain_graphs: ChainDraftGraphs | None = None
 
     @torch.inference_mode()
     def observe(self, req: Request, start: int, features: Tensor) -> None:
@@ -233,11 +238,15 @@ class EagleProposer(DraftProposer):
         assert len(ready) * self.scratch_per_request <= self.num_scratch, "more drafting requests than max_num_seqs"
         plan = _Plan(self.runner.block_size)
         base = self.runner.num_blocks
+        graphs = self.chain_graphs
+        # a round the graphs can run: every request's table covers their k - 1 steps (extra rows are speculative,
+        # overwritten by the next catch-up; the extra drafts are dropped)
+        steps = graphs.k if graphs is not None and max(num_drafts[i] for i in ready) <= graphs.k else 0
         for s, i in enumerate(ready):
             req = requests[i]
             assert req.num_computed_tokens == req.num_known_tokens - 1, "drafts follow a decoding request"
             scratch = list(range(base + s * self.scratch_per_request, base + (s + 1) * self.scratch_per_request))
-            plan.add(req, self._states[req], num_drafts[i], scratch, self._span(num_drafts[i]))
+            plan.add(req, self._states[req], num_drafts[i], scratch, self._span(max(num_drafts[i], steps)))
         drafts = self._round(plan)
         for s, i in enumerate(ready):
             out[i] = drafts[s]
@@ -285,6 +294,26 @@ class EagleProposer(DraftProposer):
             with torch.inference_mode():
                 self._round(plan)
 
+    def capture_graphs(self, k: int, sizes: Sequence[int] | None = None) -> None:
+        """Chain rounds of up to k drafts (k >= 2, a chain head) run their k - 1 single-row steps from CUDA graphs,
+        one per batch bucket up to max_num_seqs (`sizes` overrides them); call after `warm_up`. Without CUDA the
+        same steps run eagerly from the graphs' static buffers (what the CPU tests check)."""
+        assert self.tree_width == 1 and k >= 2, "graphs of chain rounds of two drafts or more"
+        bs, a = self.runner.block_size, self.runner.arch
+        max_len = self.runner.max_model_len + MAX_SPECULATIVE_TOKENS
+        graphs = ChainDraftGraphs(self._chain_step, k, sizes or graph_batch_sizes(self.max_num_seqs),
+                                  -(-max_len // bs) + 1, max_len, a.hidden_size, self.runner.dtype, self.runner.device)
+        if self.runner.device.type == "cuda":
+            graphs.capture()
+        self.chain_graphs = graphs
+
+    def _chain_step(self, tokens: Tensor, hidden: Tensor, positions: Tensor, meta: AttentionMetadata,
+                    ) -> tuple[Tensor, Tensor]:
+        """One single-row head step: (f^ of the next position [n, H], its draft token [n])."""
+        model = self.runner.model
+        hidden = self._head(model.model.embed_tokens(tokens), hidden, positions, meta)
+        return hidden, model.compute_logits(hidden).argmax(dim=-1)
+
     def _head(self, embeds: Tensor, features: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         """The head's forward over its paged KV cache; on the Triton backend its attention takes the fixed launch
         choices (fixed_config for these rows, HEAD_KEY_SPLITS)."""
@@ -316,11 +345,28 @@ class EagleProposer(DraftProposer):
         last = torch.tensor(np.cumsum(plan.q_lens) - 1, dtype=torch.int64, device=device)
         return hidden[last]  # [S, H] f^_m
 
+    def _graphs_for(self, plan: _Plan) -> ChainDraftGraphs | None:
+        """The chain graphs if they can run this round: at most their k drafts a request, at most their largest
+        bucket of requests, and every block table covering their k - 1 steps."""
+        g = self.chain_graphs
+        if g is None or max(plan.ks) > g.k or len(plan.ks) > g.max_batch or max(plan.ks) < 2:
+            return None
+        bs = self.runner.block_size
+        return g if all(len(t) * bs > m + g.k - 2 for t, m in zip(plan.tables, plan.starts)) else None
+
     def _draft(self, plan: _Plan) -> list[list[int]]:
-        """Run the round: catch-up forward, then k-1 single-row steps; drafts per request (plan order)."""
+        """Run the round: catch-up forward, then k-1 single-row steps (from the chain graphs where they can run
+        it); drafts per request (plan order)."""
         device, model = self.runner.device, self.runner.model
         hidden = self._catch_up(plan)  # [S, H] f^_m
         tokens = model.compute_logits(hidden).argmax(dim=-1)  # [S] d_1
+        graphs = self._graphs_for(plan)
+        if graphs is not None:
+            n = len(plan.ks)
+            rest = graphs.run(tokens, hidden, plan.starts, plan.tables,
+                              [plan.step_slots(j, n)[1] for j in range(1, graphs.k)])  # [k - 1, S]
+            columns = torch.cat([tokens[None], rest]).T.tolist()  # [S][k]: the round's one device-to-host copy
+            return [row[:k] for row, k in zip(columns, plan.ks)]
         steps = [tokens]
         for j in range(1, max(plan.ks)):
             n = sum(k > j for k in plan.ks)  # requests still drafting: a prefix (sorted by k)

@@ -35,7 +35,7 @@ from tokenmill.worker.spec.eagle import (
     head_folder,
     load_eagle_head,
 )
-from tokenmill.worker.spec.eagle_proposer import EagleProposer
+from tokenmill.worker.spec.eagle_proposer import EagleProposer, heldout_tau
 from tokenmill.worker.spec.eagle_train import new_head, target_features
 from tokenmill.worker.spec.switch import SpeculationSwitch, StepCosts
 
@@ -210,6 +210,25 @@ def test_per_request_k_and_off_with_eagle(tiny: tuple[Path, Path]) -> None:
                                         num_speculative_tokens=[0, 1, 5, None][i])) for i, p in enumerate(ps)]
     got, want, engine = spec_and_plain(model, jobs, eagle(head))
     assert got == want and engine.counters.draft_tokens > 0
+
+
+def test_the_switch_starts_from_the_heads_own_held_out_tau(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    model, head = tiny
+    assert heldout_tau(head) is None, "an untrained head's config records no tau"
+    engine = make_engine(str(model), False, speculative=eagle(head, k=4))
+    assert isinstance(engine.proposer, EagleProposer) and engine.proposer.expected_tau(4) is None
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    (trained / "model.safetensors").write_bytes((head / "model.safetensors").read_bytes())
+    config = json.loads((head / CONFIG_FILE).read_text())
+    config["training"] = {"summary": {"heldout_tau_after": 1.6, "heldout_tau_depth": 4}}
+    (trained / CONFIG_FILE).write_text(json.dumps(config))
+    engine = make_engine(str(model), False, speculative=dataclasses.replace(eagle(trained, k=4), auto_switch=True))
+    assert isinstance(engine.proposer, EagleProposer)
+    assert engine.proposer.expected_tau(4) == pytest.approx(1.6)
+    assert engine.proposer.expected_tau(2) == pytest.approx(1.3) and engine.proposer.expected_tau(6) == 1.6
+    assert engine.switch is not None and engine.switch.tau == pytest.approx(1.6), "the switch's prior"
+    assert heldout_tau(HEADS_DIR / "smollm2-135m-instruct") is not None, "the shipped head records its tau"
 
 
 def test_the_switch_measures_the_heads_draft_cost(tiny: tuple[Path, Path]) -> None:

@@ -62,6 +62,16 @@ def test_tau_follows_the_verify_steps_and_a_paused_switch_probes() -> None:
     assert [switch.should_speculate(1) for _ in range(4)] == [False, False, False, True]
 
 
+def test_tau_starts_as_a_running_mean_of_the_prior_and_the_steps_seen() -> None:
+    switch = SpeculationSwitch(COSTS, prior_tau=3.0, smoothing=0.1)
+    for n in range(1, 10):
+        switch.record(1, 0)  # nothing accepted: each step's tau is 1
+        assert switch.tau == pytest.approx((3.0 + n) / (n + 1)), "the mean of the prior and n steps"
+    before = switch.tau
+    switch.record(1, 0)  # the 10th step: weight 1 / 11 < smoothing, from now on the exponential average
+    assert switch.tau == pytest.approx(before + 0.1 * (1.0 - before))
+
+
 def test_the_probes_back_off_only_while_they_leave_speculation_paused() -> None:
     switch = SpeculationSwitch(COSTS, prior_tau=1.0, probe_every=2, max_probe_every=5)
     assert [switch.should_speculate(1) for _ in range(2 + 4 + 5 + 5)].count(True) == 4

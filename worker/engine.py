@@ -622,7 +622,7 @@ def make_switch(config: EngineConfig, runner: ModelRunner, proposer: DraftPropos
     t0 = time.perf_counter()
     costs = measure_step_costs(runner, k, sizes, context,
                                None if draft is None else (lambda b: draft(b, k, context)))
-    switch = SpeculationSwitch(costs)
+    switch = SpeculationSwitch(costs, prior_tau=proposer.expected_tau(k))
     log.info("speculation switch: costs measured in %.1f s at batch sizes %s (decode %s s, verify %s s, draft %s s); "
              "at tau %.1f it stops paying at batch %s", time.perf_counter() - t0, sizes,
              _fmt(costs.decode_s), _fmt(costs.verify_s), _fmt(costs.draft_s), switch.tau,

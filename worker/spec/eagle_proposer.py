@@ -35,6 +35,7 @@ eagerly: the CUDA graphs do not keep the layer states (refused at start-up), nor
 from __future__ import annotations
 
 import itertools
+import json
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,7 +54,7 @@ from tokenmill.worker.cuda_graphs import graph_batch_sizes
 from tokenmill.worker.model_runner import ModelRunner, attention_metadata
 from tokenmill.worker.request import Request
 from tokenmill.worker.spec.draft_graphs import ChainDraftGraphs
-from tokenmill.worker.spec.eagle import EagleHead, EagleHeadError, load_eagle_head
+from tokenmill.worker.spec.eagle import CONFIG_FILE, EagleHead, EagleHeadError, load_eagle_head
 from tokenmill.worker.spec.eagle_tree import head_tree_rows, row_bit, select_tree, tree_levels
 from tokenmill.worker.spec.proposer import DraftProposer
 from tokenmill.worker.spec.tree import MAX_TREE_NODES, kv_moves
@@ -173,6 +174,7 @@ class EagleProposer(DraftProposer):
         self.runner, self.tree_width = runner, tree_width
         self.head: EagleHead = load_eagle_head(head_dir, runner.arch, runner.backend, dtype=runner.dtype,
                                                device=runner.device)
+        self.heldout = heldout_tau(head_dir)
         self.head.eval()
         if self.head.fusion_layers is not None:
             _check_fusion_support(runner)
@@ -218,6 +220,14 @@ class EagleProposer(DraftProposer):
             moves = [(base + a, base + b) for a, b in kv_moves(path)]
             if state is not None and moves and state.feat_start <= base and base + max(path) < state.feat_end:
                 state.move(moves)
+
+    def expected_tau(self, k: int) -> float | None:
+        """The head's held-out tau at its training's eval depth d (its config), the accepted drafts scaled by
+        min(k, d) / d: an underestimate below d (early drafts are accepted most), none added past it."""
+        if self.heldout is None:
+            return None
+        tau, depth = self.heldout
+        return 1.0 + (tau - 1.0) * min(k, depth) / depth
 
     def _span(self, k: int) -> int:
         """Head rows a round of k drafts writes at cache indices >= m."""
@@ -445,6 +455,17 @@ class EagleProposer(DraftProposer):
     def _log_probs(self, hidden: Tensor) -> Tensor:
         """The head's next-token log-probs [R, V] (float32) from its predicted features [R, H]."""
         return torch.log_softmax(self.runner.model.compute_logits(hidden).float(), dim=-1)
+
+
+def heldout_tau(head_dir: Path) -> tuple[float, int] | None:
+    """(tau, depth): the held-out chain acceptance train-eagle measured for the head in `head_dir` at the end of its
+    training (its eagle_config.json), or None where the config has none."""
+    try:
+        summary = json.loads((head_dir / CONFIG_FILE).read_text())["training"]["summary"]
+        tau, depth = float(summary["heldout_tau_after"]), int(summary["heldout_tau_depth"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return (tau, depth) if tau >= 1.0 and depth >= 1 else None
 
 
 def _check_fusion_support(runner: ModelRunner) -> None:

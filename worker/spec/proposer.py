@@ -29,6 +29,11 @@ class DraftProposer(ABC):
         state of the target's rows (the EAGLE features)."""
         return None
 
+    def expected_tau(self, k: int) -> float | None:
+        """What the proposer expects of itself before any verify step: tau (accepted drafts + 1 per request and
+        verify step) of chains of k drafts, e.g. measured on held-out data when it was made; None: no idea."""
+        return None
+
     @abstractmethod
     def propose(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> list[list[int]]:
         """Per request, at most `num_drafts[i]` (>= 1) tokens to follow `requests[i].token_ids`; [] for none."""

@@ -7,7 +7,8 @@ verify(b) being one target step of k+1 tokens per request. Speculation pays whil
 At small b a step is bound by reading the weights, so verify(b) is close to decode(b) and any tau > 1
 wins; at large b the step is bound by compute and verify(b) nears (k+1) x decode(b), so it loses. The costs
 are measured at start-up at a few batch sizes (`measure_step_costs`) and interpolated linearly in b
-(extrapolated from the last two beyond the largest); tau is a running average of the verify steps seen.
+(extrapolated from the last two beyond the largest); tau is a running average of the verify steps seen, from a
+prior: the proposer's own expectation (an EAGLE head's held-out tau, recorded when it was trained) or 1 + k/2.
 While speculation is paused, a probe step still speculates now and then, so tau keeps up with the workload (a
 batch that shrinks back is seen at once: the decision is made every step). The first probe comes `probe_every`
 steps into a pause; each probe that leaves it paused doubles the wait for the next, up to `max_probe_every`
@@ -85,6 +86,7 @@ class SpeculationSwitch:
         self._paused_steps = 0  # steps since the last one that speculated
         self._wait = probe_every  # paused steps from the last speculating one to the next probe
         self._probed = False  # the last step that speculated was a probe
+        self._recorded = 0  # verify steps recorded
 
     def pays(self, batch: int) -> bool:
         """Whether speculating at this batch size yields more tokens per second, at the current tau."""
@@ -114,9 +116,13 @@ class SpeculationSwitch:
         return self._paused_steps == 0 or self._paused_steps > self._wait - 1 - self.feature_window
 
     def record(self, verified: int, accepted: int) -> None:
-        """A step verified drafts of `verified` requests, `accepted` drafts accepted in all."""
+        """A step verified drafts of `verified` requests, `accepted` drafts accepted in all. tau is the running
+        mean of the prior (counted as one step) and the steps seen, until 1 / smoothing of them; from then on an
+        exponential average with weight `smoothing`, so that it follows a workload that changes."""
         if verified:
-            self.tau += self.smoothing * (1.0 + accepted / verified - self.tau)
+            self._recorded += 1
+            weight = max(self.smoothing, 1.0 / (self._recorded + 1))
+            self.tau += weight * (1.0 + accepted / verified - self.tau)
 
     def breakeven_batch(self, limit: int) -> int | None:
         """The smallest batch size up to `limit` at which speculation stops paying (None: it pays up to it)."""

@@ -140,6 +140,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         method, workload = base.split("_") if base.startswith("eagle_") else ("ngram", base)
         if r.get("tree_width", 1) > 1:
             method += f" (tree w{r['tree_width']})"
+        if r.get("eagle_lookup_min"):
+            method += f" (prompt lookup first, n >= {r['eagle_lookup_min']})"
         rows.append(f"| {method} | {workload} | {r['k']} | {r['requests']} | {r['output_tokens']} | "
                     f"{r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | "
                     f"{r['acceptance_rate']:.0%} | {r['tokens_per_spec_step']:.2f} | "
@@ -169,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="eagle: tree widths, one engine each (1: chain drafts)")
     ap.add_argument("--prompt-offset", type=int, default=None,
                     help="eagle: first ShareGPT pair of its prompts (default: after the head's training pairs)")
+    ap.add_argument("--eagle-lookup-min", type=int, default=0,
+                    help="eagle chains: also run prompt lookup first from suffixes of this many tokens (0: not)")
     ap.add_argument("--name", default="spec_cpu", help="result file name (<name>.json / .md in --out)")
     args = ap.parse_args(argv)
     if args.threads:
@@ -189,6 +193,11 @@ def main(argv: list[str] | None = None) -> None:
             tail = "" if width == 1 else f"_w{width}"
             results |= {f"eagle_chat_k{k}{tail}": {**run_workload(engine, chats, k, args.max_tokens),
                                                     "tree_width": width} for k in args.k}
+            if width == 1 and args.eagle_lookup_min:
+                n = args.eagle_lookup_min
+                engine = spec_engine(SpeculativeConfig(method="eagle", draft_model=str(head), eagle_lookup_min=n))
+                results |= {f"eagle_chat_k{k}_lookup{n}": {**run_workload(engine, chats, k, args.max_tokens),
+                                                           "eagle_lookup_min": n} for k in args.k}
     payload = {"benchmark": "spec_cpu", "config": vars(args) | {"out": str(args.out)},
                "eagle_head": None if head is None else str(head),
                "eagle_head_training": None if head is None else

@@ -306,6 +306,9 @@ SETTINGS: tuple[Setting, ...] = (
        "EngineConfig.speculative.prompt_lookup_max"),
     _s("prompt_lookup_min", integer(1), 1, "ngram: shortest suffix looked up", ENGINE_CMDS,
        "EngineConfig.speculative.prompt_lookup_min"),
+    _s("eagle_lookup_min", integer(0), 0, "eagle: a request whose last N (up to --prompt-lookup-max) tokens occur "
+       "earlier in its own tokens drafts by prompt lookup in that step, the others by the head (0: the head alone)",
+       ENGINE_CMDS, "EngineConfig.speculative.eagle_lookup_min"),
     _s("speculative_tree_width", integer(1), 1, "draft a tree of at most --num-speculative-tokens nodes, verified "
        "in one forward (1: a chain); ngram: merge up to this many different continuations; eagle: the head's top "
        "this-many per level, the best nodes by cumulative log-prob", ENGINE_CMDS,

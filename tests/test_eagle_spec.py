@@ -212,6 +212,35 @@ def test_per_request_k_and_off_with_eagle(tiny: tuple[Path, Path]) -> None:
     assert got == want and engine.counters.draft_tokens > 0
 
 
+def test_prompt_lookup_first_then_the_head_is_identical_and_drafts_both_ways(tiny: tuple[Path, Path]) -> None:
+    """eagle_lookup_min: repeating prompts take prompt lookup's drafts, the others the head's (whose state catches
+    up over the rounds lookup drafted), seeded sampling and greedy output as without speculation."""
+    model, head = tiny
+    prompts = repetitive(384, 4, seed=5) + mixed_prompts(4, seed=5)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=16, ignore_eos=True)
+              for i in range(len(prompts))]
+    jobs = [(f"r{i}", p, params[i]) for i, p in enumerate(prompts)]
+    spec = dataclasses.replace(eagle(head, k=4), eagle_lookup_min=1)
+    engine = make_engine(str(model), False, speculative=spec)
+    assert isinstance(engine.proposer, EagleProposer) and engine.proposer.lookup == (1, 8)
+    head_rows: list[int] = []
+    draft_round = engine.proposer._round
+
+    def counting(plan: Any) -> list[list[int]]:
+        head_rows.append(len(plan.ks))
+        return draft_round(plan)
+
+    engine.proposer._round = counting  # type: ignore[method-assign]
+    drafted = record_drafts(engine.proposer)
+    assert results(run(engine, jobs)) == results(run(make_engine(str(model), False), jobs))
+    per_round = [sum(bool(d) for d in r) for r in drafted]
+    assert head_rows and sum(head_rows) < sum(per_round), "the head drafted some requests, lookup the others"
+    with pytest.raises(ValueError, match="eagle_lookup_min"):
+        SpeculativeConfig(method="eagle", eagle_lookup_min=9)
+    with pytest.raises(ValueError, match="tree_width 1"):
+        SpeculativeConfig(method="eagle", eagle_lookup_min=2, tree_width=2)
+
+
 def test_the_switch_starts_from_the_heads_own_held_out_tau(tiny: tuple[Path, Path], tmp_path: Path) -> None:
     model, head = tiny
     assert heldout_tau(head) is None, "an untrained head's config records no tau"

@@ -127,7 +127,10 @@ class SpeculativeConfig:
     ngram: up to that many different continuations (earlier occurrences of the suffix) merged; eagle: the head's
     top-`tree_width` expansion per level, the k best nodes by cumulative log-prob (worker/spec/eagle_tree.py).
     `auto_switch` (None: on for CUDA) turns speculation off while the batch is large enough that a verify
-    step costs more than the tokens it gains (worker/spec/switch.py, costs measured at start-up)."""
+    step costs more than the tokens it gains (worker/spec/switch.py, costs measured at start-up).
+    `eagle_lookup_min` n > 0 (eagle chains): a request whose last n..prompt_lookup_max tokens occur earlier in its
+    own tokens takes prompt lookup's drafts in that step, the others the head's (a one-layer head copies poorly,
+    lookup copies exactly); 0: the head alone."""
 
     method: SpeculativeMethod = "off"
     num_speculative_tokens: int = 3
@@ -136,8 +139,14 @@ class SpeculativeConfig:
     draft_model: str | None = None
     auto_switch: bool | None = None
     tree_width: int = 1
+    eagle_lookup_min: int = 0
 
     def __post_init__(self) -> None:
+        if self.eagle_lookup_min and not 1 <= self.eagle_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"eagle_lookup_min must be 0 (off) or in [1, prompt_lookup_max = "
+                             f"{self.prompt_lookup_max}], got {self.eagle_lookup_min}")
+        if self.eagle_lookup_min and self.tree_width > 1:
+            raise ValueError("eagle_lookup_min (prompt lookup before the head) drafts chains: use tree_width 1")
         if self.method not in ("off", "ngram", "eagle"):
             raise ValueError(f"unknown speculative method {self.method!r}; use off, ngram or eagle")
         if not 1 <= self.tree_width <= MAX_TREE_WIDTH:

@@ -580,8 +580,9 @@ def make_proposer(config: EngineConfig, runner: ModelRunner, model_name: str) ->
         from tokenmill.worker.spec.eagle import EagleHeadError, head_folder
 
         try:
+            lookup = (spec.eagle_lookup_min, spec.prompt_lookup_max) if spec.eagle_lookup_min else None
             proposer = EagleProposer(runner, head_folder(spec.draft_model, model_name), config.scheduler.max_num_seqs,
-                                     spec.tree_width)
+                                     spec.tree_width, lookup)
         except EagleHeadError as e:
             raise ModelLoadError(f"speculative eagle: {e}") from None
         if runner.device.type == "cuda":  # the head's Triton variants, built now rather than inside a step

@@ -56,6 +56,7 @@ from tokenmill.worker.request import Request
 from tokenmill.worker.spec.draft_graphs import ChainDraftGraphs
 from tokenmill.worker.spec.eagle import CONFIG_FILE, EagleHead, EagleHeadError, load_eagle_head
 from tokenmill.worker.spec.eagle_tree import head_tree_rows, row_bit, select_tree, tree_levels
+from tokenmill.worker.spec.ngram import lookup
 from tokenmill.worker.spec.proposer import DraftProposer
 from tokenmill.worker.spec.tree import MAX_TREE_NODES, kv_moves
 
@@ -169,9 +170,13 @@ class EagleProposer(DraftProposer):
     name = "eagle"
     wants_features = True
 
-    def __init__(self, runner: ModelRunner, head_dir: Path, max_num_seqs: int, tree_width: int = 1) -> None:
+    def __init__(self, runner: ModelRunner, head_dir: Path, max_num_seqs: int, tree_width: int = 1,
+                 lookup: tuple[int, int] | None = None) -> None:
         assert 1 <= tree_width <= MAX_TREE_NODES, f"tree width {tree_width}"
+        assert lookup is None or (tree_width == 1 and 1 <= lookup[0] <= lookup[1]), f"lookup {lookup}"
         self.runner, self.tree_width = runner, tree_width
+        # (min n, max n): prompt lookup first (worker/spec/ngram.py), the head for the requests it finds nothing for
+        self.lookup = lookup
         self.head: EagleHead = load_eagle_head(head_dir, runner.arch, runner.backend, dtype=runner.dtype,
                                                device=runner.device)
         self.heldout = heldout_tau(head_dir)
@@ -242,7 +247,11 @@ class EagleProposer(DraftProposer):
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in requests]
-        ready = sorted((i for i, r in enumerate(requests) if self._ready(r)), key=lambda i: -num_drafts[i])
+        if self.lookup is not None:  # a request prompt lookup drafts for skips the head this round: its features
+            # wait in its state, and its next head round catches up over them
+            out = [lookup(r.token_ids, k, *self.lookup) for r, k in zip(requests, num_drafts)]
+        ready = sorted((i for i, r in enumerate(requests) if not out[i] and self._ready(r)),
+                       key=lambda i: -num_drafts[i])
         if not ready:
             return out
         assert len(ready) * self.scratch_per_request <= self.num_scratch, "more drafting requests than max_num_seqs"

@@ -235,8 +235,10 @@ def verify_costs(model: str, batch_sizes: Sequence[int], ks: Sequence[int], cont
 
 
 def table(r: dict[str, Any]) -> str:
-    lines = [f"SmolLM2-135M-Instruct + EAGLE head `{r['head']}`, greedy, prompts from ShareGPT pair "
-             f"{r['prompt_offset']} on (not trained on)\n",
+    lookup = r["config"].get("eagle_lookup_min", 0)
+    lines = [f"SmolLM2-135M-Instruct + EAGLE head `{r['head']}`"
+             + (f" with prompt lookup first (suffixes of >= {lookup} tokens)" if lookup else "")
+             + f", greedy, prompts from ShareGPT pair {r['prompt_offset']} on (not trained on)\n",
              "| batch | k | requests x rounds | plain tok/s | EAGLE tok/s | speed-up | identical requests | "
              "drafts accepted | compiled while measured (plain / EAGLE) |", "|---|---|---|---|---|---|---|---|---|"]
     for t in r["throughput"].values():
@@ -293,6 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/h200"))
     ap.add_argument("--draft-model", default=None, help="head folder (default: the one shipped for the model)")
     ap.add_argument("--k", type=int, default=4, help="drafts per step in the throughput runs")
+    ap.add_argument("--eagle-lookup-min", type=int, default=0,
+                    help="prompt lookup first from suffixes of this many tokens, the head elsewhere (0: head alone)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--prompt-offset", type=int, default=None,
@@ -314,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
         model="embedded", device=device, dtype=dtype, max_model_len=max_prompt + max_tokens + 32,
         cache=CacheConfig(enable_prefix_caching=False),
         speculative=SpeculativeConfig(method="eagle", num_speculative_tokens=args.k, draft_model=str(head),
-                                      auto_switch=True),
+                                      auto_switch=True, eagle_lookup_min=args.eagle_lookup_min),
         scheduler=SchedulerConfig(max_num_seqs=max(batches))))
     offset = heldout_offset(head) if args.prompt_offset is None else args.prompt_offset
     prompts = heldout_prompts(engine, offset, max(batches) + (0 if smoke else 64), max_prompt)

@@ -18,7 +18,7 @@ from tiny_hf import ARCHS, save_tiny_model
 from tokenmill.protocol import InvalidRequest, SamplingParams
 from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.worker.engine import LLMEngine, StepRecord
-from tokenmill.worker.spec.ngram import lookup
+from tokenmill.worker.spec.ngram import continuations, lookup
 from tokenmill.worker.spec.verifier import DraftLayout, accept_drafts
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
@@ -67,6 +67,33 @@ def test_ngram_lookup_takes_the_longest_latest_match() -> None:
     assert lookup([7, 7, 7], 3, 1, 4) == [7, 7, 7]
     assert lookup([1, 2, 3], 3, 1, 4) == [] and lookup([4], 3, 1, 4) == []
     assert lookup([1, 2, 3, 1], 3, 2, 4) == [], "no 2-gram repeats"
+
+
+def brute_continuations(tokens: list[int], k: int, min_n: int, max_n: int, width: int) -> list[list[int]]:
+    """The rule spelled out: for n from the longest suffix down, every earlier occurrence of the last n tokens
+    (latest first), its continuation read on through itself past the end, distinct ones only."""
+    found: list[list[int]] = []
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for i in range(len(tokens) - n - 1, -1, -1):
+            if tokens[i : i + n] == tokens[-n:]:
+                cont = list(tokens[i + n : i + n + k])
+                while len(cont) < k:
+                    cont.append(cont[len(cont) - (len(tokens) - i - n)])
+                if cont not in found:
+                    found.append(cont)
+                    if len(found) == width:
+                        return found
+    return found
+
+
+def test_ngram_continuations_equal_the_rule_spelled_out() -> None:
+    rng = random.Random(11)
+    for _ in range(400):
+        vocab = rng.choice([2, 3, 5, 40])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+        k, lo = rng.randrange(1, 6), rng.randrange(1, 4)
+        hi, width = lo + rng.randrange(0, 6), rng.randrange(1, 5)
+        assert continuations(tokens, k, lo, hi, width) == brute_continuations(tokens, k, lo, hi, width), tokens
 
 
 def test_verifier_accepts_the_leading_drafts_equal_to_the_target() -> None:

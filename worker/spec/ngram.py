@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from tokenmill.worker.request import Request
 from tokenmill.worker.spec.proposer import DraftProposer
@@ -43,21 +42,38 @@ def lookup(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
 
 def continuations(tokens: Sequence[int], k: int, min_n: int, max_n: int, width: int) -> list[list[int]]:
     """Up to `width` distinct continuations of up to `k` tokens: after the earlier occurrences of the longest
-    suffix first, latest first, then of shorter suffixes (the first is `lookup`'s)."""
+    suffix first, latest first, then of shorter suffixes (the first is `lookup`'s).
+
+    One pass over the tokens: every earlier occurrence of the last token is a candidate end, and its match length
+    (how many tokens before it equal the suffix's, up to max_n) is grown backwards over the candidates still
+    matching, so a step costs O(L + candidates x max_n) rather than a window comparison per suffix length."""
     seq = np.asarray(tokens, dtype=np.int64)
     length = len(seq)
+    if length < 2:
+        return []
+    ends = np.flatnonzero(seq[:-1] == seq[-1])  # [C] e: seq[e] == the last token, e <= L - 2
+    span = min(max_n, length - 1)
+    matched = np.ones(len(ends), dtype=np.int64)  # [C] tokens of the suffix that end at e
+    alive = np.ones(len(ends), dtype=bool)
+    for j in range(1, span):
+        if not alive.any():
+            break
+        idx = ends - j
+        alive &= idx >= 0
+        alive[alive] = seq[idx[alive]] == seq[length - 1 - j]
+        matched += alive
+    keep = matched >= min_n
+    ends, matched = ends[keep], matched[keep]
     found: list[list[int]] = []
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        windows = sliding_window_view(seq[:-1], n)  # [L - n, n]: window i is seq[i : i + n], i + n < L
-        for hit in np.flatnonzero((windows == seq[-n:]).all(axis=1))[::-1]:
-            start = int(hit) + n  # first token after the occurrence; start < L
-            cont = list(tokens[start:start + k])
-            while len(cont) < k:  # seq[start + j] for j >= L - start is cont[j - (L - start)]
-                cont.append(cont[len(cont) - (length - start)])
-            if cont not in found:
-                found.append(cont)
-                if len(found) == width:
-                    return found
+    for e in ends[np.lexsort((-ends, -matched))]:  # longest match first, then latest
+        start = int(e) + 1  # first token after the occurrence; start < L
+        cont = list(tokens[start:start + k])
+        while len(cont) < k:  # seq[start + j] for j >= L - start is cont[j - (L - start)]
+            cont.append(cont[len(cont) - (length - start)])
+        if cont not in found:
+            found.append(cont)
+            if len(found) == width:
+                return found
     return found
 
 

@@ -63,9 +63,9 @@ def continuations(tokens: Sequence[int], k: int, min_n: int, max_n: int, width: 
         alive[alive] = seq[idx[alive]] == seq[length - 1 - j]
         matched += alive
     keep = matched >= min_n
-    ends, matched = ends[keep], matched[keep]
+    hits, lengths = ends[keep], matched[keep]
     found: list[list[int]] = []
-    for e in ends[np.lexsort((-ends, -matched))]:  # longest match first, then latest
+    for e in hits[np.lexsort((-hits, -lengths))]:  # longest match first, then latest
         start = int(e) + 1  # first token after the occurrence; start < L
         cont = list(tokens[start:start + k])
         while len(cont) < k:  # seq[start + j] for j >= L - start is cont[j - (L - start)]

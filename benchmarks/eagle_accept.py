@@ -36,13 +36,15 @@ from torch import Tensor
 from tokenmill.benchmarks.common import write_results
 from tokenmill.kernels.attention_ref import rotary_embedding_ref
 from tokenmill.worker.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata, KVCache
-from tokenmill.worker.config import CacheConfig, EngineConfig
+from tokenmill.worker.config import CacheConfig, EngineConfig, SpeculativeConfig
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.model_runner import ModelRunner, attention_metadata
 from tokenmill.worker.spec.eagle import EagleHead, head_folder, load_eagle_head
 from tokenmill.worker.spec.eagle_train import assistant_marker, reply_start, target_features
+from tokenmill.worker.spec.ngram import lookup
 
 MAX_K = 5
+LOOKUP_MAX = SpeculativeConfig().prompt_lookup_max  # the engine's default longest suffix
 
 
 class ChainBackend(AttentionBackend):
@@ -92,9 +94,11 @@ class ChainBackend(AttentionBackend):
 
 @torch.no_grad()
 def measure_sequence(runner: ModelRunner, head: EagleHead, backend: ChainBackend, seq: Sequence[int],
-                     start: int, k_max: int, stride: int, window: int) -> dict[str, Any]:
+                     start: int, k_max: int, stride: int, window: int, lookup_min: int = 0) -> dict[str, Any]:
     """(a) and (b) of the module docstring on one sequence whose reply starts at index `start`; the keys with
-    "early_" count only the first `window` reply tokens (what a short live reply drafts on)."""
+    "early_" count only the first `window` reply tokens (what a short live reply drafts on). `lookup_min` > 0: the
+    chains are the engine's with --eagle-lookup-min (prompt lookup's drafts where x_0..x_m's last lookup_min..8
+    tokens occur earlier, the head's elsewhere)."""
     embed, logits = runner.model.model.embed_tokens, runner.model.compute_logits
     feats = target_features(runner, seq)  # [L, H] f_t
     greedy = logits(feats).argmax(-1)  # [L] g_{t+1}
@@ -122,6 +126,12 @@ def measure_sequence(runner: ModelRunner, head: EagleHead, backend: ChainBackend
                 break
             hidden = head(embed(tokens), hidden, starts + j - 1, empty, meta)
             tokens = logits(hidden).argmax(-1)
+    if lookup_min:
+        for c, m in enumerate(starts.tolist()):
+            drafts = lookup(seq[: m + 1], k_max, lookup_min, LOOKUP_MAX)
+            if drafts:
+                want = greedy[m : m + k_max].tolist()  # g_{m+1}..g_{m+k}
+                right[c] = next((j for j, (d, g) in enumerate(zip(drafts, want)) if d != g), k_max)
     early = starts < start + window
     walk = {str(k): _walk(right.tolist(), int(starts[0]) if len(starts) else 0, start, k, window)
             for k in range(1, k_max + 1)} if stride == 1 else {}
@@ -189,7 +199,7 @@ def read_sequences(path: Path) -> list[list[int]]:
 
 
 def measure(runner: ModelRunner, head_dir: Path, seqs: Sequence[Sequence[int]], marker: Sequence[int],
-            k_max: int = MAX_K, stride: int = 1, window: int = 64) -> dict[str, Any]:
+            k_max: int = MAX_K, stride: int = 1, window: int = 64, lookup_min: int = 0) -> dict[str, Any]:
     """summarize() of every sequence of `seqs` with a reply, through the head in `head_dir` (float32)."""
     backend = ChainBackend()
     head = load_eagle_head(head_dir, runner.arch, backend, dtype=torch.float32, device=runner.device)
@@ -198,7 +208,7 @@ def measure(runner: ModelRunner, head_dir: Path, seqs: Sequence[Sequence[int]], 
     for seq in seqs:
         start = reply_start(seq, marker)
         if start is not None and len(seq) - start > k_max + 1:
-            per_seq.append(measure_sequence(runner, head, backend, seq, start, k_max, stride, window))
+            per_seq.append(measure_sequence(runner, head, backend, seq, start, k_max, stride, window, lookup_min))
     return summarize(per_seq, k_max) | {"per_sequence": per_seq}
 
 
@@ -215,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--k", type=int, default=MAX_K, help="longest chain measured")
     ap.add_argument("--stride", type=int, default=1, help="draft at every stride-th reply position")
     ap.add_argument("--window", type=int, default=64, help="the early_ figures: the first N reply tokens only")
+    ap.add_argument("--lookup-min", type=int, default=0,
+                    help="chains as with --eagle-lookup-min N: prompt lookup first, the head elsewhere (0: the head)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None, help="write <name>.json / .md here")
     ap.add_argument("--name", default="eagle_accept")
@@ -231,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     for head_dir in heads:
         t0 = time.perf_counter()
         results[str(head_dir)] = measure(engine.runner, head_dir, seqs, marker, args.k, args.stride,
-                                        args.window)
+                                        args.window, args.lookup_min)
         results[str(head_dir)]["seconds"] = time.perf_counter() - t0
         short = {k: v for k, v in results[str(head_dir)].items() if k != "per_sequence"}
         print(json.dumps({"head": str(head_dir), **short}), flush=True)

@@ -15,6 +15,7 @@ import bisect
 import logging
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -96,17 +97,16 @@ class ChainDraftGraphs:
         assert b is not None and len(starts) == len(tables) == n and len(slots) == self.k - 1
         width = max(len(t) for t in tables)
         assert width <= self.block_tables.shape[1], "a head block table wider than the graphs' buffer"
-        device = self.tokens.device
-        table = torch.zeros((n, width), dtype=torch.int32)
+        table = np.zeros((n, width), dtype=np.int32)
         for i, t in enumerate(tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            table[i, : len(t)] = t
         self.tokens[:n].copy_(tokens)
         self.hidden[:n].copy_(hidden)
-        self.starts[:n].copy_(torch.tensor(list(starts), dtype=torch.int64), non_blocking=True)
+        self.starts[:n].copy_(torch.from_numpy(np.asarray(starts, dtype=np.int64)), non_blocking=True)
         self.starts[n:b].fill_(1)
-        self.block_tables[:n, :width].copy_(table.to(device, non_blocking=True))
+        self.block_tables[:n, :width].copy_(torch.from_numpy(table), non_blocking=True)
         self.block_tables[n:b].zero_()
-        self.slots[:, :n].copy_(torch.tensor([list(s) for s in slots], dtype=torch.int64), non_blocking=True)
+        self.slots[:, :n].copy_(torch.from_numpy(np.asarray(slots, dtype=np.int64)), non_blocking=True)
         self.slots[:, n:b].fill_(-1)
         graph = self.graphs.get(b)
         if graph is None:  # not captured (no CUDA): the same steps, eagerly

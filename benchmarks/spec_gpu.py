@@ -150,12 +150,11 @@ def draft_round_costs(engine: LLMEngine, k: int, batch_sizes: Sequence[int], con
     assert isinstance(proposer, EagleProposer)
     graphs = proposer.chain_graphs
     out: dict[str, dict[str, float]] = {}
+    modes = ([("graphs", graphs)] if graphs is not None else []) + [("eager", None)]
     try:
         for b in batch_sizes:
             row = {}
-            for mode, g in (("graphs", graphs), ("eager", None)):
-                if mode == "graphs" and g is None:
-                    continue
+            for mode, g in modes:
                 proposer.chain_graphs = g
                 row[mode] = proposer.draft_seconds(b, k, context) * 1e3
             out[str(b)] = row

@@ -26,7 +26,7 @@ log = logging.getLogger("tokenmill.cuda_graphs")
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def _bucket(sizes: Sequence[int], n: int) -> int | None:
+def smallest_bucket(sizes: Sequence[int], n: int) -> int | None:
     """The smallest of the sorted `sizes` >= n (the graph a step of n rows replays), or None."""
     i = bisect.bisect_left(sizes, n)
     return sizes[i] if i < len(sizes) else None
@@ -86,7 +86,7 @@ class DecodeGraphs:
         log.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.graphs), self.sizes)
 
     def bucket(self, b: int) -> int | None:
-        return _bucket(self.sizes, b)
+        return smallest_bucket(self.sizes, b)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Replay for a decode-only batch; returns hidden states [B, hidden] (a view of graph memory,
@@ -235,7 +235,7 @@ class PiecewiseGraphs:
                  self.sizes, len(self.pieces[self.sizes[0]]))
 
     def bucket(self, t: int) -> int | None:
-        return _bucket(self.sizes, t)
+        return smallest_bucket(self.sizes, t)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Replay for a step of T tokens; returns hidden states [T, hidden] (a view of graph memory, valid
@@ -480,7 +480,7 @@ class WholeStepGraphs:
                  len(self.sizes), self.sizes[-1] if self.sizes else 0)
 
     def bucket(self, t: int) -> int | None:
-        return _bucket(self.sizes, t)
+        return smallest_bucket(self.sizes, t)
 
     def graph_for(self, t: int, meta: AttentionMetadata) -> tuple[int, AttentionChoice] | None:
         """The key of the graph a step of t tokens replays, or None (the pieces then)."""

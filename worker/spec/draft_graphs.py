@@ -11,7 +11,6 @@ and writing drafts [k-1, B] (d_2..d_k). Rows past the batch are padding: start 1
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections.abc import Callable, Sequence
 
@@ -20,6 +19,7 @@ import torch
 from torch import Tensor
 
 from tokenmill.worker.attention.backend import AttentionMetadata
+from tokenmill.worker.cuda_graphs import smallest_bucket
 
 log = logging.getLogger("tokenmill.spec")
 
@@ -52,8 +52,7 @@ class ChainDraftGraphs:
         return self.sizes[-1]
 
     def bucket(self, b: int) -> int | None:
-        i = bisect.bisect_left(self.sizes, b)
-        return self.sizes[i] if i < len(self.sizes) else None
+        return smallest_bucket(self.sizes, b)
 
     def body(self, b: int) -> None:
         """The k - 1 steps over the first b rows of the static buffers: drafts[:, :b] from tokens, hidden."""

@@ -13,11 +13,10 @@ While speculation is paused, a probe step still speculates now and then, so tau 
 batch that shrinks back is seen at once: the decision is made every step). The first probe comes `probe_every`
 steps into a pause; each probe that leaves it paused doubles the wait for the next, up to `max_probe_every`
 (a workload the head drafts badly for pays a probe's extra cost ever more rarely), and speculating again resets
-it. A paused step costs what
-a plain one does: the target's features (EAGLE's input) are kept only over the last `feature_window` steps
-before a probe, so the probe's catch-up reads those and the head's KV holds what it held for the positions
-before them (weaker drafts at a probe, so tau is, if anything, underestimated while paused: the switch errs
-towards plain decoding)."""
+it. A paused step costs what a plain one does: the target's features (EAGLE's input) are kept only over the last
+`feature_window` steps before a probe, so the probe's catch-up reads those and the head's KV holds what it held
+for the positions before them (weaker drafts at a probe, so tau is, if anything, underestimated while paused: the
+switch errs towards plain decoding)."""
 
 from __future__ import annotations
 

@@ -31,9 +31,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy protocol broker worker kernels client gateway cli benchmarks
 
+# -P: the working directory stays off sys.path, where kernels/ would shadow Hugging Face's `kernels` package that
+# transformers imports (tests/conftest.py says more)
 bench-cpu: $(STAMP)
-	$(PY) -m tokenmill.benchmarks.engine_cpu --out benchmarks/results/cpu
-	$(PY) -m tokenmill.benchmarks.suite --device cpu --out benchmarks/results/cpu
+	$(PY) -P -m tokenmill.benchmarks.engine_cpu --out benchmarks/results/cpu
+	$(PY) -P -m tokenmill.benchmarks.suite --device cpu --out benchmarks/results/cpu
 
 clean:
 	rm -rf $(VENV) build *.egg-info

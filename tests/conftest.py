@@ -6,12 +6,20 @@ those tests read). Each test gets the logging environment it started with back."
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from tokenmill.protocol.logs import FORMAT_ENV, JSON_ENV, LEVEL_ENV
+
+# The repo root holds the folders that install as tokenmill.* (kernels/, worker/, ...). `python -m pytest` puts the
+# working directory on sys.path, where kernels/ shadows Hugging Face's `kernels` package, which transformers (a
+# dependency of it since 5.2x) imports at once: `import transformers` then fails. Nothing this process imports
+# needs the root (worker processes that tests start from it import tests.* in their own interpreter).
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 # Triton's interpreter on machines without CUDA, before any test module imports Triton: a module that imports Triton's
 # compiler or driver first (tests/test_direct_launch.py) would otherwise leave later modules' kernels uninterpretable.

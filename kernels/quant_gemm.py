@@ -68,6 +68,7 @@ def _quant_gemm_kernel(
     b_ptr,  # [N] (HAS_BIAS)
     y_ptr,  # [M, N], row stride stride_ym; SPLIT: fp32 partials [splits, M, N], contiguous
     M, N, K, G,
+    stride_qn,  # elements of q_ptr's type per packed row (an argument for its alignment: quant_gemv's stride_qn)
     k_split,  # SPLIT: K columns per slice (a multiple of BLOCK_K); slice program_id(1) is [k_split * id, + k_split)
     stride_xm, stride_ym,
     HAS_BIAS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
@@ -91,7 +92,7 @@ def _quant_gemm_kernel(
     rm = (offs_m % M).to(tl.int64)  # wrapped: unmasked loads, duplicates never stored
     rn = (offs_n % N).to(tl.int64)
     x_rows = x_ptr + rm[:, None] * stride_xm  # [BLOCK_M, 1]
-    q_rows = q_ptr + rn[:, None] * (K // 8 if BITS == 4 else K)  # [BLOCK_N, 1]
+    q_rows = q_ptr + rn[:, None] * stride_qn  # [BLOCK_N, 1]
     s_rows = s_ptr + rn[:, None] * G
     z_rows = z_ptr + rn[:, None] * G
     m_rows = m_ptr + rn[:, None] * G
@@ -157,7 +158,7 @@ def quant_matmul(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = N
     _quant_gemm_kernel[grid](
         x, q, w.scales, w.zeros if w.zeros is not None else q, w.mins if w.mins is not None else w.scales,
         w.perm if w.perm is not None else q,
-        bias if bias is not None else x, y, m, n, k, w.num_groups, k_split, x.stride(0), out.stride(0),
+        bias if bias is not None else x, y, m, n, k, w.num_groups, q.stride(0), k_split, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BITS=w.bits, GROUP=w.group_size, HAS_ZEROS=w.zeros is not None,
         HAS_MINS=w.mins is not None, HAS_PERM=w.perm is not None, SCALE_LATER=scale_later(w),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0,

@@ -102,7 +102,7 @@ def dequant_tile(
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_mask = (offs_k < K)[None, :]
     if BITS == 4:
-        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        offs_w = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)  # k0: a multiple of BLOCK_K
         if EVEN_K:
             words = tl.load(q_rows + offs_w[None, :])  # [BLOCK_N, BLOCK_K // 8] int32
         else:
@@ -160,7 +160,9 @@ def planes_fma(
     Numerics: fp32 throughout, so the weights are not rounded to `dtype` one by one as the reference and the other
     variants round them: the result differs from theirs by that rounding (2^-9 relative per weight in bf16)."""
     P: tl.constexpr = 32 // BITS
-    offs_w = k0 // P + tl.arange(0, BLOCK_K // P)  # [W] packed words of this step
+    # [W] packed words of this step; k0 is a multiple of BLOCK_K (also in a K slice), which Triton does not know
+    # after the division: without the hint it issues 8-byte copies of the words
+    offs_w = tl.multiple_of(k0 // P, BLOCK_K // P) + tl.arange(0, BLOCK_K // P)
     w_mask = (offs_w < K // P)[None, :]
     if EVEN_K:
         words = tl.load(q_rows + offs_w[None, :])  # [BLOCK_N, W] int32
@@ -235,7 +237,7 @@ def magic_dot(
     OFFSET: tl.constexpr = 128.0 if dtype == tl.bfloat16 else 1024.0 if dtype == tl.float16 else 0.0  # fp32: before
     acc = tl.zeros([q_rows.shape[0], x_rows.shape[0]], dtype=tl.float32)
     for seg in tl.static_range(BLOCK_K // (8 * W)):
-        offs_w = k0 // 8 + seg * W + tl.arange(0, W)  # [W] words of this segment
+        offs_w = tl.multiple_of(k0 // 8 + seg * W, W) + tl.arange(0, W)  # [W] words of this segment
         w_mask = (offs_w < K // 8)[None, :]
         if EVEN_K:
             words = tl.load(q_rows + offs_w[None, :])  # [BLOCK_N, W] int32
@@ -289,6 +291,8 @@ def _quant_skinny_kernel(
     y_ptr,  # [M, N] output, row stride stride_ym; SPLIT: fp32 partials [splits, M, N], contiguous
     res_out_ptr,  # [M, K] new residual (NORM with HAS_RESIDUAL), written by program (0, 0)
     M, N, K, G,  # G: groups per row (columns of scales / zeros)
+    stride_qn,  # elements of q_ptr's type per packed row: an argument, not K // 8 inside, so that Triton knows the
+    # rows' alignment (it specializes an int argument divisible by 16) and loads 16-byte vectors, not 8-byte ones
     k_split,  # SPLIT: K columns per slice (a multiple of BLOCK_K); slice program_id(1) is [k_split * id, + k_split)
     stride_xm, stride_rm, stride_ym, stride_om, eps,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -306,7 +310,7 @@ def _quant_skinny_kernel(
     offs_kb = tl.arange(0, BLOCK_K)
     rn = (offs_n % N).to(tl.int64)  # wrapped rows: unmasked loads, duplicates never stored
     rm = (offs_m % M).to(tl.int64)
-    q_rows = q_ptr + rn[:, None] * (K // 8 if BITS == 4 else K // 4 if PLANES else K)  # [BLOCK_N, 1] (PLANES: words)
+    q_rows = q_ptr + rn[:, None] * stride_qn  # [BLOCK_N, 1]
     s_rows = s_ptr + rn[:, None] * G
     z_rows = z_ptr + rn[:, None] * G
     m_rows = m_ptr + rn[:, None] * G
@@ -464,7 +468,7 @@ def _launch(prologue: int, x: torch.Tensor, residual: torch.Tensor | None, norm_
         w.zeros if w.zeros is not None else q, w.mins if w.mins is not None else w.scales,
         w.perm if w.perm is not None else q,
         bias if bias is not None else x, y, ro_arg,
-        m, n, k, w.num_groups, k_split, x.stride(0), r_arg.stride(0), out.stride(0), ro_arg.stride(0), float(eps),
+        m, n, k, w.num_groups, q.stride(0), k_split, x.stride(0), r_arg.stride(0), out.stride(0), ro_arg.stride(0), float(eps),
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         BITS=w.bits, GROUP=w.group_size, HAS_ZEROS=w.zeros is not None, HAS_MINS=w.mins is not None,
         HAS_PERM=w.perm is not None, SCALE_LATER=scale_later(w),

@@ -356,7 +356,7 @@ def _sm90_compile_all() -> None:
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a.endswith("_ptr") or a in ints}
         kernel = triton_compile(ASTSource(fn, sig, {(names.index(a),): v for a, v in consts.items()}, attrs),
                                 target=target, options={"num_warps": warps, "num_stages": stages})
-        return str(kernel.asm["ttgir"])
+        return str(kernel.asm["ttgir"]), str(kernel.asm["ptx"])
 
     formats = ((4, 128, False, False, False), (4, 128, True, True, False), (8, 4096, False, False, False),
                (4, 32, False, False, True), (8, 32, False, False, False))  # the last two: GGUF Q4_1, Q8_0
@@ -372,8 +372,14 @@ def _sm90_compile_all() -> None:
             planes = (False, True) if not use_dot or magic else (False,)
             for split, plane in itertools.product((False, True), planes):  # split-K: the slice loop is pipelined too
                 block_m = max(16, m) if plane and use_dot else consts["BLOCK_M"]
-                ttgir = build(qv._quant_skinny_kernel, {**consts, "SPLIT": split, "PLANES": plane, "BLOCK_M": block_m},
-                              ("K", "k_split", "stride_xm", "stride_ym"), 4, 3)
+                ttgir, ptx = build(qv._quant_skinny_kernel,
+                                   {**consts, "SPLIT": split, "PLANES": plane, "BLOCK_M": block_m},
+                                   ("K", "k_split", "stride_qn", "stride_xm", "stride_ym"), 4, 3)
+                # the packed rows' alignment is known (stride_qn, the K step's hint): the words move in 16-byte
+                # copies (with K // 8 computed inside, Triton knew 8-byte rows only: twice as many 8-byte copies)
+                sizes = set(re.findall(r"cp\.async\.c[ag]\.shared\.global [^\n]*, (0x[0-9a-f]+)", ptx))
+                if bits == 4 and not perm and not use_dot:  # (act-order gathers and the dots' x tiles: other sizes)
+                    assert "0x8" not in sizes, f"{fmt} {prologue=} {split=} {plane=}: 8-byte copies of the words"
                 if plane and use_dot:  # tensor cores, and no int-to-float conversion of the weights
                     assert "warp_group_dot" in ttgir or "tt.dot" in ttgir, f"{fmt} {prologue=}: no dot"
                     # (rstd's K is a scalar, a zero point [BLOCK_N, 1] a segment: only weight tiles count)
@@ -383,10 +389,11 @@ def _sm90_compile_all() -> None:
         consts = {**fmt, "HAS_BIAS": True, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
                   "EVEN_K": True, "DOT_PRECISION": "tf32", "MAGIC": False}
         for split in (False, True):
-            build(qm._quant_gemm_kernel, {**consts, "SPLIT": split}, ("K", "k_split", "stride_xm", "stride_ym"), 8, 3)
+            build(qm._quant_gemm_kernel, {**consts, "SPLIT": split}, ("K", "k_split", "stride_qn", "stride_xm",
+                                                                       "stride_ym"), 8, 3)
         if bits == 4 and group % 128 == 0 and not mins:  # the tiled magic variant: no per-weight conversion either
-            ttgir = build(qm._quant_gemm_kernel, {**consts, "SPLIT": False, "MAGIC": True, "BLOCK_K": 128},
-                          ("K", "k_split", "stride_xm", "stride_ym"), 8, 3)
+            ttgir, _ = build(qm._quant_gemm_kernel, {**consts, "SPLIT": False, "MAGIC": True, "BLOCK_K": 128},
+                             ("K", "k_split", "stride_qn", "stride_xm", "stride_ym"), 8, 3)
             tiles = re.findall(r"arith\.[su]itofp [^\n]*: tensor<\d+x(\d+)x", ttgir)
             assert all(int(cols) == 1 for cols in tiles), f"tiled {fmt}: converts weights ({tiles})"
 

@@ -358,19 +358,15 @@ def _tiles(kernel: str, m: int) -> list[Candidate]:
 
 
 def _plane_tiles(cell: _Cell) -> list[Candidate]:
-    """M = 1: the FMA variant by planes of int32 words (kernels/quant_gemv.py planes_fma) at tiles of 2048-8192 words (8 warps for the largest)
+    """M = 1: the FMA variant by planes of int32 words (kernels/quant_gemv.py planes_fma) at tiles of 2048-8192 words
     (one accumulator a word: a tile holds 8x (INT4) or 4x (INT8) the columns of the plain FMA one)."""
     from tokenmill.kernels.tuned import QuantSkinnyConfig
 
     if cell.kernel != "skinny" or cell.m != 1:
         return []
-    tiles = [(16, 1024, 4), (32, 512, 4), (32, 1024, 4), (64, 512, 4), (16, 2048, 4), (64, 1024, 4),
-             # more rows a program share its activation loads (at 16 rows an INT4 program loads as many bytes of
-             # activations, residual and norm weight a column as of weights); 8 warps keep the accumulators in
-             # registers, which stage 2 (warps of the best 4-warp tile only) would not reach
-             (64, 1024, 8), (128, 512, 8), (64, 2048, 8)]
+    tiles = [(16, 1024), (32, 512), (32, 1024), (64, 512), (16, 2048), (64, 1024)]
     per_word = 32 // cell.w.bits
-    return [QuantSkinnyConfig(bn, bk * per_word // 8, nw, 3, use_dot=False, planes=True) for bn, bk, nw in tiles]
+    return [QuantSkinnyConfig(bn, bk * per_word // 8, 4, 3, use_dot=False, planes=True) for bn, bk in tiles]
 
 
 def _magic_tiles(cell: _Cell) -> list[Candidate]:

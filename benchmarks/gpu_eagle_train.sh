@@ -12,7 +12,8 @@
 # step, 16), EAGLE_LR (3e-4), EAGLE_UNROLL (draft steps trained per row, the training-time test: 3), EAGLE_LOSS_ROWS
 # (reply: the loss on reply rows only; all), EAGLE_SCHEDULE (cosine; constant), EAGLE_WARMUP (warm-up steps, 200),
 # EAGLE_INIT (the head to go on training: default the shipped one, trained on the same 7,800 sequences; "none": a
-# new head), EAGLE_EXTRA (a command run after, in this tree). After training, benchmarks/eagle_accept.py measures
+# new head), EAGLE_TRAIN_ARGS (more train-eagle flags, e.g. "--fusion-layers auto" for an EAGLE-3 head, with
+# EAGLE_INIT=none), EAGLE_EXTRA (a command run after, in this tree). After training, benchmarks/eagle_accept.py measures
 # the new head and the shipped one on the 200 held-out sequences (teacher-forced agreement, chain tau at k = 1..5):
 # $OUT/eagle/eagle_accept.{json,md}. Replace the shipped head only if the new one's tau is higher there.
 set -euo pipefail
@@ -41,7 +42,7 @@ init=(); [ "$init_head" != none ] && init=(--init-head "$init_head")
 tokenmill train-eagle --model embedded "${data[@]}" --num-sequences 8000 --heldout 200 --max-len 768 \
   --batch-sequences "${EAGLE_BATCH:-16}" --lr "${EAGLE_LR:-3e-4}" --steps 1000000 --time-limit-s "${EAGLE_TIME_S:-300}" \
   --unroll "${EAGLE_UNROLL:-3}" --loss-rows "${EAGLE_LOSS_ROWS:-reply}" --lr-schedule "${EAGLE_SCHEDULE:-cosine}" \
-  --warmup-steps "${EAGLE_WARMUP:-200}" --cls-weight "${EAGLE_CLS:-0.1}" ${init[@]+"${init[@]}"} \
+  --warmup-steps "${EAGLE_WARMUP:-200}" --cls-weight "${EAGLE_CLS:-0.1}" ${init[@]+"${init[@]}"} ${EAGLE_TRAIN_ARGS:-} \
   --device cuda --out "$OUT/eagle" 2> "$OUT/eagle/train.log" | tail -1 || echo "== train-eagle failed (train.log)"
 grep -v '"step"' "$OUT/eagle/train.log" | tail -5 | cut -c1-300; grep '"step"' "$OUT/eagle/train.log" | tail -3
 [ -f .cache/eagle_seqs.jsonl.gz ] || gzip -c /tmp/eagle_seqs.jsonl > "$OUT/eagle/sequences.jsonl.gz" || true

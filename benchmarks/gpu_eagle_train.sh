@@ -13,7 +13,7 @@
 # (reply: the loss on reply rows only; all), EAGLE_SCHEDULE (cosine; constant), EAGLE_WARMUP (warm-up steps, 200),
 # EAGLE_INIT (the head to go on training: default the shipped one, trained on the same 7,800 sequences; "none": a
 # new head), EAGLE_TRAIN_ARGS (more train-eagle flags, e.g. "--fusion-layers auto" for an EAGLE-3 head, with
-# EAGLE_INIT=none), EAGLE_EXTRA (a command run after, in this tree). After training, benchmarks/eagle_accept.py measures
+# EAGLE_INIT=none), EAGLE_ACCEPT (0: skip eagle_accept, measure on the CPU instead), EAGLE_EXTRA (a command run after, in this tree). After training, benchmarks/eagle_accept.py measures
 # the new head and the shipped one on the 200 held-out sequences (teacher-forced agreement, chain tau at k = 1..5):
 # $OUT/eagle/eagle_accept.{json,md}. Replace the shipped head only if the new one's tau is higher there.
 set -euo pipefail
@@ -47,7 +47,7 @@ tokenmill train-eagle --model embedded "${data[@]}" --num-sequences 8000 --heldo
 grep -v '"step"' "$OUT/eagle/train.log" | tail -5 | cut -c1-300; grep '"step"' "$OUT/eagle/train.log" | tail -3
 [ -f .cache/eagle_seqs.jsonl.gz ] || gzip -c /tmp/eagle_seqs.jsonl > "$OUT/eagle/sequences.jsonl.gz" || true
 echo "== trained at $(( SECONDS - start )) s"
-if [ -f "$OUT/eagle/eagle_config.json" ]; then
+if [ -f "$OUT/eagle/eagle_config.json" ] && [ "${EAGLE_ACCEPT:-1}" != 0 ]; then
   python3 -m tokenmill.benchmarks.eagle_accept --data /tmp/eagle_seqs.jsonl --heldout 200 --sequences 200 --device cuda \
     --draft-model "$OUT/eagle" --draft-model worker/spec/heads/smollm2-135m-instruct --out "$OUT/eagle" \
     --name eagle_accept 2>&1 | grep -v '"event"' | tail -8 || echo "== eagle_accept failed"

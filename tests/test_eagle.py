@@ -22,6 +22,7 @@ from tokenmill.worker.attention.backend import AttentionLayer
 from tokenmill.worker.config import CacheConfig, EngineConfig, ModelArch
 from tokenmill.worker.engine import LLMEngine
 from tokenmill.worker.model_runner import attention_metadata
+from tokenmill.worker.models.layers import kernel_path
 from tokenmill.worker.spec.eagle import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -32,7 +33,9 @@ from tokenmill.worker.spec.eagle import (
 from tokenmill.worker.spec.eagle_train import (
     EagleTrainConfig,
     all_features,
+    head_loss,
     head_rows,
+    new_head,
     target_features,
     train,
 )
@@ -130,6 +133,37 @@ def test_a_head_that_does_not_fit_the_target_is_refused(engine: LLMEngine, seque
     (tmp_path / WEIGHTS_FILE).write_bytes(b"not safetensors")
     with pytest.raises(EagleHeadError):
         load(arch)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_every_parameter_of_a_head_in_training_gets_a_gradient(device: str, sequences: list[list[int]],
+                                                               tmp_path: Path) -> None:
+    """On CUDA the head's norms and SwiGLU would take their Triton kernels, which compute no gradient: the head's
+    fc, attention and norms would never train (only the down projection after the last kernel would)."""
+    path = save_tiny_model("llama", tmp_path)
+    runner = LLMEngine(EngineConfig(model=str(path), device=device, dtype="float32",
+                                    cache=CacheConfig(num_blocks=64))).runner
+    head = new_head(runner, seed=0)
+    loss, _, _ = head_loss(runner, head, head_rows(runner, sequences[:4], 0.1, None), cls_weight=0.1)
+    loss.backward()
+    untrained = [n for n, p in head.named_parameters() if p.grad is None or not bool(p.grad.abs().sum() > 0)]
+    assert not untrained, f"no gradient reaches {untrained}"
+
+
+def test_kernels_are_taken_only_where_autograd_needs_no_gradient() -> None:
+    """kernel_path's rule, on stand-ins for CUDA tensors (the CPU has none): inference takes the kernels,
+    training (grad enabled and an input that requires grad) the torch code."""
+    from types import SimpleNamespace
+
+    def t(cuda: bool, grad: bool) -> torch.Tensor:
+        return SimpleNamespace(is_cuda=cuda, requires_grad=grad)  # type: ignore[return-value]
+
+    assert kernel_path(t(True, False), t(True, False))
+    assert not kernel_path(t(False, False))
+    assert not kernel_path(t(True, True)) and not kernel_path(t(True, False), t(True, True))
+    with torch.no_grad():
+        assert kernel_path(t(True, True), t(True, True))
 
 
 def test_bad_training_settings_are_refused() -> None:

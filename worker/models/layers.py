@@ -3,7 +3,10 @@ quantization hook (worker/quant/), and the SwiGLU activation.
 
 Every module here creates its parameters with an explicit dtype and on the current default device, so a
 model built inside `with torch.device(dev):` owns its weights on `dev` from the start (no second copy).
-Parameters never require grad: this is an inference-only engine.
+Parameters never require grad: this is an inference-only engine. The one exception is an EAGLE head in
+training (worker/spec/eagle_train.py), whose decoder layer is built from these modules: the Triton kernels
+compute no gradient, so on CUDA a module takes its kernel only when autograd needs nothing of it
+(`kernel_path`), and the torch code otherwise.
 """
 
 from __future__ import annotations
@@ -28,6 +31,15 @@ def frozen_param(data: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(data, requires_grad=False)
 
 
+def kernel_path(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether an op on x (and its other inputs) may run its Triton kernel: x is on CUDA and autograd needs no
+    gradient through it. A kernel's output has no grad_fn, so taking it while training would cut the graph
+    silently (every parameter before it would get no gradient)."""
+    if not x.is_cuda:
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in others)))
+
+
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 and cast back to x's dtype.
     x: [..., hidden]; weight: [hidden]."""
@@ -38,7 +50,7 @@ class RMSNorm(nn.Module):
         self.weight = frozen_param(torch.ones(hidden_size, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
+        if kernel_path(x, self.weight):
             from tokenmill.kernels.rmsnorm import rmsnorm
 
             return rmsnorm(x, self.weight, self.eps)
@@ -49,7 +61,7 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual add fused into the norm (one pass on CUDA).
         The sum is rounded to x's dtype before the norm, as HF adds in the model dtype."""
-        if x.is_cuda:
+        if kernel_path(x, residual, self.weight):
             from tokenmill.kernels.rmsnorm import add_rmsnorm
 
             return add_rmsnorm(x, residual, self.weight, self.eps)
@@ -156,7 +168,7 @@ class Linear(nn.Module):
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2 * I] = [gate | up] -> silu(gate) * up, [..., I] (one Triton kernel on CUDA)."""
-    if x.is_cuda and x.dim() == 2:
+    if x.dim() == 2 and kernel_path(x):
         from tokenmill.kernels.activation import silu_and_mul as kernel
 
         return kernel(x)

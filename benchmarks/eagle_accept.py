@@ -100,14 +100,16 @@ def measure_sequence(runner: ModelRunner, head: EagleHead, backend: ChainBackend
     chains are the engine's with --eagle-lookup-min (prompt lookup's drafts where x_0..x_m's last lookup_min..8
     tokens occur earlier, the head's elsewhere)."""
     embed, logits = runner.model.model.embed_tokens, runner.model.compute_logits
-    feats = target_features(runner, seq)  # [L, H] f_t
+    whole = target_features(runner, seq, head.fusion_layers or ())  # [L, H] f_t (+ [L, 3H] a fusion head's states)
+    feats = whole[:, : runner.arch.hidden_size]
     greedy = logits(feats).argmax(-1)  # [L] g_{t+1}
     ids = torch.tensor(list(seq), device=runner.device)
     n = len(seq) - 1  # head rows t = 0..L-2
     backend.prefix()
     meta = attention_metadata([n], [n], [[0]], [-1] * n, runner.device)
     empty = (torch.empty(0), torch.empty(0))  # no KV cache: ChainBackend keeps the head's keys and values
-    rows = head(embed(ids[1:]), head.fuse(feats[:-1]), torch.arange(n, device=runner.device), empty, meta)
+    inputs = whole[:-1, runner.arch.hidden_size :] if head.fusion_layers else feats[:-1]
+    rows = head(embed(ids[1:]), head.fuse(inputs), torch.arange(n, device=runner.device), empty, meta)
     first = logits(rows).argmax(-1)  # [n] row t: the draft of x_{t+2}
     hit = first == greedy[1:]  # [n] row t right
     reply_rows = torch.arange(max(start - 2, 0), n, device=runner.device)  # rows t with t + 2 in the reply

@@ -163,6 +163,45 @@ def test_a_short_fused_training_run_lowers_its_loss_and_round_trips(fused: tuple
         assert torch.equal(predict(head, rows), predict(loaded, rows))
 
 
+def test_a_fused_heads_states_are_normed_before_the_fusion_and_its_output_after(fused: tuple[Path, Path],
+                                                                              sequences: list[list[int]]) -> None:
+    """The residual streams are un-normed (their scales grow with depth): the fused head reads each one RMS-normed,
+    so scaling them changes nothing, and its output is normed as the target's final features are (the LM head reads
+    it directly; without the norm a real target's logits came out in the hundreds)."""
+    engine = make_engine(str(fused[0]), False, cache=CacheConfig(num_blocks=64))
+    head = load_eagle_head(fused[1], engine.runner.arch, DenseCausalBackend(), dtype=torch.float32,
+                           device=torch.device("cpu"))
+    assert head.out_norm is not None
+    rows = head_rows(engine.runner, sequences[:2], 0.0, None, layers=LAYERS)
+    with torch.no_grad():
+        out = predict(head, rows)
+        scaled = predict(head, rows._replace(features=rows.features * 1000.0))
+    torch.testing.assert_close(scaled, out, rtol=1e-4, atol=1e-4)
+    rms = (out / head.out_norm.weight).pow(2).mean(-1).sqrt()
+    torch.testing.assert_close(rms, torch.ones_like(rms), rtol=1e-3, atol=1e-3)
+
+
+def test_eagle_accept_measures_a_fused_head_on_its_layers_states(fused: tuple[Path, Path],
+                                                                 sequences: list[list[int]]) -> None:
+    """benchmarks/eagle_accept.py hands a fused head its fusion layers' states (it handed it final features): its
+    teacher-forced first drafts are the cache-free head's."""
+    from tokenmill.benchmarks import eagle_accept
+
+    engine = make_engine(str(fused[0]), False, cache=CacheConfig(num_blocks=64))
+    runner, seq = engine.runner, sequences[0]
+    backend = eagle_accept.ChainBackend()
+    head = load_eagle_head(fused[1], runner.arch, backend, dtype=torch.float32, device=torch.device("cpu"))
+    got = eagle_accept.measure_sequence(runner, head, backend, seq, start=4, k_max=3, stride=1, window=8)
+    dense = load_eagle_head(fused[1], runner.arch, DenseCausalBackend(), dtype=torch.float32,
+                            device=torch.device("cpu"))
+    rows = head_rows(runner, [seq], 0.0, None, layers=LAYERS)
+    with torch.no_grad():
+        drafts = runner.model.compute_logits(predict(dense, rows)).argmax(-1)
+        greedy = runner.model.compute_logits(target_features(runner, seq)).argmax(-1)
+    assert got["tf_all_rows"] == len(seq) - 1
+    assert got["tf_all_hits"] == int((drafts == greedy[1:]).sum())
+
+
 def test_train_eagle_command_with_fusion_layers(fused: tuple[Path, Path], sequences: list[list[int]],
                                                 tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = fused[0]

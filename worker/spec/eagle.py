@@ -18,10 +18,12 @@ worker/spec/eagle_proposer.py. Heads shipped with the package live in worker/spe
 EAGLE-3's fusion (a head with `fusion_layers` (low, mid, high), format "tokenmill-eagle-3"): the target feature
 of position t is instead
     g_t = fuse([s^low_t; s^mid_t; s^high_t])        fuse: [3H] -> [H], no bias
-s^i_t the target's residual stream after decoder layer i (un-normed; LlamaForCausalLM.forward_recording), and
-g_t takes f_t's place above. Drafting steps past the first read the head's own output f^ where g would be (as
-EAGLE-3 does). Without fusion layers the head, its weights and its config are EAGLE-1's, byte for byte
-("tokenmill-eagle-1"), so heads saved before the option existed load unchanged."""
+s^i_t the target's residual stream after decoder layer i (un-normed; LlamaForCausalLM.forward_recording), each
+RMS-normed before `fuse` (the streams' scales differ by orders of magnitude), and g_t takes f_t's place above; the
+head's output is RMS-normed (`out_norm`) before the LM head reads it, as the target's features are. Drafting steps
+past the first read the head's own output f^ where g would be (as EAGLE-3 does). Without fusion layers the head, its
+weights and its config are EAGLE-1's, byte for byte ("tokenmill-eagle-1"), so heads saved before the option existed
+load unchanged."""
 
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from torch import Tensor, nn
 from tokenmill.kernels.attention_ref import rotary_embedding_ref
 from tokenmill.worker.attention.backend import AttentionBackend, AttentionLayer, AttentionMetadata, KVCache
 from tokenmill.worker.config import ModelArch, RopeScaling
-from tokenmill.worker.models.layers import Linear, RotaryEmbedding
+from tokenmill.worker.models.layers import Linear, RMSNorm, RotaryEmbedding
 from tokenmill.worker.models.llama import LlamaDecoderLayer
 
 EAGLE_FORMAT = "tokenmill-eagle-1"  # a head without fusion layers
@@ -117,19 +119,29 @@ class EagleHead(nn.Module):
             rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
             self.fc = Linear(2 * arch.hidden_size, arch.hidden_size, True, dtype=dtype)
             self.layer = LlamaDecoderLayer(arch, backend, rotary, None, dtype)  # its attention keeps the table
-            # EAGLE-3: [s^low; s^mid; s^high] [T, 3H] -> g [T, H]
+            # EAGLE-3: [s^low; s^mid; s^high] [T, 3H] -> g [T, H]. The residual streams are un-normed and of
+            # very different scales, so each is RMS-normed before the fusion; and the head's output, which the LM
+            # head reads as it reads the target's final-normed features, is normed as those are (out_norm)
             self.fuse_fc = Linear(3 * arch.hidden_size, arch.hidden_size, False, dtype=dtype) if fusion_layers else None
+            self.fuse_norms = nn.ModuleList(RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype)
+                                            for _ in range(3)) if fusion_layers else None
+            self.out_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype) if fusion_layers else None
 
     def fuse(self, target_rows: Tensor) -> Tensor:
         """The head's feature input [T, H] from the target's kept rows: [T, H] final-normed features f_t
         (EAGLE-1: returned as they are), or [T, 3H] layer states [s^low; s^mid; s^high] -> g_t."""
-        return target_rows if self.fuse_fc is None else self.fuse_fc(target_rows)
+        if self.fuse_fc is None or self.fuse_norms is None:
+            return target_rows
+        states = target_rows.chunk(3, dim=-1)  # s^low, s^mid, s^high [T, H] each
+        return self.fuse_fc(torch.cat([norm(s.contiguous()) for norm, s in zip(self.fuse_norms, states)], dim=-1))
 
     def forward(self, token_embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         x = self.fc(torch.cat([token_embeds, features], dim=-1))
         h, residual = self.layer(positions, x, None, kv_cache, meta)
-        return h + residual
+        if self.out_norm is None:
+            return h + residual
+        return self.out_norm.add_forward(h, residual)[0]
 
     def save(self, out: Path, target: dict[str, Any], training: dict[str, Any]) -> None:
         """model.safetensors (fc and layer, and fuse_fc with fusion layers) and eagle_config.json (format, fusion

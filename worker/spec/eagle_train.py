@@ -354,8 +354,9 @@ def new_head(runner: ModelRunner, seed: int, fusion_layers: FusionLayers | None 
     a single step): the one saved in `init_from` if given (its fusion layers, not `fusion_layers`), else new:
     layer weights N(0, 0.02) and norms 1 (as HF initialises Llama), fc the identity on the feature half and
     small on the embedding half, so that the untrained head starts from "the next feature is this one"; with
-    fusion layers (checked against the target's), the fusion fc the identity on the high layer's state and small
-    on the others."""
+    fusion layers (checked against the target's), the fusion fc the identity on the high layer's normed state and
+    small on the others, the output norm the target's final one (the untrained head reads the high layer's state
+    through the target's LM head)."""
     torch.manual_seed(seed)
     if init_from is not None:
         loaded = load_eagle_head(init_from, runner.arch, UnrolledDenseBackend(), dtype=torch.float32,
@@ -374,8 +375,9 @@ def new_head(runner: ModelRunner, seed: int, fusion_layers: FusionLayers | None 
         w = torch.cat([torch.randn(h, h) * 0.02, torch.eye(h)], dim=1)  # [H, 2H]: [embedding | feature]
         head.fc.weight.copy_(w)
         head.fc.bias.zero_()
-        if head.fuse_fc is not None:  # [H, 3H]: [low | mid | high]
+        if head.fuse_fc is not None and head.out_norm is not None:  # [H, 3H]: [low | mid | high]
             head.fuse_fc.weight.copy_(torch.cat([torch.randn(h, 2 * h) * 0.02, torch.eye(h)], dim=1))
+            head.out_norm.weight.copy_(runner.model.model.norm.weight)  # starts as the target's own final norm
     for p in head.parameters():
         p.requires_grad_(True)
     return head

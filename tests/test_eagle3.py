@@ -39,7 +39,15 @@ from tokenmill.worker.spec.eagle import (
     load_eagle_head,
 )
 from tokenmill.worker.spec.eagle_proposer import EagleProposer
-from tokenmill.worker.spec.eagle_train import EagleTrainConfig, head_rows, predict, target_features, train
+from tokenmill.worker.spec.eagle_train import (
+    EagleTrainConfig,
+    head_loss,
+    head_rows,
+    new_head,
+    predict,
+    target_features,
+    train,
+)
 
 LAYERS = (0, 1, 2)  # of the 4-layer tiny target
 
@@ -179,6 +187,19 @@ def test_a_fused_heads_states_are_normed_before_the_fusion_and_its_output_after(
     torch.testing.assert_close(scaled, out, rtol=1e-4, atol=1e-4)
     rms = (out / head.out_norm.weight).pow(2).mean(-1).sqrt()
     torch.testing.assert_close(rms, torch.ones_like(rms), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_every_parameter_of_a_fused_head_in_training_gets_a_gradient(fused: tuple[Path, Path],
+                                                                     sequences: list[list[int]], device: str) -> None:
+    """The fusion's norms and fc and the output norm train with the rest (tests/test_eagle.py: the kernels' rule)."""
+    engine = make_engine(str(fused[0]), False, device=device, cache=CacheConfig(num_blocks=64))
+    head = new_head(engine.runner, 0, LAYERS)
+    rows = head_rows(engine.runner, sequences[:4], 0.1, None, layers=LAYERS)
+    head_loss(engine.runner, head, rows, cls_weight=0.0)[0].backward()
+    untrained = [n for n, p in head.named_parameters() if p.grad is None or not bool(p.grad.abs().sum() > 0)]
+    assert not untrained, f"no gradient reaches {untrained}"
 
 
 def test_eagle_accept_measures_a_fused_head_on_its_layers_states(fused: tuple[Path, Path],

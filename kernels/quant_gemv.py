@@ -171,7 +171,11 @@ def planes_fma(
     dot = tl.zeros(words.shape, dtype=tl.float32)  # sum over the word's columns of q * x
     xsum = tl.zeros([1, BLOCK_K // P], dtype=tl.float32)  # sum over the word's columns of x
     if BITS == 4:
-        high = words >> 12  # fields 5..7 at places 2..4 (the sign bits it brings in are masked off)
+        # (w & m) | E, E = 0x4B000000 (bits disjoint from m), is (w | E) & (m | E): the OR is done once a word here
+        # and each field costs one AND-OR (LOP3) with a single immediate; (w & m) | E needs two LOP3s, as SASS
+        # takes one immediate an instruction
+        low = words | 0x4B000000  # fields 0..4 in place
+        high = (words >> 12) | 0x4B000000  # fields 5..7 at places 2..4 (the sign bits it brings in are masked off)
     for j in tl.static_range(P):
         offs_k = offs_w * P + j  # [W] packed columns of plane j
         cols = activation_cols(perm_ptr, offs_k, K, HAS_PERM, EVEN_K)
@@ -187,10 +191,10 @@ def planes_fma(
             # 16^-p instead (exact: a power of two), so each product is the real q x, rounded as the shifted
             # field's product would be: no shift and no bit-field extract per weight
             if j < 5:
-                q = ((words & (0xF << (4 * j))) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                q = (low & ((0xF << (4 * j)) | 0x4B000000)).to(tl.float32, bitcast=True) - 8388608.0
                 dot += q * (x * (1.0 / (1 << (4 * j))))
             else:
-                q = ((high & (0xF << (4 * j - 12))) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                q = (high & ((0xF << (4 * j - 12)) | 0x4B000000)).to(tl.float32, bitcast=True) - 8388608.0
                 dot += q * (x * (1.0 / (1 << (4 * j - 12))))
         xsum += x
     g = (offs_w * P // GROUP)[None, :]  # [1, W] each word's group

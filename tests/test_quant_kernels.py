@@ -380,6 +380,11 @@ def _sm90_compile_all() -> None:
                 sizes = set(re.findall(r"cp\.async\.c[ag]\.shared\.global [^\n]*, (0x[0-9a-f]+)", ptx))
                 if bits == 4 and not perm and not use_dot:  # (act-order gathers and the dots' x tiles: other sizes)
                     assert "0x8" not in sizes, f"{fmt} {prologue=} {split=} {plane=}: 8-byte copies of the words"
+                if bits == 4 and plane and not use_dot:  # planes_fma: the exponent ORed in once a word, then one
+                    # AND a field with a mask that keeps it ((w & m) | E as (w | E) & (m | E): one LOP3, not two)
+                    ors = len(re.findall(r"or\.b32\s+%r\d+, %r\d+, 1258291200;", ptx))  # 0x4B000000
+                    fields = sum(int(v) >> 24 == 0x4B for v in re.findall(r"and\.b32\s+%r\d+, %r\d+, (\d+);", ptx))
+                    assert ors and 4 * ors <= fields, f"{fmt} {prologue=} {split=}: {ors} ORs for {fields} fields"
                 if plane and use_dot:  # tensor cores, and no int-to-float conversion of the weights
                     assert "warp_group_dot" in ttgir or "tt.dot" in ttgir, f"{fmt} {prologue=}: no dot"
                     # (rstd's K is a scalar, a zero point [BLOCK_N, 1] a segment: only weight tiles count)

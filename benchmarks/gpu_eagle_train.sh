@@ -14,7 +14,7 @@
 # EAGLE_INIT (the head to go on training: default the shipped one, trained on the same 7,800 sequences; "none": a
 # new head), EAGLE_TRAIN_ARGS (more train-eagle flags, e.g. "--fusion-layers auto" for an EAGLE-3 head, with
 # EAGLE_INIT=none), EAGLE3_TIME_S (seconds: also train a new EAGLE-3 head on the same GPU, into $OUT/eagle3),
-# EAGLE_ACCEPT (0: skip eagle_accept, measure on the CPU instead), EAGLE_EXTRA (a command run after, in this tree).
+# EAGLE_ACCEPT (0: skip eagle_accept, measure on the CPU instead; EAGLE_ACCEPT_TIMEOUT_S caps it, 200 s), EAGLE_EXTRA (a command run after, in this tree).
 # After training, benchmarks/eagle_accept.py measures
 # the new head and the shipped one on the 200 held-out sequences (teacher-forced agreement, chain tau at k = 1..5):
 # $OUT/eagle/eagle_accept.{json,md}. Replace the shipped head only if the new one's tau is higher there.
@@ -61,13 +61,19 @@ tokenmill train-eagle "${common[@]}" "${data[@]}" --time-limit-s "${EAGLE_TIME_S
 grep -v '"step"' "$OUT/eagle/train.log" | tail -5 | cut -c1-300; grep '"step"' "$OUT/eagle/train.log" | tail -3
 [ -f .cache/eagle_seqs.jsonl.gz ] || gzip -c "$seqs" > "$OUT/eagle/sequences.jsonl.gz" || true
 echo "== trained at $(( SECONDS - start )) s"
+# A copy of the new head that outlives this call while the machine stays warm (/root is kept between calls): a
+# follow-up call can measure it (gpu_check.sh spec) without the head coming back here first.
+if [ -f "$OUT/eagle/eagle_config.json" ]; then
+  rm -rf /root/stage/eagle_new && mkdir -p /root/stage/eagle_new
+  cp "$OUT/eagle/model.safetensors" "$OUT/eagle/eagle_config.json" /root/stage/eagle_new/
+fi
 if [ -n "$second" ]; then
   [ -f "$seqs" ] || kill "$second"  # no sequences came: nothing to train it on
   wait "$second" || true; echo "== EAGLE-3 trained at $(( SECONDS - start )) s"
   grep -v '"step"' "$OUT/eagle3/train.log" | tail -3 | cut -c1-300; grep '"step"' "$OUT/eagle3/train.log" | tail -2
 fi
 if [ -f "$OUT/eagle/eagle_config.json" ] && [ "${EAGLE_ACCEPT:-1}" != 0 ]; then
-  python3 -m tokenmill.benchmarks.eagle_accept --data "$seqs" --heldout 200 --sequences 200 --device cuda \
+  timeout "${EAGLE_ACCEPT_TIMEOUT_S:-200}" python3 -m tokenmill.benchmarks.eagle_accept --data "$seqs" --heldout 200 --sequences 200 --device cuda \
     --draft-model "$OUT/eagle" --draft-model worker/spec/heads/smollm2-135m-instruct --out "$OUT/eagle" \
     --name eagle_accept 2>&1 | grep -v '"event"' | tail -8 || echo "== eagle_accept failed"
   echo "== measured at $(( SECONDS - start )) s"

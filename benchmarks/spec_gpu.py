@@ -214,6 +214,37 @@ def tau_sweep(engine: LLMEngine, prompts: list[list[int]], batch: int, ks: Seque
     return out
 
 
+def tree_tau(head: Path, shape: tuple[int, int], prompts: list[list[int]], batch: int, max_tokens: int,
+             device: str, dtype: str, max_prompt: int) -> dict[str, Any]:
+    """tau of one EAGLE tree (`shape` = (width, nodes)) on `prompts`, the switch off: an engine of its own with
+    every step eager (the figure is tokens per verify step, not speed)."""
+    width, nodes = shape
+    spec = SpeculativeConfig(method="eagle", num_speculative_tokens=nodes, auto_switch=False,
+                             draft_model=str(head), tree_width=width)
+    engine = LLMEngine(EngineConfig(
+        model="embedded", device=device, dtype=dtype, max_model_len=max_prompt + max_tokens + 32, cuda_graphs=False,
+        cache=CacheConfig(enable_prefix_caching=False), speculative=spec,
+        scheduler=SchedulerConfig(max_num_seqs=batch)))
+    try:
+        row = tau_sweep(engine, prompts, batch, (nodes,), max_tokens)[str(nodes)]
+    finally:
+        del engine
+        gc.collect()
+    return {"width": width, "nodes": nodes, "batch": batch} | row
+
+
+def tree_shape(text: str) -> tuple[int, int] | None:
+    """--tree W:K -> (W, K); "off" -> None."""
+    if text == "off":
+        return None
+    try:
+        width, nodes = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tree takes WIDTH:NODES, e.g. 2:8, got {text!r}") from None
+    SpeculativeConfig(method="eagle", num_speculative_tokens=nodes, tree_width=width)  # its range checks
+    return width, nodes
+
+
 def verify_costs(model: str, batch_sizes: Sequence[int], ks: Sequence[int], context: int, device: str,
                  dtype: str) -> dict[str, Any]:
     """Dummy `model`: ms of a decode step and of a verify step of k+1 tokens per request, per batch size."""
@@ -255,6 +286,12 @@ def table(r: dict[str, Any]) -> str:
     for k, t in r["tau"].items():
         tau = "-" if t["tau"] is None else f"{t['tau']:.2f}"
         lines.append(f"| {k} | {tau} | {t['acceptance_rate']:.0%} | {t['verify_request_steps']} |")
+    if r.get("tree"):
+        t = r["tree"]
+        tau = "-" if t["tau"] is None else f"{t['tau']:.2f}"
+        lines += ["", f"tau of one tree at batch {t['batch']} (width {t['width']}, {t['nodes']} nodes, eager, switch "
+                  f"off): {tau} ({t['acceptance_rate']:.0%} of drafted nodes accepted, {t['verify_request_steps']} "
+                  "verify request-steps)"]
     v = r["verify_cost"]
     lines += ["", f"{v['model']} (dummy weights), context {v['context']}: verify step of k+1 tokens vs decode; "
               "speed-up at tau = 3 is a PROJECTION (3 x decode / verify, drafting cost left out)\n",
@@ -302,6 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--k", type=int, default=4, help="drafts per step in the throughput runs")
     ap.add_argument("--eagle-lookup-min", type=int, default=0,
                     help="prompt lookup first from suffixes of this many tokens, the head elsewhere (0: head alone)")
+    ap.add_argument("--tree", type=tree_shape, default=(2, 8), metavar="WIDTH:NODES",
+                    help="also tau of one EAGLE tree of this shape at the tau batch, eager (head alone; off skips)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--prompt-offset", type=int, default=None,
@@ -355,13 +394,18 @@ def main(argv: list[str] | None = None) -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     progress(f"tau done: {[t['tau'] for t in taus.values()]}")
+    tree = None
+    if eagle and args.tree and not args.eagle_lookup_min:
+        tree = tree_tau(head, args.tree, prompts[-(4 if smoke else 64):], tau_batch, max_tokens, device, dtype,
+                        max_prompt)
+        progress(f"tree tau done: {tree['tau']}")
     verify_ks = (1, 2, 4) if smoke else (1, 2, 3, 4, 5)
     cost = verify_costs("tiny-llama" if smoke else "llama3-8b", (1, 2) if smoke else (1, 8, 32), verify_ks,
                         64 if smoke else 512, device, dtype)
     payload = {"benchmark": "spec_gpu", "smoke": smoke, "config": vars(args) | {"out": str(args.out)},
                "head": str(head), "head_config": json.loads((head / CONFIG_FILE).read_text()).get("training"),
                "prompt_offset": offset, "compiled_in_warm_up": warm_up, "throughput": tput, "tau_batch": tau_batch,
-               "tau": taus,
+               "tau": taus, "tree": tree,
                "verify_ks": list(verify_ks), "verify_cost": cost, "switch": switch, "draft_round_ms": rounds_ms}
     name = ("spec_gpu" if eagle else "spec_gpu_ngram") + ("" if args.cuda_graphs else "_eager")
     write_results(args.out, name, payload, table(payload))

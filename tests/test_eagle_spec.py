@@ -124,8 +124,9 @@ def test_drafts_equal_the_cache_free_reference_of_the_head(tiny: tuple[Path, Pat
 
 
 def test_drafts_from_the_chain_graphs_buffers_equal_the_reference(tiny: tuple[Path, Path]) -> None:
-    """The chain graphs' steps (run here eagerly from their static buffers, as a capture replays them), with
-    batches padded to their buckets and requests asking fewer drafts than the graphs make."""
+    """The chain graphs' rounds (run here eagerly from their static buffers, as a capture replays them: the
+    catch-up padded to k + 1 rows a request, then the single-row steps), with batches padded to their buckets and
+    requests asking fewer drafts than the graphs make."""
     assert_drafts_are_the_heads(*tiny, graph_sizes=(1, 4), per_request_k=True)
 
 
@@ -144,7 +145,7 @@ def assert_drafts_are_the_heads(model: Path, head: Path, graph_sizes: Sequence[i
         run_graphs = graphs.run
 
         def counting(*args: Any) -> torch.Tensor:
-            used.append(len(args[0]))
+            used.append(len(args[4]))  # starts: one per request
             return run_graphs(*args)
 
         graphs.run = counting  # type: ignore[method-assign]

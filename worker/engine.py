@@ -587,8 +587,8 @@ def make_proposer(config: EngineConfig, runner: ModelRunner, model_name: str) ->
             raise ModelLoadError(f"speculative eagle: {e}") from None
         if runner.device.type == "cuda":  # the head's Triton variants, built now rather than inside a step
             proposer.warm_up(spec.num_speculative_tokens)
-            if runner.graphs is not None and spec.tree_width == 1 and spec.num_speculative_tokens >= 2:
-                proposer.capture_graphs(spec.num_speculative_tokens)  # a chain round's single-row steps
+            if runner.graphs is not None and spec.tree_width == 1:
+                proposer.capture_graphs(spec.num_speculative_tokens)  # whole chain rounds (catch-up and steps)
         return proposer
     assert spec.method == "off", spec.method
     return None

@@ -7,7 +7,8 @@ known tokens x_0..x_m (x_m not yet computed by the target, every earlier one com
   1. catch-up: one head row per position t in [head_pos, m) with the target's real f_t, writing the head's KV
      at t; the last row (t = m-1) predicts f^_m and so d_1 = argmax lm_head(f^_m);
   2. k-1 single-row steps: position m+j-1 reads (embed(d_j), f^_{m+j-1}) -> f^_{m+j} -> d_{j+1}.
-All requests run batched (varlen rows, one forward per step), and the drafts reach the host in one copy.
+All requests run batched (varlen rows, one forward per step), and the drafts reach the host in one copy. In
+steady decoding (every catch-up at most k + 1 rows) a chain round replays one CUDA graph (spec/draft_graphs.py).
 With a tree width W > 1 the steps after the catch-up expand a tree instead (worker/spec/eagle_tree.py: W rows
 per request and level, the head's attention under a tree mask); after the target's verify step the features
 of an accepted path off the first branch are moved onto the positions its tokens now own (`accept_paths`),
@@ -193,7 +194,7 @@ class EagleProposer(DraftProposer):
                          torch.zeros(shape, dtype=runner.dtype, device=runner.device))
         self._states: weakref.WeakKeyDictionary[Request, _HeadState] = weakref.WeakKeyDictionary()
         self.max_num_seqs = max_num_seqs
-        # The single-row steps of chain rounds of `chain_graphs.k` drafts, in CUDA graphs (`capture_graphs`)
+        # Chain rounds of up to `chain_graphs.k` drafts, in CUDA graphs (`capture_graphs`)
         self.chain_graphs: ChainDraftGraphs | None = None
 
     @torch.inference_mode()
@@ -314,24 +315,26 @@ class EagleProposer(DraftProposer):
                 self._round(plan)
 
     def capture_graphs(self, k: int, sizes: Sequence[int] | None = None) -> None:
-        """Chain rounds of up to k drafts (k >= 2, a chain head) run their k - 1 single-row steps from CUDA graphs,
-        one per batch bucket up to max_num_seqs (`sizes` overrides them); call after `warm_up`. Without CUDA the
-        same steps run eagerly from the graphs' static buffers (what the CPU tests check)."""
-        assert self.tree_width == 1 and k >= 2, "graphs of chain rounds of two drafts or more"
+        """Chain rounds of up to k drafts run from CUDA graphs (worker/spec/draft_graphs.py: the catch-up and the
+        k - 1 single-row steps), one per batch bucket up to max_num_seqs (`sizes` overrides them); call after
+        `warm_up`. Without CUDA the same rounds run eagerly from the graphs' static buffers (what the CPU tests
+        check)."""
+        assert self.tree_width == 1 and k >= 1, "graphs of chain rounds"
         bs, a = self.runner.block_size, self.runner.arch
         max_len = self.runner.max_model_len + MAX_SPECULATIVE_TOKENS
-        graphs = ChainDraftGraphs(self._chain_step, k, sizes or graph_batch_sizes(self.max_num_seqs),
+        graphs = ChainDraftGraphs(self._head_forward, self._greedy, k, sizes or graph_batch_sizes(self.max_num_seqs),
                                   -(-max_len // bs) + 1, max_len, a.hidden_size, self.runner.dtype, self.runner.device)
         if self.runner.device.type == "cuda":
             graphs.capture()
         self.chain_graphs = graphs
 
-    def _chain_step(self, tokens: Tensor, hidden: Tensor, positions: Tensor, meta: AttentionMetadata,
-                    ) -> tuple[Tensor, Tensor]:
-        """One single-row head step: (f^ of the next position [n, H], its draft token [n])."""
-        model = self.runner.model
-        hidden = self._head(model.model.embed_tokens(tokens), hidden, positions, meta)
-        return hidden, model.compute_logits(hidden).argmax(dim=-1)
+    def _head_forward(self, tokens: Tensor, features: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        """The head over rows (x_{t+1}, f_t) [T], [T, H] -> f^_{t+1} [T, H]."""
+        return self._head(self.runner.model.model.embed_tokens(tokens), features, positions, meta)
+
+    def _greedy(self, hidden: Tensor) -> Tensor:
+        """The drafts [T] of predicted features [T, H]: argmax of the target's LM head."""
+        return self.runner.model.compute_logits(hidden).argmax(dim=-1)
 
     def _head(self, embeds: Tensor, features: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         """The head's forward over its paged KV cache; on the Triton backend its attention takes the fixed launch
@@ -354,46 +357,39 @@ class EagleProposer(DraftProposer):
 
     def _catch_up(self, plan: _Plan) -> Tensor:
         """The catch-up forward: the head's rows from real features; returns f^_m per request [S, H]."""
-        device, model = self.runner.device, self.runner.model
-        seq_lens = plan.starts
-        meta = attention_metadata(plan.q_lens, seq_lens, plan.tables, plan.slots, device)
+        device = self.runner.device
+        meta = attention_metadata(plan.q_lens, plan.starts, plan.tables, plan.slots, device)
         ids = torch.tensor(plan.ids, dtype=torch.int64, device=device)
         positions = torch.tensor(plan.positions, dtype=torch.int64, device=device)
-        feats = torch.cat(plan.features) if len(plan.features) > 1 else plan.features[0]
-        hidden = self._head(model.model.embed_tokens(ids), feats.to(self.runner.dtype), positions, meta)
+        hidden = self._head_forward(ids, self._features(plan), positions, meta)
         last = torch.tensor(np.cumsum(plan.q_lens) - 1, dtype=torch.int64, device=device)
         return hidden[last]  # [S, H] f^_m
 
-    def _graphs_for(self, plan: _Plan) -> ChainDraftGraphs | None:
-        """The chain graphs if they can run this round: at most their k drafts a request, at most their largest
-        bucket of requests, and every block table covering their k - 1 steps."""
-        g = self.chain_graphs
-        if g is None or max(plan.ks) > g.k or len(plan.ks) > g.max_batch or max(plan.ks) < 2:
-            return None
-        bs = self.runner.block_size
-        return g if all(len(t) * bs > m + g.k - 2 for t, m in zip(plan.tables, plan.starts)) else None
+    def _features(self, plan: _Plan) -> Tensor:
+        """The catch-up rows' target features [sum q_lens, H], in the runner's dtype."""
+        feats = torch.cat(plan.features) if len(plan.features) > 1 else plan.features[0]
+        return feats.to(self.runner.dtype)
 
     def _draft(self, plan: _Plan) -> list[list[int]]:
-        """Run the round: catch-up forward, then k-1 single-row steps (from the chain graphs where they can run
-        it); drafts per request (plan order)."""
-        device, model = self.runner.device, self.runner.model
-        hidden = self._catch_up(plan)  # [S, H] f^_m
-        tokens = model.compute_logits(hidden).argmax(dim=-1)  # [S] d_1
-        graphs = self._graphs_for(plan)
-        if graphs is not None:
-            n = len(plan.ks)
-            rest = graphs.run(tokens, hidden, plan.starts, plan.tables,
-                              [plan.step_slots(j, n)[1] for j in range(1, graphs.k)])  # [k - 1, S]
-            columns = torch.cat([tokens[None], rest]).T.tolist()  # [S][k]: the round's one device-to-host copy
+        """Run the round (from the chain graphs where they can run it: `ChainDraftGraphs.fits`; else eagerly:
+        the catch-up forward, then k-1 single-row steps); drafts per request (plan order)."""
+        g = self.chain_graphs
+        if g is not None and g.fits(plan.q_lens, plan.starts, plan.ks, plan.tables, self.runner.block_size):
+            rounds = g.run(plan.ids, plan.q_lens, plan.slots, self._features(plan), plan.starts, plan.tables,
+                           self.runner.block_size)  # [k, S]
+            columns = rounds.T.tolist()  # [S][k]: the round's one device-to-host copy
             return [row[:k] for row, k in zip(columns, plan.ks)]
+        device = self.runner.device
+        hidden = self._catch_up(plan)  # [S, H] f^_m
+        tokens = self._greedy(hidden)  # [S] d_1
         steps = [tokens]
         for j in range(1, max(plan.ks)):
             n = sum(k > j for k in plan.ks)  # requests still drafting: a prefix (sorted by k)
             pos, slots = plan.step_slots(j, n)
             meta = attention_metadata([1] * n, [p + 1 for p in pos], plan.tables[:n], slots, device)
             positions = torch.tensor(pos, dtype=torch.int64, device=device)
-            hidden = self._head(model.model.embed_tokens(tokens[:n]), hidden[:n], positions, meta)
-            tokens = model.compute_logits(hidden).argmax(dim=-1)
+            hidden = self._head_forward(tokens[:n], hidden[:n], positions, meta)
+            tokens = self._greedy(hidden)
             steps.append(tokens)
         flat = torch.cat(steps).tolist()  # the round's one device-to-host copy
         drafts: list[list[int]] = [[] for _ in plan.ks]

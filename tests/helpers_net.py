@@ -127,6 +127,17 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def process_tree(pid: int) -> str:
+    """`pid` and its live descendants as "pid state command" (from /proc), for a message on why a stop hangs."""
+    rows = []
+    for p in (pid, *_descendants(pid)):
+        with contextlib.suppress(OSError, IndexError):
+            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            rows.append(f"{p} {state} {cmd.strip()[:100]}")
+    return "; ".join(rows) or f"{pid} gone"
+
+
 def wait_gateway(ps: Procs, gateway: subprocess.Popen[bytes], port: int, timeout: float = 120.0,
                  statuses: tuple[int, ...] = (200,)) -> None:
     """Wait until the gateway on `port` answers /health with one of `statuses` (fails at once if it exited)."""

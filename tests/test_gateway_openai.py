@@ -10,6 +10,7 @@ import http.client
 import json
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ try:  # the gateway and test extras; a worker-only install (the GPU machine) ski
     from prometheus_client.parser import text_string_to_metric_families
 except ImportError:
     pytest.skip("needs the gateway extra (pip install 'tokenmill[gateway]') and openai", allow_module_level=True)
-from helpers_net import addr, free_port, procs_ctx, wait_until
+from helpers_net import addr, free_port, process_tree, procs_ctx, wait_until
 
 from tokenmill.client import AsyncClient, Client, Forbidden
 from tokenmill.gateway.tenants import owner_of_key
@@ -79,8 +80,15 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
 
         wait_until(healthy, 180, 0.2, "gateway /health 200")
         yield p
+        # serve's own bound on a stop: the gateway's drain (30 s), the broker's (35 s), the workers' (30 s)
+        t0 = time.monotonic()
         serve.send_signal(signal.SIGINT)
-        serve.wait(40)
+        try:
+            serve.wait(120)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"serve still running 120 s after SIGINT: {process_tree(serve.pid)}\n"
+                                 f"{ps.dump_logs()}") from None
+        print(f"serve stopped {time.monotonic() - t0:.1f} s after SIGINT")
 
 
 def _greedy(pool: Pool, prompt: str, n: int = 12) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,9 +93,11 @@ def test_the_engine_keeps_the_fusion_layers_states_of_every_step(fused: tuple[Pa
     seen: list[tuple[list[int], int, Tensor]] = []
     observe = proposer.observe
 
-    def recording(req: Request, start: int, features: Tensor) -> None:
-        seen.append((list(req.token_ids) + list(req.draft_token_ids), start, features.clone()))
-        observe(req, start, features)
+    def recording(reqs: Sequence[Request], starts: Sequence[int], features: Tensor, lens: Sequence[int]) -> None:
+        assert features.shape[0] == sum(lens) and len(reqs) == len(starts) == len(lens)
+        for req, start, rows in zip(reqs, starts, features.split(list(lens)), strict=True):
+            seen.append((list(req.token_ids) + list(req.draft_token_ids), start, rows.clone()))
+        observe(reqs, starts, features, lens)
 
     proposer.observe = recording  # type: ignore[method-assign]
     run(engine, [(f"r{i}", p, greedy(8)) for i, p in enumerate(mixed_prompts(4, seed=5))])

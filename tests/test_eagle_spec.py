@@ -273,6 +273,44 @@ def test_the_switch_measures_the_heads_draft_cost(tiny: tuple[Path, Path]) -> No
     assert results(run(engine, jobs)) == results(run(make_engine(str(model), False), jobs))
 
 
+def test_head_state_keeps_its_rows_of_each_steps_tensor_and_trims_them() -> None:
+    """A request's kept features are views of the steps' whole kept tensors (its rows of each): read back in
+    position order, joined into one tensor of its own past MAX_SHARED_CHUNKS, trimmed across chunks, and moved
+    without touching the other requests' rows of a shared tensor."""
+    from tokenmill.worker.spec.eagle_proposer import MAX_SHARED_CHUNKS, _HeadState, _Rows
+
+    steps = [torch.arange(100.0 * i, 100.0 * i + 12).view(6, 2) for i in range(MAX_SHARED_CHUNKS + 3)]
+    state = _HeadState(feat_start=10, head_pos=10)
+    for base in steps:  # this request's rows of each step: 2..4 of its 6
+        state.append(_Rows(base, 2, 3))
+        assert len(state.chunks) <= MAX_SHARED_CHUNKS
+    want = torch.cat([base[2:5] for base in steps])
+    assert state.rows == want.shape[0] and state.feat_end == 10 + want.shape[0]
+    torch.testing.assert_close(state.features(10, state.feat_end), want, rtol=0, atol=0)
+    torch.testing.assert_close(state.features(13, 17), want[3:7], rtol=0, atol=0)
+    state.keep_before(15)
+    assert state.rows == 5 and state.feat_end == 15
+    torch.testing.assert_close(state.features(10, 15), want[:5], rtol=0, atol=0)
+    state.keep_before(30)  # past its rows: nothing to drop
+    assert state.rows == 5
+
+    trimmed = _HeadState(feat_start=0, head_pos=0)
+    for base in steps[:3]:
+        trimmed.append(_Rows(base, 1, 2))
+    trimmed.keep_before(3)  # the first chunk whole, one row of the second, none of the third
+    assert [c.n for c in trimmed.chunks] == [2, 1] and trimmed.rows == 3
+    torch.testing.assert_close(trimmed.features(0, 3), torch.cat([steps[0][1:3], steps[1][1:2]]), rtol=0, atol=0)
+
+    shared = torch.arange(12.0).view(6, 2)
+    before = shared.clone()
+    moved = _HeadState(feat_start=10, head_pos=10)
+    moved.append(_Rows(shared, 2, 3))  # positions 10..12 are rows 2..4
+    moved.move([(12, 10)])
+    torch.testing.assert_close(shared[2], before[4], rtol=0, atol=0)
+    rest = [0, 1, 3, 4, 5]
+    torch.testing.assert_close(shared[rest], before[rest], rtol=0, atol=0)
+
+
 def test_features_are_kept_only_for_requests_that_speculate(tiny: tuple[Path, Path]) -> None:
     model, head = tiny
     engine = make_engine(str(model), False, speculative=eagle(head))
@@ -282,7 +320,9 @@ def test_features_are_kept_only_for_requests_that_speculate(tiny: tuple[Path, Pa
     def recording(batch: Any, eos: Any, prev: Any = None, keep: Sequence[int] = (), bitmask: Any = None) -> Any:
         kept.extend(keep)
         pending = launch(batch, eos, prev, keep, bitmask)
-        assert [f.shape[0] for f in pending.features] == [batch.num_new_tokens[i] for i in keep]
+        assert pending.feature_lens == [batch.num_new_tokens[i] for i in keep]
+        assert (pending.features is None) == (not keep)
+        assert pending.features is None or pending.features.shape[0] == sum(pending.feature_lens)
         return pending
 
     engine.runner.launch = recording  # type: ignore[method-assign]

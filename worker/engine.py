@@ -341,9 +341,10 @@ class LLMEngine:
             pending = self.runner.launch(batch, self.eos_token_ids, prev, keep, bitmask)
             observer(StepRecord(batch, time.perf_counter() - t0))
         if keep:
-            assert self.proposer is not None
-            for i, features in zip(keep, pending.features, strict=True):
-                self.proposer.observe(batch.requests[i], batch.requests[i].num_computed_tokens, features)
+            assert self.proposer is not None and pending.features is not None
+            reqs = [batch.requests[i] for i in keep]
+            self.proposer.observe(reqs, [r.num_computed_tokens for r in reqs], pending.features,
+                                  pending.feature_lens)
         self.scheduler.begin_step(batch)
         return _Launched(batch, pending)
 

@@ -95,7 +95,7 @@ class PendingStep:
 
     def __init__(self, num_requests: int, rows: dict[Request, int], batch_index: list[int],
                  num_logprobs: list[int | None], sampled: Tensor | None, copy: HostCopy | None,
-                 draft_starts: list[int] | None = None, features: list[Tensor] | None = None,
+                 draft_starts: list[int] | None = None, features: tuple[Tensor, list[int]] | None = None,
                  trees: list[TreeDrafts | None] | None = None) -> None:
         self.num_requests = num_requests
         self.rows = rows  # sampling request without drafts -> its row of `sampled`
@@ -106,8 +106,10 @@ class PendingStep:
         # With drafts: sampling request s owns rows draft_starts[s] .. (DraftLayout.starts); the copy then
         # holds the number of drafts each accepted after the sampled ids.
         self._draft_starts = draft_starts
-        # With `keep_features`: per kept request, the target's features [n, H] of its n scheduled tokens.
-        self.features = features or []
+        # With `keep_features`: the target's features [sum n, F] of the kept requests' scheduled tokens, request
+        # after request, and n per kept request (`feature_lens`); an empty tensor's place is None.
+        self.features = features[0] if features else None
+        self.feature_lens = features[1] if features else []
         self._trees = trees or []  # with drafts: sampling request s -> its tree drafts (None: a chain, or none)
 
     def result(self) -> StepResult:
@@ -335,10 +337,11 @@ class ModelRunner:
         return ids, dev["positions"], _attention_meta(dev, host.q_lens, host.seq_lens)
 
     def _forward_keeping(self, inputs: tuple[Tensor, Tensor, AttentionMetadata], dev: dict[str, Tensor],
-                         lens: list[int]) -> tuple[Tensor, list[Tensor]]:
-        """The step's hidden states [T, H] and the kept requests' features, one [n, F] per request (`lens`: their
-        scheduled tokens): the hidden rows `dev["feature_rows"]` (F = H), or with `feature_layers` the residual
-        streams of those layers at those rows, concatenated in order (F = len(feature_layers) * H; eager)."""
+                         lens: list[int]) -> tuple[Tensor, tuple[Tensor, list[int]] | None]:
+        """The step's hidden states [T, H] and the kept requests' features [sum lens, F] with `lens` (their
+        scheduled tokens; None without any): the hidden rows `dev["feature_rows"]` (F = H), or with
+        `feature_layers` the residual streams of those layers at those rows, concatenated in order
+        (F = len(feature_layers) * H; eager)."""
         if not (lens and self.feature_layers):
             hidden = self._forward(*inputs)
             return hidden, _kept_features(hidden, dev, lens)
@@ -346,7 +349,7 @@ class ModelRunner:
         assert self.graphs is None and self.piecewise is None and not self._calibrate_kv, "fusion heads run eagerly"
         hidden, states = self.model.forward_recording(ids, positions, self.kv_caches, meta, self.feature_layers,
                                                       dev["feature_rows"])
-        return hidden, list(torch.cat(states, dim=-1).split(lens))
+        return hidden, (torch.cat(states, dim=-1), lens)
 
     def _forward(self, ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         if self._calibrate_kv:
@@ -535,12 +538,12 @@ class _HostInputs(NamedTuple):
     seq_lens: list[int]
 
 
-def _kept_features(hidden: Tensor, dev: dict[str, Tensor], lens: list[int]) -> list[Tensor]:
-    """The rows `dev["feature_rows"]` of the step's hidden states (a copy: a graph's output buffer is reused),
-    split into one [n, H] tensor per kept request."""
+def _kept_features(hidden: Tensor, dev: dict[str, Tensor], lens: list[int]) -> tuple[Tensor, list[int]] | None:
+    """The rows `dev["feature_rows"]` of the step's hidden states [sum lens, H] (a copy: a graph's output buffer
+    is reused), with `lens`; None without kept requests."""
     if not lens:
-        return []
-    return list(hidden[dev["feature_rows"]].split(lens))
+        return None
+    return hidden[dev["feature_rows"]], lens
 
 
 def _top_logprobs(ids: list[int], vals: list[float], n: int) -> dict[int, float]:

@@ -18,6 +18,7 @@ speculation paused; m < R; more drafts or requests than captured) runs eagerly i
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -63,7 +64,9 @@ class ChainDraftGraphs:
         self.catch_up_start_loc = torch.arange(0, (n + 1) * r, r, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.drafts = torch.zeros((k, n), dtype=torch.int64, device=device)
-        self.ints.copy_(torch.from_numpy(self._padding_ints()))
+        self._padding = self._padding_ints()
+        self._offsets = np.cumsum(list(self.parts.values()))[:-1]
+        self.ints.copy_(torch.from_numpy(self._padding))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     @property
@@ -142,22 +145,22 @@ class ChainDraftGraphs:
         n, r = len(starts), self.rows
         b = self.bucket(n)
         assert b is not None and len(q_lens) == len(tables) == n and features.shape[0] == len(ids) == sum(q_lens)
-        host = self._padding_ints()
-        h_ids, h_pos, h_slots, h_starts, h_steps = np.split(host, np.cumsum(list(self.parts.values()))[:-1])
+        host = self._padding.copy()
+        h_ids, h_pos, h_slots, h_starts, h_steps = np.split(host, self._offsets)
         q, m = np.asarray(q_lens, dtype=np.int64), np.asarray(starts, dtype=np.int64)
         req = np.repeat(np.arange(n), q)  # [T] request of each real row
         rows = req * r + (r - q[req]) + (np.arange(len(req)) - np.repeat(np.cumsum(q) - q, q))  # [T] its graph row
         h_ids[rows], h_slots[rows] = ids, slots
         h_pos[: n * r] = (m[:, None] - r + np.arange(r)).reshape(-1)
         h_starts[:n] = m
-        width = max(len(t) for t in tables)
-        table = np.zeros((b, width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = t
+        lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
+        width = int(lens.max())
+        table = np.zeros((b, width), dtype=np.int32)  # row s: tables[s], zero-padded
+        table[:n][np.arange(width) < lens[:, None]] = np.fromiter(itertools.chain.from_iterable(tables),
+                                                                  dtype=np.int32, count=int(lens.sum()))
         steps = h_steps.reshape(self.k - 1, self.max_batch)
-        for j in range(1, self.k):  # draft step j's row: position m + j - 1
-            p = m + j - 1
-            steps[j - 1, :n] = table[np.arange(n), p // block_size].astype(np.int64) * block_size + p % block_size
+        p = m[None, :] + np.arange(self.k - 1)[:, None]  # [k - 1, n]: draft step j's row, position m + j - 1
+        steps[:, :n] = table[np.arange(n)[None, :], p // block_size].astype(np.int64) * block_size + p % block_size
         dev = ship({"ints": host, "table": table, "rows": rows}, self.device)
         self.ints.copy_(dev["ints"])
         self.block_tables[:b, :width].copy_(dev["table"])

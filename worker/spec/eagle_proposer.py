@@ -41,6 +41,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -73,6 +74,24 @@ WARM_UP_LONG_CATCH_UP = 256
 # Target feature rows one request keeps for the head at most: past that (a long pause of speculation), they
 # are dropped and the head goes on from the next ones, reading what its KV holds for the positions between.
 MAX_PENDING_FEATURES = 4096
+# Catch-ups of at most this many rows compute their cache slots in Python (`_Plan.add`), longer ones in numpy.
+SHORT_CATCH_UP = 16
+
+
+# Chunks of target features one request keeps before they are copied into one tensor of its own: a chunk is a
+# view of its step's whole kept tensor (every speculating request's rows), which it keeps alive.
+MAX_SHARED_CHUNKS = 8
+
+
+class _Rows(NamedTuple):
+    """Rows first .. first + n - 1 of a step's kept features `base` [T, F]: one request's, in position order."""
+
+    base: Tensor
+    first: int
+    n: int
+
+    def tensor(self) -> Tensor:
+        return self.base[self.first : self.first + self.n]
 
 
 @dataclass(eq=False)
@@ -83,7 +102,7 @@ class _HeadState:
 
     feat_start: int = 0
     head_pos: int = 0
-    chunks: list[Tensor] = field(default_factory=list)  # each [n, H] on the device, in position order
+    chunks: list[_Rows] = field(default_factory=list)  # on the device, in position order
     rows: int = 0
 
     @property
@@ -94,28 +113,42 @@ class _HeadState:
         """No features kept; the next ones start at `pos`, and the head goes on from there."""
         self.chunks, self.rows, self.feat_start, self.head_pos = [], 0, pos, pos
 
-    def append(self, features: Tensor) -> None:
+    def append(self, features: _Rows) -> None:
         self.chunks.append(features)
-        self.rows += features.shape[0]
+        self.rows += features.n
+        if len(self.chunks) > MAX_SHARED_CHUNKS:
+            self._join()
+
+    def _join(self) -> _Rows:
+        """The chunks as one tensor of this request's own."""
+        if len(self.chunks) > 1:
+            self.chunks = [_Rows(torch.cat([c.tensor() for c in self.chunks]), 0, self.rows)]
+        return self.chunks[0]
 
     def features(self, start: int, end: int) -> Tensor:
-        """Target features [end - start, H] of positions start .. end-1 (within the kept ones)."""
-        whole = torch.cat(self.chunks) if len(self.chunks) > 1 else self.chunks[0]
-        self.chunks = [whole]
-        return whole[start - self.feat_start : end - self.feat_start]
+        """Target features [end - start, F] of positions start .. end-1 (within the kept ones)."""
+        whole = self._join()
+        return whole.base[whole.first + start - self.feat_start : whole.first + end - self.feat_start]
 
     def move(self, moves: Sequence[tuple[int, int]]) -> None:
-        """Feature rows (from position, to position), done at once (every source past every destination)."""
+        """Feature rows (from position, to position), done at once (every source past every destination); they
+        stay within this request's rows of the shared tensor."""
         whole = self.features(self.feat_start, self.feat_end)
         src, dst = (torch.tensor([m[i] - self.feat_start for m in moves], device=whole.device) for i in (0, 1))
         whole[dst] = whole[src]
 
     def keep_before(self, pos: int) -> None:
         """Drop the features of positions >= pos (the target recomputes them: rejected drafts, preemption)."""
-        if pos <= self.feat_start:
-            self.chunks, self.rows = [], 0
-        elif pos < self.feat_end:
-            self.chunks, self.rows = [self.features(self.feat_start, pos)], pos - self.feat_start
+        keep = min(max(0, pos - self.feat_start), self.rows)
+        if keep == self.rows:
+            return
+        chunks, left = [], keep
+        for c in self.chunks:
+            if left <= 0:
+                break
+            chunks.append(c if c.n <= left else _Rows(c.base, c.first, left))
+            left -= c.n
+        self.chunks, self.rows = chunks, keep
 
 
 class _Plan:
@@ -139,10 +172,13 @@ class _Plan:
         need = (m + span - 1) // bs + 1  # blocks covering every index the round writes (m-1 .. m+span-1)
         table = list(req.block_ids[:need]) + scratch[: max(0, need - len(req.block_ids))]
         assert len(table) >= need, "scratch blocks cover k drafts"
-        pos = np.arange(h, m)
         self.ids += req.token_ids[h + 1 : m + 1]
-        self.positions += pos.tolist()
-        self.slots += (np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist()
+        self.positions += range(h, m)
+        if m - h <= SHORT_CATCH_UP:  # steady decoding: a few rows, cheaper in Python than through numpy
+            self.slots += [table[p // bs] * bs + p % bs for p in range(h, m)]
+        else:
+            pos = np.arange(h, m)
+            self.slots += (np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist()
         self.q_lens.append(m - h)
         self.tables.append(table)
         self.starts.append(m)
@@ -198,10 +234,16 @@ class EagleProposer(DraftProposer):
         self.chain_graphs: ChainDraftGraphs | None = None
 
     @torch.inference_mode()
-    def observe(self, req: Request, start: int, features: Tensor) -> None:
-        """The target computed `req`'s positions start .. start + n - 1; features [n, H] are its feature rows
-        (a fusion head: its layer states [n, 3H], fused here)."""
-        features = self.head.fuse(features)
+    def observe(self, requests: Sequence[Request], starts: Sequence[int], features: Tensor,
+                lens: Sequence[int]) -> None:
+        """The target computed requests[i]'s positions starts[i] .. starts[i] + lens[i] - 1; features [sum lens, H]
+        are their feature rows, request after request (a fusion head: layer states [sum lens, 3H], fused here)."""
+        fused, first = self.head.fuse(features), 0
+        for req, start, n in zip(requests, starts, lens, strict=True):
+            self._observe(req, start, _Rows(fused, first, n))
+            first += n
+
+    def _observe(self, req: Request, start: int, features: _Rows) -> None:
         state = self._states.get(req)
         if state is None:
             state = self._states[req] = _HeadState(feat_start=start, head_pos=start)

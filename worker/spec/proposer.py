@@ -18,9 +18,10 @@ class DraftProposer(ABC):
     # speculate: the engine then has the model runner keep them and hands them to `observe`.
     wants_features: ClassVar[bool] = False
 
-    def observe(self, req: Request, start: int, features: Any) -> None:
-        """The target computed `req`'s positions start .. start + n - 1 in a step; features [n, H] (a device
-        tensor) are its rows there. Only called when `wants_features`."""
+    def observe(self, requests: Sequence[Request], starts: Sequence[int], features: Any, lens: Sequence[int]) -> None:
+        """Once a step: the target computed requests[i]'s positions starts[i] .. starts[i] + lens[i] - 1; features
+        [sum lens, F] (a device tensor) are their rows there, request after request. Only called when
+        `wants_features`."""
         return None
 
     def accept_paths(self, requests: Sequence[Request], paths: dict[int, list[int]]) -> None:

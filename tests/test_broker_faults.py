@@ -114,7 +114,10 @@ def test_sigstop_worker_declared_dead_then_reregisters(two_workers: tuple[int, i
         counters = c.stats()["counters"]
         # It serves again after re-registering.
         assert len(c.generate("after", max_tokens=3, ignore_eos=True).token_ids) == 3
-    assert declared_after <= 3 * HB + 0.3, f"declared dead after {declared_after:.3f}s"
+    # The rule: silent for liveness (3) heartbeat intervals since its last one (sent at most HB before the
+    # SIGSTOP), seen at the next poll tick (<= 0.1 s). The rest is slack for this observation: stats round trips
+    # to a broker relaying 16 streams on a loaded 2-core CI machine (1.05 s once; 0.6-0.7 s when idle).
+    assert declared_after <= 3 * HB + 0.1 + 0.5, f"declared dead after {declared_after:.3f}s"
     assert results == expected
     assert counters["migrations"] >= 1
     # Its stale output was discarded (and `results == expected` shows none reached a stream): either the

@@ -74,10 +74,6 @@ WARM_UP_LONG_CATCH_UP = 256
 # Target feature rows one request keeps for the head at most: past that (a long pause of speculation), they
 # are dropped and the head goes on from the next ones, reading what its KV holds for the positions between.
 MAX_PENDING_FEATURES = 4096
-# Catch-ups of at most this many rows compute their cache slots in Python (`_Plan.add`), longer ones in numpy.
-SHORT_CATCH_UP = 16
-
-
 # Chunks of target features one request keeps before they are copied into one tensor of its own: a chunk is a
 # view of its step's whole kept tensor (every speculating request's rows), which it keeps alive.
 MAX_SHARED_CHUNKS = 8
@@ -127,8 +123,7 @@ class _HeadState:
 
     def features(self, start: int, end: int) -> Tensor:
         """Target features [end - start, F] of positions start .. end-1 (within the kept ones)."""
-        whole = self._join()
-        return whole.base[whole.first + start - self.feat_start : whole.first + end - self.feat_start]
+        return self._join().tensor()[start - self.feat_start : end - self.feat_start]
 
     def move(self, moves: Sequence[tuple[int, int]]) -> None:
         """Feature rows (from position, to position), done at once (every source past every destination); they
@@ -174,11 +169,7 @@ class _Plan:
         assert len(table) >= need, "scratch blocks cover k drafts"
         self.ids += req.token_ids[h + 1 : m + 1]
         self.positions += range(h, m)
-        if m - h <= SHORT_CATCH_UP:  # steady decoding: a few rows, cheaper in Python than through numpy
-            self.slots += [table[p // bs] * bs + p % bs for p in range(h, m)]
-        else:
-            pos = np.arange(h, m)
-            self.slots += (np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist()
+        self.slots += [table[p // bs] * bs + p % bs for p in range(h, m)]
         self.q_lens.append(m - h)
         self.tables.append(table)
         self.starts.append(m)

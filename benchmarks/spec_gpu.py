@@ -405,7 +405,8 @@ def main(argv: list[str] | None = None) -> None:
     n_b1 = 2 if smoke else 8
     tput = {str(b): throughput(engine, prompts[: (n_b1 if b == 1 else b)], b, args.k, max_tokens, rounds.get(b, 1))
             for b in batches}
-    progress(f"throughput done: {[round(t['speedup'], 2) for t in tput.values()]}")
+    progress(f"throughput done: {[round(t['speedup'], 2) for t in tput.values()]}; drafted / accepted: "
+             f"{[(t['draft_tokens'], t['accepted_draft_tokens']) for t in tput.values()]}")
     tau_batch = 2 if smoke else 32
     ks = (1, 2) if smoke else (1, 2, 3, 4, 5)
     taus = tau_sweep(engine, prompts[-(4 if smoke else 64):], tau_batch, ks, max_tokens)
@@ -416,6 +417,7 @@ def main(argv: list[str] | None = None) -> None:
         "costs": {"batch_sizes": sw.costs.batch_sizes, "decode_ms": [t * 1e3 for t in sw.costs.decode_s],
                   "verify_ms": [t * 1e3 for t in sw.costs.verify_s], "draft_ms": [t * 1e3 for t in sw.costs.draft_s]},
         "tau": sw.tau, "breakeven": sw.breakeven_batch(max(batches))}
+    progress(f"switch: {switch}")
     del engine
     gc.collect()
     if torch.cuda.is_available():
@@ -429,7 +431,8 @@ def main(argv: list[str] | None = None) -> None:
     verify_ks = (1, 2, 4) if smoke else (1, 2, 3, 4, 5)
     cost = verify_costs("tiny-llama" if smoke else "llama3-8b", (1, 2) if smoke else (1, 8, 32), verify_ks,
                         64 if smoke else 512, device, dtype)
-    payload = {"benchmark": "spec_gpu", "smoke": smoke, "config": vars(args) | {"out": str(args.out)},
+    config = {key: str(v) if isinstance(v, Path) else v for key, v in vars(args).items()}
+    payload = {"benchmark": "spec_gpu", "smoke": smoke, "config": config,
                "head": str(head), "head_config": json.loads((head / CONFIG_FILE).read_text()).get("training"),
                "prompt_offset": offset, "compiled_in_warm_up": warm_up, "throughput": tput, "tau_batch": tau_batch,
                "tau": taus, "tree": tree,

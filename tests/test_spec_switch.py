@@ -94,6 +94,55 @@ def test_a_paused_switch_keeps_features_only_before_its_probes() -> None:
         SpeculationSwitch(COSTS, probe_every=4, feature_window=5)
 
 
+def test_live_steps_correct_the_start_up_costs_per_batch_bucket() -> None:
+    switch = SpeculationSwitch(COSTS, prior_tau=2.5, smoothing=0.5)
+    assert switch.pays(1) and switch.pays(8)
+    # Live speculating steps at batch 1 cost 3x the modelled 13 ms: 2.5 x 10 < 39 ms, no longer paying there;
+    # batch 8 (another bucket) keeps its start-up costs.
+    switch.observe_step(1, True, 0.039)
+    assert not switch.pays(1) and switch.pays(8)
+    # Plain steps at batch 1 cost 2x their model as well: 2.5 x 20 = 50 > 39 ms, paying again.
+    switch.observe_step(1, False, 0.020)
+    assert switch.pays(1)
+    # The factor is a running mean, then an exponential average with weight `smoothing`.
+    switch.observe_step(1, False, 0.010)
+    assert switch.pays(1) is (2.5 * 0.010 * 1.5 > 0.039)
+    switch.observe_step(1, False, -1.0)  # nonsense is ignored
+    switch.observe_step(0, False, 0.010)
+    assert switch.pays(1) is (2.5 * 0.010 * 1.5 > 0.039)
+    # 2 and 3 share a bucket; 4 begins the next.
+    switch.observe_step(2, True, 10.0)
+    assert not switch.pays(3) and switch.pays(4)
+
+
+class RecordingSwitch(SpeculationSwitch):
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.observed: list[tuple[int, bool, float]] = []
+
+    def observe_step(self, batch: int, speculated: bool, seconds: float) -> None:
+        self.observed.append((batch, speculated, seconds))
+        super().observe_step(batch, speculated, seconds)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_engine_times_its_decode_only_steps_for_the_switch(async_scheduling: bool) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    jobs = [(f"r{i}", p, params) for i, p in enumerate(repetitive(384, 2, seed=3))]
+    engine = make_engine("tiny-llama", async_scheduling, speculative=NGRAM)
+    engine.switch = switch = RecordingSwitch(COSTS, prior_tau=2.5, probe_every=10**6)
+    run(engine, jobs)
+    kinds = {speculated for _, speculated, _ in switch.observed}
+    assert kinds == {True}, "every decode step speculates where it pays"
+    assert all(b in (1, 2) and s > 0 for b, _, s in switch.observed), "two requests, one may finish first"
+    assert len(switch.observed) < 24, "prompt steps are not timed"
+    engine = make_engine("tiny-llama", async_scheduling, speculative=NGRAM)
+    engine.switch = switch = RecordingSwitch(COSTS, prior_tau=1.0, probe_every=10**6)
+    run(engine, jobs)
+    assert {speculated for _, speculated, _ in switch.observed} == {False}
+    assert 20 <= len(switch.observed) <= 24, "each plain decode step is timed once it completes"
+
+
 @pytest.mark.parametrize("kw", [dict(batch_sizes=(8, 1)), dict(batch_sizes=(0, 2)), dict(decode_s=(0.0, 1.0)),
                                 dict(draft_s=(0.1,))])
 def test_bad_costs_are_refused(kw: dict[str, tuple[float, ...]]) -> None:

@@ -266,6 +266,7 @@ class LLMEngine:
         if sync:
             while self._inflight:
                 outputs += self._complete(self._inflight.popleft())
+        t0, completes = time.perf_counter(), sync or bool(self._inflight) or not self.async_scheduling
         if speculating:
             drafted, accepted = self._propose_drafts(), self.counters.accepted_draft_tokens
         launched = self._schedule_and_launch(outputs)
@@ -275,8 +276,11 @@ class LLMEngine:
         keep = 1 if self.async_scheduling and launched is not None and not sync else 0
         while len(self._inflight) > keep:
             outputs += self._complete(self._inflight.popleft())
-        if drafted and self.switch is not None:
-            self.switch.record(drafted, self.counters.accepted_draft_tokens - accepted)
+        if self.switch is not None:
+            if drafted:
+                self.switch.record(drafted, self.counters.accepted_draft_tokens - accepted)
+            if completes and launched is not None and _decode_only(launched.batch):
+                self.switch.observe_step(len(launched.batch.requests), speculating, time.perf_counter() - t0)
         return outputs
 
     def _num_drafts(self, params: SamplingParams) -> int:
@@ -630,6 +634,11 @@ def make_switch(config: EngineConfig, runner: ModelRunner, proposer: DraftPropos
              _fmt(costs.decode_s), _fmt(costs.verify_s), _fmt(costs.draft_s), switch.tau,
              switch.breakeven_batch(most) or "never")
     return switch
+
+
+def _decode_only(batch: ScheduledBatch) -> bool:
+    """Every request of the batch computes one token after its known ones, plus its drafts (no prompt chunk)."""
+    return all(n == 1 + len(r.draft_token_ids) for r, n in zip(batch.requests, batch.num_new_tokens, strict=True))
 
 
 def _fmt(seconds: Sequence[float]) -> str:

@@ -16,7 +16,13 @@ steps into a pause; each probe that leaves it paused doubles the wait for the ne
 it. A paused step costs what a plain one does: the target's features (EAGLE's input) are kept only over the last
 `feature_window` steps before a probe, so the probe's catch-up reads those and the head's KV holds what it held
 for the positions before them (weaker drafts at a probe, so tau is, if anything, underestimated while paused: the
-switch errs towards plain decoding)."""
+switch errs towards plain decoding).
+
+The start-up costs are synthetic steps (one context length, the same blocks for every request, no host work around
+them); a live step also drafts on the host, samples and verifies, and a speculating step runs synchronously while a
+plain one overlaps the next launch. So the switch corrects them by what live decode-only steps cost
+(`observe_step`): per power-of-two batch bucket and kind of step, a running factor live / modelled, applied in
+`pays`. A bucket with no live step of a kind keeps the start-up cost for it."""
 
 from __future__ import annotations
 
@@ -86,11 +92,34 @@ class SpeculationSwitch:
         self._wait = probe_every  # paused steps from the last speculating one to the next probe
         self._probed = False  # the last step that speculated was a probe
         self._recorded = 0  # verify steps recorded
+        # (speculated, batch bucket) -> [live / modelled cost factor, decode-only steps seen]
+        self._live: dict[tuple[bool, int], list[float]] = {}
 
     def pays(self, batch: int) -> bool:
-        """Whether speculating at this batch size yields more tokens per second, at the current tau."""
+        """Whether speculating at this batch size yields more tokens per second, at the current tau and the step
+        costs corrected by the live steps seen at its bucket."""
+        plain = self._modelled(False, batch) * self._factor(False, batch)
+        spec = self._modelled(True, batch) * self._factor(True, batch)
+        return self.tau * plain > self.margin * spec
+
+    def _modelled(self, speculated: bool, batch: int) -> float:
         c = self.costs
-        return self.tau * c.at(c.decode_s, batch) > self.margin * (c.at(c.verify_s, batch) + c.at(c.draft_s, batch))
+        return c.at(c.verify_s, batch) + c.at(c.draft_s, batch) if speculated else c.at(c.decode_s, batch)
+
+    def _factor(self, speculated: bool, batch: int) -> float:
+        seen = self._live.get((speculated, batch.bit_length()))
+        return 1.0 if seen is None else seen[0]
+
+    def observe_step(self, batch: int, speculated: bool, seconds: float) -> None:
+        """A live decode-only step of `batch` requests took `seconds` from its decision to its outputs (plain:
+        while the next one launched). Its factor over the modelled cost joins its bucket's running mean, an
+        exponential average with weight `smoothing` from 1 / smoothing steps on."""
+        if batch < 1 or seconds <= 0:
+            return
+        seen = self._live.setdefault((speculated, batch.bit_length()), [1.0, 0])
+        seen[1] += 1
+        weight = max(self.smoothing, 1.0 / seen[1])
+        seen[0] += weight * (seconds / self._modelled(speculated, batch) - seen[0])
 
     def should_speculate(self, batch: int) -> bool:
         if self.pays(batch):

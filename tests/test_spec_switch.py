@@ -119,9 +119,18 @@ class RecordingSwitch(SpeculationSwitch):
     def __init__(self, *args: object, **kw: object) -> None:
         super().__init__(*args, **kw)  # type: ignore[arg-type]
         self.observed: list[tuple[int, bool, float]] = []
+        self.verify_steps = self.timed_verify_steps = 0
+        self._verified = False
+
+    def record(self, verified: int, accepted: int) -> None:  # the engine records a step before it times it
+        self.verify_steps += verified > 0
+        self._verified = verified > 0
+        super().record(verified, accepted)
 
     def observe_step(self, batch: int, speculated: bool, seconds: float) -> None:
         self.observed.append((batch, speculated, seconds))
+        self.timed_verify_steps += self._verified
+        self._verified = False
         super().observe_step(batch, speculated, seconds)
 
 
@@ -134,6 +143,7 @@ def test_the_engine_times_its_decode_only_steps_for_the_switch(async_scheduling:
     run(engine, jobs)
     kinds = {speculated for _, speculated, _ in switch.observed}
     assert kinds == {True}, "every decode step speculates where it pays"
+    assert switch.timed_verify_steps == switch.verify_steps > 0, "the steps that verified drafts are timed too"
     assert all(b in (1, 2) and s > 0 for b, _, s in switch.observed), "two requests, one may finish first"
     assert len(switch.observed) < 24, "prompt steps are not timed"
     engine = make_engine("tiny-llama", async_scheduling, speculative=NGRAM)

@@ -270,6 +270,8 @@ class LLMEngine:
         if speculating:
             drafted, accepted = self._propose_drafts(), self.counters.accepted_draft_tokens
         launched = self._schedule_and_launch(outputs)
+        # Read before the step completes: committing its tokens clears the drafts it verified.
+        timed = completes and launched is not None and _decode_only(launched.batch)
         if launched is not None:
             self._inflight.append(launched)
         sync = sync or self.constraints.any_running(self.scheduler.running)  # one admitted by this step
@@ -279,7 +281,8 @@ class LLMEngine:
         if self.switch is not None:
             if drafted:
                 self.switch.record(drafted, self.counters.accepted_draft_tokens - accepted)
-            if completes and launched is not None and _decode_only(launched.batch):
+            if timed:
+                assert launched is not None
                 self.switch.observe_step(len(launched.batch.requests), speculating, time.perf_counter() - t0)
         return outputs
 

@@ -153,6 +153,24 @@ def test_the_engine_times_its_decode_only_steps_for_the_switch(async_scheduling:
     assert 20 <= len(switch.observed) <= 24, "each plain decode step is timed once it completes"
 
 
+def test_the_engine_pauses_once_live_speculating_steps_cost_more_than_the_start_up_model_said() -> None:
+    # Modelled: a 10 us plain step and a 1 us speculating one, so it pays at once even with a margin of 10; the
+    # first live speculating step (about as long as a plain one on the CPU, a millisecond or so) corrects that,
+    # and with probes off the rest of the run is plain (tau <= 5 at k = 4 cannot beat the margin of 10).
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    jobs = [(f"r{i}", p, params) for i, p in enumerate(repetitive(384, 2, seed=3))]
+    plain = results(run(make_engine("tiny-llama", False), jobs))
+    engine = make_engine("tiny-llama", False, speculative=NGRAM)
+    engine.switch = switch = RecordingSwitch(StepCosts((1,), (1e-5,), (1e-6,), (0.0,), 4), prior_tau=2.0,
+                                             margin=10.0, probe_every=10**6)
+    assert switch.pays(2)
+    assert results(run(engine, jobs)) == plain
+    kinds = [speculated for _, speculated, _ in switch.observed]
+    assert kinds[0] and sum(kinds) <= 2, "speculating stops after the first timed step of each bucket"
+    assert not switch.pays(2)
+    assert engine.counters.draft_tokens <= 2 * 2 * 4, "at most one speculating step per bucket (batch 1, 2)"
+
+
 @pytest.mark.parametrize("kw", [dict(batch_sizes=(8, 1)), dict(batch_sizes=(0, 2)), dict(decode_s=(0.0, 1.0)),
                                 dict(draft_s=(0.1,))])
 def test_bad_costs_are_refused(kw: dict[str, tuple[float, ...]]) -> None:

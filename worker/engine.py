@@ -266,12 +266,14 @@ class LLMEngine:
         if sync:
             while self._inflight:
                 outputs += self._complete(self._inflight.popleft())
+        # A plain async step that completes nothing (the first after a synchronous one) is not timed for the switch.
         t0, completes = time.perf_counter(), sync or bool(self._inflight) or not self.async_scheduling
         if speculating:
             drafted, accepted = self._propose_drafts(), self.counters.accepted_draft_tokens
         launched = self._schedule_and_launch(outputs)
         # Read before the step completes: committing its tokens clears the drafts it verified.
-        timed = completes and launched is not None and _decode_only(launched.batch)
+        timed_batch = (len(launched.batch.requests) if self.switch is not None and completes and launched is not None
+                       and _decode_only(launched.batch) else 0)
         if launched is not None:
             self._inflight.append(launched)
         sync = sync or self.constraints.any_running(self.scheduler.running)  # one admitted by this step
@@ -281,9 +283,8 @@ class LLMEngine:
         if self.switch is not None:
             if drafted:
                 self.switch.record(drafted, self.counters.accepted_draft_tokens - accepted)
-            if timed:
-                assert launched is not None
-                self.switch.observe_step(len(launched.batch.requests), speculating, time.perf_counter() - t0)
+            if timed_batch:
+                self.switch.observe_step(timed_batch, speculating, time.perf_counter() - t0)
         return outputs
 
     def _num_drafts(self, params: SamplingParams) -> int:

@@ -67,6 +67,14 @@ class StepCosts:
         return max(y0 + (y1 - y0) * (b - x0) / (x1 - x0), 0.0)
 
 
+@dataclass
+class _LiveCost:
+    """The live decode-only steps of one kind at one batch bucket: their running live / modelled cost factor."""
+
+    factor: float = 1.0
+    steps: int = 0
+
+
 class SpeculationSwitch:
     """Decides per step whether the running batch speculates (`should_speculate`) and learns tau from the
     verify steps (`record`)."""
@@ -92,8 +100,7 @@ class SpeculationSwitch:
         self._wait = probe_every  # paused steps from the last speculating one to the next probe
         self._probed = False  # the last step that speculated was a probe
         self._recorded = 0  # verify steps recorded
-        # (speculated, batch bucket) -> [live / modelled cost factor, decode-only steps seen]
-        self._live: dict[tuple[bool, int], list[float]] = {}
+        self._live: dict[tuple[bool, int], _LiveCost] = {}  # (speculated, batch.bit_length()) -> its live steps
 
     def pays(self, batch: int) -> bool:
         """Whether speculating at this batch size yields more tokens per second, at the current tau and the step
@@ -108,7 +115,12 @@ class SpeculationSwitch:
 
     def _factor(self, speculated: bool, batch: int) -> float:
         seen = self._live.get((speculated, batch.bit_length()))
-        return 1.0 if seen is None else seen[0]
+        return 1.0 if seen is None else seen.factor
+
+    def _weight(self, n: int) -> float:
+        """The weight of the n-th value in a running mean that turns into an exponential average with weight
+        `smoothing` from 1 / smoothing values on."""
+        return max(self.smoothing, 1.0 / n)
 
     def observe_step(self, batch: int, speculated: bool, seconds: float) -> None:
         """A live decode-only step of `batch` requests took `seconds` from its decision to its outputs (plain:
@@ -116,10 +128,9 @@ class SpeculationSwitch:
         exponential average with weight `smoothing` from 1 / smoothing steps on."""
         if batch < 1 or seconds <= 0:
             return
-        seen = self._live.setdefault((speculated, batch.bit_length()), [1.0, 0])
-        seen[1] += 1
-        weight = max(self.smoothing, 1.0 / seen[1])
-        seen[0] += weight * (seconds / self._modelled(speculated, batch) - seen[0])
+        seen = self._live.setdefault((speculated, batch.bit_length()), _LiveCost())
+        seen.steps += 1
+        seen.factor += self._weight(seen.steps) * (seconds / self._modelled(speculated, batch) - seen.factor)
 
     def should_speculate(self, batch: int) -> bool:
         if self.pays(batch):
@@ -149,8 +160,7 @@ class SpeculationSwitch:
         exponential average with weight `smoothing`, so that it follows a workload that changes."""
         if verified:
             self._recorded += 1
-            weight = max(self.smoothing, 1.0 / (self._recorded + 1))
-            self.tau += weight * (1.0 + accepted / verified - self.tau)
+            self.tau += self._weight(self._recorded + 1) * (1.0 + accepted / verified - self.tau)
 
     def breakeven_batch(self, limit: int) -> int | None:
         """The smallest batch size up to `limit` at which speculation stops paying (None: it pays up to it)."""

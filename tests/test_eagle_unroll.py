@@ -23,6 +23,7 @@ from tokenmill.worker.spec.eagle import CONFIG_FILE, DenseCausalBackend, EagleHe
 from tokenmill.worker.spec.eagle_train import (
     EagleTrainConfig,
     assistant_marker,
+    head_loss,
     head_rows,
     learning_rate,
     new_head,
@@ -96,6 +97,35 @@ def test_loss_rows_start_at_the_reply_and_end_with_the_sequence(engine: LLMEngin
     assert torch.equal(rows.step_embeds[1][:10], rows.token_embeds[1:])  # step 2 reads x_{t+2}
     assert torch.equal(rows.step_targets[2][:9], rows.targets[2:])  # step 3 predicts f_{t+3}
     assert reply_start([5, 1, 7, 9, 4, 1, 7], [1, 7]) == 3 and reply_start([5, 1, 9], [1, 7]) is None
+
+
+def test_the_chain_loss_reads_each_steps_target_distribution_from_step_one(engine: LLMEngine,
+                                                                         sequences: list[list[int]]) -> None:
+    """head_loss computes the target's distribution once (step 1's rows) and reads step j's from row t + j: the
+    same loss and gradient as the target's distribution of each step's own targets."""
+    runner = engine.runner
+    head = new_head(runner, seed=2)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    rows = head_rows(runner, [sequences[0][:15], sequences[2][:11]], 0.0, None, loss_starts=[6, 4], depth=3)
+    loss, reg, cls = head_loss(runner, head, rows, cls_weight=0.3)
+    loss.backward()
+    got = [p.grad.clone() for p in head.parameters()]
+    head.zero_grad()
+    regs, clss = [], []
+    for pred, target, mask in zip(predict_steps(head, rows), rows.step_targets, rows.step_masks):
+        logits = runner.model.compute_logits
+        p_t = logits(target[mask]).float().softmax(-1)
+        clss.append(-(p_t * logits(pred[mask]).float().log_softmax(-1)).sum(-1).mean())
+        regs.append(torch.nn.functional.smooth_l1_loss(pred[mask], target[mask]))
+    want = torch.stack(regs).mean() + 0.3 * torch.stack(clss).mean()
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(cls, torch.stack(clss).mean())
+    torch.testing.assert_close(reg, torch.stack(regs).mean())
+    for g, p in zip(got, head.parameters()):
+        torch.testing.assert_close(g, p.grad)
 
 
 def test_cosine_learning_rate_warms_up_then_decays_to_zero_by_steps_or_time() -> None:

@@ -277,12 +277,20 @@ def _loss(runner: ModelRunner, head: EagleHead, preds: Sequence[Tensor], rows: R
           ) -> tuple[Tensor, Tensor, Tensor]:
     """head_loss of the head's predictions `preds` (one [R, H] per chain step) of `rows`."""
     regs, clss = [], []
-    for pred, target, mask in zip(preds, rows.step_targets, rows.step_masks):
-        pred, target = pred[mask], target[mask]
-        if not len(pred):
+    first = rows.step_masks[0]
+    with torch.no_grad():  # [R1, V] the target's next-token distribution at step 1's loss rows, computed once:
+        # step j's target of row t is step 1's of row t + j (same sequence, in the loss where step j's row is)
+        p_first = _logits(runner, rows.step_targets[0][first]).softmax(-1)
+    where = torch.full_like(first, -1, dtype=torch.int64)  # [R] row -> its row of p_first, -1 if none
+    where[first] = torch.arange(int(first.sum()), device=first.device)
+    for j, (pred, target, mask) in enumerate(zip(preds, rows.step_targets, rows.step_masks)):
+        picked = mask.nonzero().squeeze(1)  # [R'] this step's loss rows
+        if not len(picked):
             continue
-        with torch.no_grad():
-            p = _logits(runner, target).softmax(-1)  # [R', V] the target's next-token distribution
+        at = where[picked + j]
+        assert bool((at >= 0).all()), "a loss row of a later step whose target is outside step 1's loss rows"
+        p = p_first if j == 0 else p_first[at]  # [R', V]
+        pred, target = pred[picked], target[picked]
         clss.append(-(p * _logits(runner, pred).log_softmax(-1)).sum(-1).mean())
         regs.append(F.smooth_l1_loss(pred, target))
     if not clss:  # no row of the batch is in the loss

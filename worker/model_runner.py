@@ -408,17 +408,24 @@ class ModelRunner:
         row j sampled as plain decoding samples output position n+j after d_1..d_j (its outputs, penalties,
         min_tokens bans and seeded position). No token is in flight in such a step. A constrained request
         (`bitmask`) has no drafts: its one row starts[r] is masked."""
-        params, prompts, outputs, seeds = [], [], [], []
+        params, seeds, num_outputs, paths = [], [], [], []
         for r in reqs:
-            out, drafts = r.output_token_ids, r.draft_token_ids
+            drafts, n = r.draft_token_ids, r.num_known_tokens - r.num_prompt_tokens  # no token is in flight
             parents = parents_of(drafts)
-            for j in range(len(drafts) + 1):  # row j follows node j - 1 (the root for j = 0)
-                params.append(r.params)
-                prompts.append(r.prompt_token_ids)
-                outputs.append(out + path_tokens(drafts, parents, j - 1))
-                seeds.append(r.seed)
-        meta = HostSampling.build(params, seeds, [len(o) for o in outputs], eos_token_ids, self.arch.vocab_size,
-                                  lambda: prompts, lambda: outputs, _bitmask_rows(bitmask, reqs, starts))
+            path = [path_tokens(drafts, parents, j - 1) for j in range(len(drafts) + 1)]
+            paths.append(path)  # row j follows node j - 1 (the root for j = 0): its drafted tokens
+            params += [r.params] * len(path)
+            seeds += [r.seed] * len(path)
+            num_outputs += [n + len(p) for p in path]
+
+        def prompts() -> list[Sequence[int]]:  # asked for only when a row has a penalty: built then
+            return [r.prompt_token_ids for r, path in zip(reqs, paths) for _ in path]
+
+        def outputs() -> list[Sequence[int]]:
+            return [r.output_token_ids + p for r, path in zip(reqs, paths) for p in path]
+
+        meta = HostSampling.build(params, seeds, num_outputs, eos_token_ids, self.arch.vocab_size,
+                                  prompts, outputs, _bitmask_rows(bitmask, reqs, starts))
         return meta, _sampling_arrays(meta)
 
     def _device_sampling(self, host: HostSampling, dev: dict[str, Tensor], prev: PendingStep | None,

@@ -262,6 +262,15 @@ def tree_shape(text: str) -> tuple[int, int] | None:
     return width, nodes
 
 
+def draft_count(text: str) -> int:
+    """--k: drafts per step, in SpeculativeConfig's range."""
+    try:
+        return SpeculativeConfig(method="eagle", num_speculative_tokens=int(text)).num_speculative_tokens
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e) if text.strip().lstrip("-").isdigit() else
+                                         f"--k takes a whole number, got {text!r}") from None
+
+
 def verify_costs(model: str, batch_sizes: Sequence[int], ks: Sequence[int], context: int, device: str,
                  dtype: str) -> dict[str, Any]:
     """Dummy `model`: ms of a decode step and of a verify step of k+1 tokens per request, per batch size."""
@@ -354,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="the drafts: the EAGLE head, or n-gram prompt lookup alone (n = 1..8; no head; results go "
                          "to spec_gpu_ngram.*, no summary figures). The prompts: the head's held-out ones")
     ap.add_argument("--draft-model", default=None, help="head folder (default: the one shipped for the model)")
-    ap.add_argument("--k", type=int, default=4, help="drafts per step in the throughput runs")
+    ap.add_argument("--k", type=draft_count, default=4, help="drafts per step in the throughput runs")
     ap.add_argument("--eagle-lookup-min", type=int, default=0,
                     help="prompt lookup first from suffixes of this many tokens, the head elsewhere (0: head alone)")
     ap.add_argument("--tree", type=tree_shape, default=(2, 8), metavar="WIDTH:NODES",

@@ -200,3 +200,12 @@ def test_heldout_prompts_skip_the_pairs_of_the_head_trained_on(tmp_path: Path) -
                            (big, 20000), ({"command": "tokenmill train-eagle --num-sequences 11000"}, 11000)):
         (tmp_path / CONFIG_FILE).write_text(json.dumps({"training": training}))
         assert heldout_offset(tmp_path) == want
+
+
+def test_spec_gpu_refuses_a_draft_count_out_of_range_at_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from tokenmill.benchmarks.spec_gpu import main as spec_gpu
+
+    for bad, says in (("0", "must be in [1, 16], got 0"), ("x", "takes a whole number")):
+        with pytest.raises(SystemExit) as stop:
+            spec_gpu(["--k", bad, "--smoke"])
+        assert stop.value.code == 2 and says in capsys.readouterr().err

@@ -13,11 +13,13 @@ rounded to e4m3 and multiplied in fp32), INT4 RTN g128 and INT4 GPTQ g128 (symme
 cache (the reference's weights, keys and values stored as e4m3 with per-head scales: the torch reference backend,
 whose rounding `quantize_kv_fp8` the Triton KV-write kernels match bit for bit, since the CPU engine refuses
 --kv-cache-dtype fp8; the scales are calibrated once, as the engine's first step does, on the file's first exchange
-and then fixed for every held-out reply).
+and then fixed for every held-out reply); fp8_kv_hadamard is the same cache with --kv-cache-rotation hadamard.
 Not a timed test: a benchmark (minutes on the CPU).
 
     python -m tokenmill.benchmarks.quant_accuracy --num-replies 200 --out benchmarks/results/cpu
     python -m tokenmill.benchmarks.quant_accuracy --formats fp8_kv --name quant_accuracy_fp8_kv --out ...
+    python -m tokenmill.benchmarks.quant_accuracy --formats fp8_kv,fp8_kv_hadamard --name \
+        quant_accuracy_fp8_kv_hadamard --out ...
     python -m tokenmill.benchmarks.quant_accuracy --formats int4_rtn,int4_gptq --int4-asymmetric --act-order \
         --num-calibration 64 --clip 0.5 --name quant_accuracy_int4_clip --out ...   # GPTQ's rounding options
 """
@@ -37,6 +39,7 @@ import torch.nn.functional as F
 from tokenmill.benchmarks.common import git_commit, write_results
 from tokenmill.benchmarks.datasets import ChatExchange, chat_exchanges
 from tokenmill.kernels.attention_ref import FP8_KV
+from tokenmill.worker.attention.kv_rotation import kv_rotation_matrix
 from tokenmill.worker.attention.torch_ref import TorchRefBackend
 from tokenmill.worker.engine import load_tokenizer
 from tokenmill.worker.loader import ModelSource, build_model, resolve_model
@@ -47,8 +50,10 @@ from tokenmill.worker.quant.base import LinearMethod
 from tokenmill.worker.quant.fp8 import quantize_fp8_rows
 from tokenmill.worker.quant.packed import PackedLinearMethod
 
-FORMATS = ("int8", "fp8", "int4_rtn", "int4_gptq", "fp8_kv")
-KV_DTYPES = {"fp8_kv": FP8_KV}  # formats whose difference is the KV cache's dtype (float32 otherwise)
+FORMATS = ("int8", "fp8", "int4_rtn", "int4_gptq", "fp8_kv", "fp8_kv_hadamard")
+# formats whose difference is the KV cache's dtype (float32 otherwise), and those of them with a kv_cache_rotation
+KV_DTYPES = {"fp8_kv": FP8_KV, "fp8_kv_hadamard": FP8_KV}
+KV_ROTATIONS = {"fp8_kv_hadamard": "hadamard"}
 BLOCK = 16
 GROUP_SIZE = 128
 
@@ -186,7 +191,8 @@ def build_models(args: argparse.Namespace, formats: list[str], work: Path) -> di
     for fmt in formats:
         if fmt in ("int8", "fp8") or fmt in KV_DTYPES:  # FP8 KV: the reference's weights, its K/V as e4m3
             models[fmt] = variant_model(source, "auto" if fmt in KV_DTYPES else fmt, fmt in KV_DTYPES,
-                                        cache=not args.no_cache, calibration_lens=lens)
+                                        cache=not args.no_cache, calibration_lens=lens,
+                                        kv_rotation=KV_ROTATIONS.get(fmt, "none"))
             continue
         path = _checkpoint(args.model, work, fmt == "int4_gptq", args)
         models[fmt] = build_model(resolve_model(str(path)), TorchRefBackend(), torch.device("cpu"), torch.float32)
@@ -196,12 +202,14 @@ def build_models(args: argparse.Namespace, formats: list[str], work: Path) -> di
 
 
 def variant_model(source: ModelSource, weights: str, fp8_kv: bool, *, cache: bool = True,
-                  calibration_lens: tuple[int, int] = (128, 128)) -> LlamaForCausalLM:
+                  calibration_lens: tuple[int, int] = (128, 128), kv_rotation: str = "none") -> LlamaForCausalLM:
     """The model on the CPU in float32 with its decoder projections quantized on load to `weights` ("auto": as
     the checkpoint holds them; "int8"; "fp8", emulated; `cache`: dequantized once, CachedDequantized) and, with
     `fp8_kv`, its keys and values stored as e4m3 with scales calibrated on the file's first exchange (cut to
-    `calibration_lens` prompt / reply tokens) and its own backend (the calibration flag is the backend's)."""
-    backend = TorchRefBackend()
+    `calibration_lens` prompt / reply tokens) and its own backend (the calibration flag is the backend's), which
+    rotates them first by EngineConfig.kv_cache_rotation `kv_rotation` (as the engine's backend)."""
+    assert fp8_kv or kv_rotation == "none", "EngineConfig refuses a rotation without an fp8 cache"
+    backend = TorchRefBackend(kv_rotation_matrix(kv_rotation, source.arch.head_dim, torch.device("cpu")))
     out = build_model(source, backend, torch.device("cpu"), torch.float32, weights, fp8_emulation=weights == "fp8")
     if weights != "auto" and cache:
         cache_dequantized(out)
@@ -248,7 +256,8 @@ def table(results: dict[str, dict[str, float]], n: int, asymmetric: bool = False
                   f", {e}" for e in rtn_extra),
               "int4_gptq": f"INT4 GPTQ g128 {grid}" + (", act-order" if act_order else "") + "".join(
                   f", {e}" for e in gptq_extra),
-              "fp8_kv": "FP8 KV cache e4m3, per-head scales (torch reference of the kernels' rounding)"}
+              "fp8_kv": "FP8 KV cache e4m3, per-head scales (torch reference of the kernels' rounding)",
+              "fp8_kv_hadamard": "the same, keys and values rotated by a Hadamard matrix (--kv-cache-rotation)"}
     rows = [f"SmolLM2-135M-Instruct (embedded; its weights are Q4_1 blocks of 32, dequantized = the reference; "
             f"INT4 in groups of 128), {n} held-out ShareGPT replies, teacher-forced.", "",
             "| format | perplexity | ppl delta | mean KL (nats/token) | greedy agreement |", "|---|---|---|---|---|"]
@@ -297,6 +306,8 @@ def run_cli(args: argparse.Namespace) -> int:
         "fp8": "emulated on the CPU (fake-quantized weights and activations)",
         "fp8_kv": "the reference's weights; K/V stored as e4m3 with per-kv-head power-of-two scales, calibrated on the "
                   "file's first exchange, read back by the torch reference backend (the kernels' rounding, bit-exact)",
+        "fp8_kv_hadamard": "fp8_kv with --kv-cache-rotation hadamard: keys (after rotary; queries alike) and values "
+                           "rotated by H / sqrt(head_dim) before the cache write, the attention output rotated back",
         "dequantized_weights_cached": not args.no_cache, "results": results, "seconds": time.perf_counter() - t0}
     md = table(results, len(exchanges), args.int4_asymmetric, args.act_order, _gptq_labels(args),
                () if args.rtn_clip is None else (f"MSE clip >= {args.rtn_clip}",))

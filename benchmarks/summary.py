@@ -47,6 +47,7 @@ KEYS: dict[str, str] = {
     "ppl_delta_pct_int4_rtn": "%",
     "ppl_delta_pct_int4_gptq": "%",
     "ppl_delta_pct_fp8_kv": "%",
+    "ppl_delta_pct_fp8_kv_hadamard": "%",
     "int8_decode_b1_ms": "ms",
     "int4_decode_b1_ms": "ms",
     "fp8_decode_b1_ms": "ms",

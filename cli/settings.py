@@ -245,6 +245,11 @@ SETTINGS: tuple[Setting, ...] = (
        "e4m3 with per-head scales calibrated on the first step, twice the blocks; needs a GPU of compute "
        "capability >= 8.9)", ENGINE_CMDS,
        "EngineConfig.kv_cache_dtype"),
+    _s("kv_cache_rotation", choice("none", "hadamard"), "none", "with --kv-cache-dtype fp8 only: hadamard rotates "
+       "keys (after rotary, queries alike) and values by an orthonormal Hadamard matrix before they are cached, and "
+       "the attention output back: outlier channels spread over the head, so less e4m3 rounding error. Needs a "
+       "power-of-two head dim; decode steps then take the unfused rotary path, whose GPU speed cost is unmeasured",
+       ENGINE_CMDS, "EngineConfig.kv_cache_rotation"),
     _s("tensor_parallel_size", integer(1), 1, "ranks the model is split over, one process and device each (on CUDA "
        "GPUs k..k+N-1 of --device cuda:k); N must divide the model's KV heads; the broker sees one worker",
        ENGINE_CMDS, "EngineConfig.tensor_parallel_size"),

@@ -14,6 +14,7 @@ DType = Literal["auto", "float32", "float16", "bfloat16"]
 Quantization = Literal["auto", "int8", "int4", "fp8"]
 GgufNative = Literal["auto", "on", "off"]
 KVCacheDType = Literal["auto", "fp8"]
+KVCacheRotation = Literal["none", "hadamard"]
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,9 @@ class EngineConfig:
     # int8 / int4 / fp8 quantize a dense checkpoint on load (worker/quant/)
     quantization: Quantization = "auto"
     kv_cache_dtype: KVCacheDType = "auto"  # "auto": the model dtype; "fp8": e4m3 (needs an FP8 GPU)
+    # fp8 caches only: "hadamard" rotates keys (after rotary, queries alike) and values by an orthonormal Hadamard
+    # matrix before they are cached, and the attention output back (worker/attention/kv_rotation.py)
+    kv_cache_rotation: KVCacheRotation = "none"
     # ranks (one process and device each) the model's heads, MLP columns and vocabulary are split over
     # (worker/parallel/); the broker still sees one worker
     tensor_parallel_size: int = 1
@@ -217,6 +221,12 @@ class EngineConfig:
             raise ValueError(f"unknown quantization {self.quantization!r}; use auto, int8, int4 or fp8")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use auto or fp8")
+        if self.kv_cache_rotation not in ("none", "hadamard"):
+            raise ValueError(f"unknown kv_cache_rotation {self.kv_cache_rotation!r}; use none or hadamard")
+        if self.kv_cache_rotation != "none" and self.kv_cache_dtype != "fp8":
+            # exact in real arithmetic: over a cache of the model dtype it would only cost time
+            raise ValueError(f"--kv-cache-rotation {self.kv_cache_rotation} changes only an fp8 KV cache's rounding: "
+                             "use it with --kv-cache-dtype fp8, or --kv-cache-rotation none")
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")

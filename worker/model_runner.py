@@ -21,6 +21,7 @@ from torch import Tensor
 from tokenmill.kernels.config import configure as configure_kernels
 from tokenmill.kernels.kv_cache import new_kv_cache
 from tokenmill.worker.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.worker.attention.kv_rotation import kv_rotation_matrix
 from tokenmill.worker.config import CacheConfig, EngineConfig, ModelArch
 from tokenmill.worker.cuda_graphs import (
     DecodeGraphs,
@@ -67,14 +68,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def make_backend(name: str, device: torch.device, decode_rope_in_attention: bool = True) -> AttentionBackend:
+def make_backend(name: str, device: torch.device, decode_rope_in_attention: bool = True,
+                 kv_rotation: torch.Tensor | None = None) -> AttentionBackend:
+    """kv_rotation: [D, D] float32 on `device` (worker/attention/kv_rotation.py), or None."""
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         from tokenmill.worker.attention.triton_backend import TritonBackend
 
-        return TritonBackend(decode_rope_in_attention)
+        return TritonBackend(decode_rope_in_attention, kv_rotation)
     from tokenmill.worker.attention.torch_ref import TorchRefBackend
 
-    return TorchRefBackend()
+    return TorchRefBackend(kv_rotation)
 
 
 @dataclass(frozen=True)
@@ -164,9 +167,11 @@ class ModelRunner:
         configure_kernels(config.kernels)  # before the first kernel launch (and its per-device decisions)
         try:
             check_kv_cache_dtype(config.kv_cache_dtype, self.device)
+            kv_rotation = kv_rotation_matrix(config.kv_cache_rotation, self.arch.head_dim, self.device)
         except ValueError as e:
             raise ModelLoadError(str(e)) from None
-        self.backend = make_backend(config.attention_backend, self.device, config.decode_rope_in_attention)
+        self.backend = make_backend(config.attention_backend, self.device, config.decode_rope_in_attention,
+                                    kv_rotation)
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         layers = SINGLE_DEVICE if tp is None else TensorParallelLayers(tp)

@@ -86,12 +86,21 @@ class AttentionBackend(ABC):
     [num_blocks, block_size, Hkv, D]. Returns [T, Hq, D] in q's dtype.
 
     With `calibrate_kv_scales` set (the first step of an engine with an fp8 cache, run eagerly), a layer with an
-    fp8 cache first sets its kv_scales from this step's rotated keys and values (kv_scales.calibrate)."""
+    fp8 cache first sets its kv_scales from this step's rotated keys and values (kv_scales.calibrate).
+
+    With `kv_rotation` R ([D, D] float32 orthonormal on the model's device; EngineConfig.kv_cache_rotation), q and
+    k are multiplied by R after rotary and v before the cache write, and the output by R.T (kv_rotation.py): the
+    cache holds rotated keys and values, the output is the unrotated attention's up to rounding."""
 
     name: ClassVar[str]
     # whether a step through it can be captured in a CUDA graph (no host syncs, no data-dependent shapes)
     graph_safe: ClassVar[bool] = False
     calibrate_kv_scales: bool = False
+
+    def __init__(self, kv_rotation: torch.Tensor | None = None) -> None:
+        assert kv_rotation is None or (kv_rotation.dtype == torch.float32 and kv_rotation.dim() == 2
+                                       and kv_rotation.shape[0] == kv_rotation.shape[1]), "R is [D, D] float32"
+        self.kv_rotation = kv_rotation
 
     @abstractmethod
     def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -86,7 +86,8 @@ class AttentionBackend(ABC):
     [num_blocks, block_size, Hkv, D]. Returns [T, Hq, D] in q's dtype.
 
     With `calibrate_kv_scales` set (the first step of an engine with an fp8 cache, run eagerly), a layer with an
-    fp8 cache first sets its kv_scales from this step's rotated keys and values (kv_scales.calibrate).
+    fp8 cache first sets its kv_scales from this step's keys and values as cached: after rotary (and kv_rotation)
+    (kv_scales.calibrate).
 
     With `kv_rotation` R ([D, D] float32 orthonormal on the model's device; EngineConfig.kv_cache_rotation), q and
     k are multiplied by R after rotary and v before the cache write, and the output by R.T (kv_rotation.py): the

@@ -1,9 +1,10 @@
 """An orthonormal rotation of keys and values for an FP8 (e4m3) KV cache (EngineConfig.kv_cache_rotation).
 
-e4m3 keeps 3 mantissa bits, so a key's error is set by its large channels: Llama-like keys carry a few outlier
-channels, and every other channel of the same head rounds on their scale. R = H_D / sqrt(D) (Sylvester Hadamard,
-D = head_dim, a power of two) spreads each channel over all D, so the rounding error is spread alike. It is
-orthonormal (R @ R.T = I), hence exact in real arithmetic:
+e4m3 keeps 3 mantissa bits: each cached element is off by up to 1/16 of itself. Llama-like queries and keys have
+their outliers in the same few channels, so a score q.k is carried by a few products and its error is theirs, with
+no averaging. R = H_D / sqrt(D) (Sylvester Hadamard, D = head_dim, a power of two) spreads every channel over all
+D, so each carries an equal share of the score and the D independent rounding errors average out (and fewer quiet
+channels fall into e4m3's subnormals). It is orthonormal (R @ R.T = I), hence exact in real arithmetic:
 
     keys     k' = rope(k) @ R, after rotary (rotary and R do not commute), queries alike: q' = rope(q) @ R, so
              q' . k' = rope(q) . rope(k);

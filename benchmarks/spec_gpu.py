@@ -358,7 +358,9 @@ def smoke_head(model: str) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/h200"))
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results folder (default: benchmarks/results/h200; with --smoke a new temporary folder, so "
+                         "a CPU smoke run never overwrites the committed GPU results)")
     ap.add_argument("--method", default="eagle", choices=["eagle", "ngram"],
                     help="the drafts: the EAGLE head, or n-gram prompt lookup alone (n = 1..8; no head; results go "
                          "to spec_gpu_ngram.*, no summary figures). The prompts: the head's held-out ones")
@@ -384,6 +386,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes; records no summary figures")
     args = ap.parse_args(argv)
     smoke = args.smoke
+    if args.out is None:
+        args.out = Path(tempfile.mkdtemp(prefix="spec_gpu_smoke_")) if smoke else Path("benchmarks/results/h200")
     max_prompt = min(args.max_prompt, 64) if smoke else args.max_prompt
     device, dtype = ("cpu", "float32") if smoke else ("auto", "auto")
     try:

@@ -265,10 +265,14 @@ def tree_shape(text: str) -> tuple[int, int] | None:
 def draft_count(text: str) -> int:
     """--k: drafts per step, in SpeculativeConfig's range."""
     try:
-        return SpeculativeConfig(method="eagle", num_speculative_tokens=int(text)).num_speculative_tokens
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--k takes a whole number, got {text!r}") from None
+    try:
+        SpeculativeConfig(method="eagle", num_speculative_tokens=k)  # its range check
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e) if text.strip().lstrip("-").isdigit() else
-                                         f"--k takes a whole number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return k
 
 
 def verify_costs(model: str, batch_sizes: Sequence[int], ks: Sequence[int], context: int, device: str,

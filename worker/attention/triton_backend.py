@@ -47,12 +47,14 @@ class TritonBackend(AttentionBackend):
         k_cache, v_cache = kv_cache
         kv_scales = layer.fp8_scales(kv_cache)
         r = self.kv_rotation
+        calibrating = kv_scales is not None and self.calibrate_kv_scales
         rope = None
-        if r is not None or (kv_scales is not None and self.calibrate_kv_scales):
+        if r is not None or calibrating:
             rotary_embedding(q, k, layer.cos_sin_cache, positions)
             if r is not None:
                 q, k, v = rotate(q, r), rotate(k, r), rotate(v, r)
-            if kv_scales is not None and self.calibrate_kv_scales:
+            if calibrating:
+                assert kv_scales is not None
                 calibrate(k, v, kv_scales)
             write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         elif meta.max_query_len == 1 and self.decode_rope_in_attention:

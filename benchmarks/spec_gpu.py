@@ -127,6 +127,43 @@ class Verifies:
         self.count += sum(bool(r.draft_token_ids) for r in rec.batch.requests)
 
 
+class StepTimes:
+    """Step observer: wall time from each launch to the next within one `generate` call, summed by the kind of
+    step launched: `prefill` (a prompt chunk in the batch), `verify` (drafts verified: speculating or a probe of
+    the paused switch), `window` (a paused step that keeps the target's features for the next probe) and
+    `plain`. Where a speculating run loses time against plain decoding is the difference of these sums."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.by_kind: dict[str, list[float]] = {}  # kind -> [steps, seconds]
+        self._last: tuple[str, float] | None = None
+
+    def restart(self) -> None:
+        self._last = None
+
+    def _kind(self, rec: StepRecord) -> str:
+        reqs = rec.batch.requests
+        if any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
+            return "prefill"
+        if any(r.draft_token_ids for r in reqs):
+            return "verify"
+        sw = self.engine.switch
+        keeps = sw is not None and sw.keeps_features() and any(r.params.num_speculative_tokens != 0 for r in reqs)
+        return "window" if keeps else "plain"
+
+    def __call__(self, rec: StepRecord) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            kind, t = self._last
+            row = self.by_kind.setdefault(kind, [0, 0.0])
+            row[0] += 1
+            row[1] += now - t
+        self._last = (self._kind(rec), now)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {k: {"steps": int(n), "ms": s * 1e3, "ms_per_step": s * 1e3 / n} for k, (n, s) in self.by_kind.items()}
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -191,11 +228,15 @@ def throughput(engine: LLMEngine, prompts: list[list[int]], batch: int, k: int, 
     same = total = 0
     c = engine.counters
     d0, a0 = c.draft_tokens, c.accepted_draft_tokens
+    steps = {"plain": StepTimes(engine), "eagle": StepTimes(engine)}
     for r in range(rounds):
         got: dict[str, list[list[int]]] = {}
         for mode in (("plain", "eagle") if r % 2 == 0 else ("eagle", "plain")):
+            engine.step_observer = steps[mode]
+            steps[mode].restart()
             with watch_compiles(CompileLog(compiled[mode])):
                 s, got[mode] = timed_generate(engine, prompts, spec_p if mode == "eagle" else plain_p, batch)
+            engine.step_observer = None
             seconds[mode] += s
             tokens[mode] += sum(map(len, got[mode]))
         same += sum(a == b for a, b in zip(got["plain"], got["eagle"]))
@@ -205,7 +246,8 @@ def throughput(engine: LLMEngine, prompts: list[list[int]], batch: int, k: int, 
             "plain_tok_s": plain_tok_s, "eagle_tok_s": eagle_tok_s, "speedup": eagle_tok_s / plain_tok_s,
             "output_tokens_plain": tokens["plain"], "output_tokens_eagle": tokens["eagle"],
             "identical_requests": same / total, "compiled": compiled, "draft_tokens": c.draft_tokens - d0,
-            "accepted_draft_tokens": c.accepted_draft_tokens - a0}
+            "accepted_draft_tokens": c.accepted_draft_tokens - a0,
+            "step_ms": {mode: st.summary() for mode, st in steps.items()}}
 
 
 def tau_sweep(engine: LLMEngine, prompts: list[list[int]], batch: int, ks: Sequence[int], max_tokens: int,
@@ -311,6 +353,15 @@ def table(r: dict[str, Any]) -> str:
         lines.append(f"| {t['batch']} | {t['k']} | {t['requests']} x {t['rounds']} | {t['plain_tok_s']:.1f} | "
                      f"{t['eagle_tok_s']:.1f} | {t['speedup']:.2f}x | {t['identical_requests']:.0%} | {acc:.0%} | "
                      f"{names} |")
+    lines += ["", "Where the time went (launch to next launch, summed by the kind of step launched; verify: drafts "
+              "verified, a paused switch's probes included; window: a paused step keeping features for a probe): "
+              "steps, ms in all, ms per step\n",
+              "| batch | mode | prefill | plain | window | verify |", "|---|---|---|---|---|---|"]
+    for t in r["throughput"].values():
+        for mode, kinds in t.get("step_ms", {}).items():
+            cells = " | ".join(f"{kinds[k]['steps']}, {kinds[k]['ms']:.0f}, {kinds[k]['ms_per_step']:.2f}"
+                               if k in kinds else "-" for k in ("prefill", "plain", "window", "verify"))
+            lines.append(f"| {t['batch']} | {mode} | {cells} |")
     lines += ["", f"tau at batch {r['tau_batch']} (switch off): mean accepted drafts + 1 per verify step\n",
               "| k | tau | acceptance | verify request-steps |", "|---|---|---|---|"]
     for k, t in r["tau"].items():

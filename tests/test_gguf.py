@@ -1,6 +1,6 @@
 """GGUF files run from their blocks or dequantized on load (worker/loader/gguf_loader.py, worker/quant/gguf.py):
 which one `gguf_native` picks, the native model against the dequantized one, the memory it holds, the errors,
-and the K-quants (Q4_K, Q5_K, Q6_K) dequantized through the gguf library on load.
+and the K-quants (Q4_K, Q5_K, Q6_K) and Q5_0 / Q5_1 dequantized through the gguf library on load.
 
 The native kernels themselves are tested in tests/test_gguf_kernels.py; on the CPU the native method computes
 through its torch reference (dequantize in fp32, then F.linear), so the native and dequantized models agree
@@ -180,6 +180,47 @@ def test_kquants_dequantize_through_the_gguf_library(tmp_path: Path) -> None:
     expected = logits_for(build_model(resolve_model(str(fpath)), TorchRefBackend(), CPU, torch.float32), PROMPT)
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
     assert expected.std() > 1e-3
+
+
+def test_q5_0_and_q5_1_dequantize_through_the_gguf_library(tmp_path: Path) -> None:
+    """A qwen2 file with Q5_0 and Q5_1 tensors (as llama.cpp's Q4_K_M writes for rows that are not a multiple of
+    256) loads dequantized, the embedding too, and gives the logits of an F32 file of the same values; native
+    execution is never picked for it."""
+    q5 = {n: (Q.Q5_0 if i % 2 else Q.Q5_1) for i, n in enumerate(projection_names(TINY["num_hidden_layers"]))}
+    types = {**q5, "token_embd.weight": Q.Q5_0}
+    qpath = tiny_gguf(tmp_path, "qwen2", types)
+    source = resolve_model(str(qpath))
+    assert choose(source, "auto", "auto", CUDA) is None
+    raw = {t.name: t for t in gguf_loader.open_gguf(qpath).tensors}
+    loaded = dict(source.iter_weights(CPU, torch.float32))
+    v_name = next(n for n in q5 if "attn_v" in n)
+    v = gguf.quants.dequantize(raw[v_name].data, q5[v_name]).reshape(loaded[
+        "model.layers.0.self_attn.v_proj.weight"].shape)
+    torch.testing.assert_close(loaded["model.layers.0.self_attn.v_proj.weight"], torch.from_numpy(v), atol=0, rtol=0)
+
+    dequantized = {n: gguf.quants.dequantize(t.data, types[n]) if n in types else np.array(t.data)
+                   for n, t in raw.items()}
+    fdir = tmp_path / "f32"
+    fdir.mkdir()
+    fpath = fdir / "f32.gguf"
+    write_gguf(fpath, "qwen2", TINY, {n: a.reshape(tuple(reversed(raw[n].shape.tolist()))).astype(np.float32)
+                                      for n, a in dequantized.items()}, {})
+    ours = logits_for(build_model(source, TorchRefBackend(), CPU, torch.float32), PROMPT)
+    expected = logits_for(build_model(resolve_model(str(fpath)), TorchRefBackend(), CPU, torch.float32), PROMPT)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+    assert expected.std() > 1e-3
+
+
+def test_q5_0_block_follows_the_ggml_spec() -> None:
+    """One hand-packed Q5_0 block (independent of gguf.quants): d fp16 | qh uint32 | qs [16]; element j < 16 is
+    the low nibble of qs[j] with bit j of qh as its fifth bit, element j + 16 the high nibble with bit j + 16;
+    W = d * (q - 16)."""
+    d = np.array([0.5], dtype=np.float16).view(np.uint8)
+    q = (np.arange(32) * 7) % 32  # every 5-bit value, scattered
+    qh = np.array([sum(int(q[j] >> 4) << j for j in range(32))], dtype="<u4").view(np.uint8)
+    qs = ((q[:16] & 15) | ((q[16:] & 15) << 4)).astype(np.uint8)
+    got = gguf.quants.dequantize(np.concatenate([d, qh, qs])[None], Q.Q5_0).reshape(32)
+    np.testing.assert_array_equal(got, 0.5 * (q.astype(np.float32) - 16))
 
 
 def test_q4_k_block_follows_the_ggml_spec() -> None:

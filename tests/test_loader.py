@@ -292,10 +292,14 @@ def test_embedded_smollm2_matches_transformers_gguf(tmp_path: Path) -> None:
 
 def test_unsupported_gguf_tensor_type(tmp_path: Path) -> None:
     state = hf_state_to_gguf(random_hf_model(LlamaConfig(**TINY), seed=5), "llama", 4, 2)
-    path = tmp_path / "q5.gguf"
-    write_gguf(path, "llama", TINY, state, {"blk.1.ffn_up.weight": Q.Q5_0})
+    path = tmp_path / "iq4.gguf"
+    name = "blk.1.ffn_up.weight"
+    block, size = gguf.constants.GGML_QUANT_SIZES[Q.IQ4_NL]  # written as raw blocks: gguf.quants cannot make them
+    rows, cols = state[name].shape
+    state[name] = np.random.default_rng(0).integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+    write_gguf(path, "llama", TINY, state, {name: Q.IQ4_NL})
     source = resolve_model(str(path))
-    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight.*Q5_0"):
+    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight.*IQ4_NL"):
         build_model(source, TorchRefBackend(), CPU, torch.float32)
 
 

@@ -35,10 +35,13 @@ SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
 # ggml block layouts: elements per block, bytes per block.
 _BLOCK_BYTES = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
-# dequantized by gguf.quants (numpy) on every device: blocks of 256 with packed sub-block scales
-_K_QUANTS = (GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K,
-             GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
-_SUPPORTED = "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K"
+# dequantized by gguf.quants (numpy) on every device: the K-quants (blocks of 256 with packed sub-block scales) and
+# Q5_0 / Q5_1 (blocks of 32 with a fifth bit plane), which llama.cpp's Q4_K_M / Q5_K_M files use for the tensors
+# whose rows are not a multiple of 256 (e.g. hidden size 896)
+_LIBRARY_TYPES = (GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K,
+                  GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q5_0,
+                  GGMLQuantizationType.Q5_1)
+_SUPPORTED = "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K"
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -188,7 +191,7 @@ def _checked(t: ReaderTensor) -> tuple[GGMLQuantizationType, tuple[int, ...]]:
     """(type, numpy/HF-order shape) of a tensor of a supported type whose byte count fits its shape."""
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     qtype = GGMLQuantizationType(t.tensor_type)
-    if qtype not in _FLOAT_TYPES and qtype not in _BLOCK_BYTES and qtype not in _K_QUANTS:
+    if qtype not in _FLOAT_TYPES and qtype not in _BLOCK_BYTES and qtype not in _LIBRARY_TYPES:
         raise ModelLoadError(f"GGUF tensor {t.name!r} has unsupported type {qtype.name} (supported: {_SUPPORTED})")
     numel = int(np.prod(shape))
     block, block_bytes = GGML_QUANT_SIZES[qtype]
@@ -202,7 +205,7 @@ def _checked(t: ReaderTensor) -> tuple[GGMLQuantizationType, tuple[int, ...]]:
 def dequantize(t: ReaderTensor, device: torch.device) -> torch.Tensor:
     """The tensor as float32 on device, shaped in numpy/HF order (reversed ggml dims)."""
     qtype, shape = _checked(t)
-    if qtype in _K_QUANTS or (qtype in _BLOCK_BYTES and device.type == "cpu"):
+    if qtype in _LIBRARY_TYPES or (qtype in _BLOCK_BYTES and device.type == "cpu"):
         # ggml's numpy reference is several times faster than the torch kernels below on CPU.
         return torch.from_numpy(gguf.quants.dequantize(t.data, qtype)).reshape(shape).to(device)
     raw = torch.from_numpy(np.array(t.data)).to(device)  # copied out of the read-only memmap

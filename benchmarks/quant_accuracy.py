@@ -247,19 +247,28 @@ def evaluate(models: dict[str, LlamaForCausalLM], exchanges: list[ChatExchange],
     return {name: s.summary(None if name == "reference" else ref_ppl) for name, s in stats.items()}
 
 
+def reference_label(model: str) -> str:
+    """What the reference is: the embedded model's Q4_1 blocks, or another model's weights, dequantized."""
+    if model == "embedded":
+        return "embedded GGUF Q4_1 dequantized, float32"
+    return f"{Path(model).name}, its weights dequantized to float32"
+
+
 def table(results: dict[str, dict[str, float]], n: int, asymmetric: bool = False, act_order: bool = False,
-          gptq_extra: tuple[str, ...] = (), rtn_extra: tuple[str, ...] = ()) -> str:
+          gptq_extra: tuple[str, ...] = (), rtn_extra: tuple[str, ...] = (), model: str = "embedded") -> str:
     """The results as a markdown table; *_extra: the INT4 options to name in the rows' labels."""
     grid = "asym" if asymmetric else "sym"
-    labels = {"reference": "reference (Q4_1 dequantized, fp32)", "int8": "INT8 W8A16 per channel",
+    head = ("SmolLM2-135M-Instruct (embedded; its weights are Q4_1 blocks of 32, dequantized = the reference; "
+            if model == "embedded" else f"{reference_label(model)} = the reference (")
+    labels = {"reference": "reference (Q4_1 dequantized, fp32)" if model == "embedded" else "reference (fp32)",
+              "int8": "INT8 W8A16 per channel",
               "fp8": "FP8 W8A8 e4m3 (CPU emulation)", "int4_rtn": f"INT4 RTN g128 {grid}" + "".join(
                   f", {e}" for e in rtn_extra),
               "int4_gptq": f"INT4 GPTQ g128 {grid}" + (", act-order" if act_order else "") + "".join(
                   f", {e}" for e in gptq_extra),
               "fp8_kv": "FP8 KV cache e4m3, per-head scales (torch reference of the kernels' rounding)",
               "fp8_kv_hadamard": "the same, keys and values rotated by a Hadamard matrix (--kv-cache-rotation)"}
-    rows = [f"SmolLM2-135M-Instruct (embedded; its weights are Q4_1 blocks of 32, dequantized = the reference; "
-            f"INT4 in groups of 128), {n} held-out ShareGPT replies, teacher-forced.", "",
+    rows = [f"{head}INT4 in groups of 128), {n} held-out ShareGPT replies, teacher-forced.", "",
             "| format | perplexity | ppl delta | mean KL (nats/token) | greedy agreement |", "|---|---|---|---|---|"]
     for name, r in results.items():
         if name == "reference":
@@ -297,7 +306,7 @@ def run_cli(args: argparse.Namespace) -> int:
                                    args.max_reply_tokens)
         results = evaluate(models, exchanges)
     payload: dict[str, Any] = {
-        "benchmark": "quant_accuracy", "model": args.model, "reference": "embedded GGUF Q4_1 dequantized, float32",
+        "benchmark": "quant_accuracy", "model": args.model, "reference": reference_label(args.model),
         "group_size": GROUP_SIZE, "replies": len(exchanges), "max_prompt_tokens": args.max_prompt_tokens,
         "max_reply_tokens": args.max_reply_tokens, "gptq_calibration": {
             "exchanges": args.num_calibration, "tokens_each": args.calibration_tokens, "damp": args.damp,
@@ -310,7 +319,7 @@ def run_cli(args: argparse.Namespace) -> int:
                            "rotated by H / sqrt(head_dim) before the cache write, the attention output rotated back",
         "dequantized_weights_cached": not args.no_cache, "results": results, "seconds": time.perf_counter() - t0}
     md = table(results, len(exchanges), args.int4_asymmetric, args.act_order, _gptq_labels(args),
-               () if args.rtn_clip is None else (f"MSE clip >= {args.rtn_clip}",))
+               () if args.rtn_clip is None else (f"MSE clip >= {args.rtn_clip}",), args.model)
     if args.out:
         out = Path(args.out)
         write_results(out, args.name, payload, md)

@@ -38,10 +38,10 @@ _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantiza
 # dequantized by gguf.quants (numpy) on every device: the K-quants (blocks of 256 with packed sub-block scales) and
 # Q5_0 / Q5_1 (blocks of 32 with a fifth bit plane), which llama.cpp's Q4_K_M / Q5_K_M files use for the tensors
 # whose rows are not a multiple of 256 (e.g. hidden size 896)
-_LIBRARY_TYPES = (GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K,
-                  GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q5_0,
-                  GGMLQuantizationType.Q5_1)
-_SUPPORTED = "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K"
+_LIBRARY_TYPES = (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q2_K,
+                  GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
+                  GGMLQuantizationType.Q6_K)
+_SUPPORTED = ", ".join(t.name for t in (*_FLOAT_TYPES, *_BLOCK_BYTES, *_LIBRARY_TYPES))
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -7,13 +7,15 @@ chat-formatted human turn and the gpt reply run through every model teacher-forc
     perplexity            exp(mean NLL of the reply tokens), and its change against the reference in %
     mean KL               KL(P_ref || P_quant) of the next-token distributions, nats per token
     greedy agreement      the share of positions whose argmax equals the reference's (teacher-forced)
-Formats: INT8 (W8A16 per channel, online), FP8 W8A8 (EMULATED on the CPU: weights and per-token activations
-rounded to e4m3 and multiplied in fp32), INT4 RTN g128 and INT4 GPTQ g128 (symmetric, checkpoints written by
-`tokenmill quantize` and read back through the GPTQ loader, dense tensors in float32 like the reference), and FP8 KV
-cache (the reference's weights, keys and values stored as e4m3 with per-head scales: the torch reference backend,
-whose rounding `quantize_kv_fp8` the Triton KV-write kernels match bit for bit, since the CPU engine refuses
---kv-cache-dtype fp8; the scales are calibrated once, as the engine's first step does, on the file's first exchange
-and then fixed for every held-out reply); fp8_kv_hadamard is the same cache with --kv-cache-rotation hadamard.
+Formats: INT8 (W8A16 per channel, online), FP8 W8A8 (EMULATED on the CPU: weights and per-token activations rounded
+to e4m3 and multiplied in fp32; fp8_gptq: the weights rounded by GPTQ instead of to nearest, a checkpoint of
+`tokenmill quantize --method fp8 --gptq` calibrated like INT4 GPTQ), INT4 RTN g128 and INT4 GPTQ g128 (symmetric,
+checkpoints written by `tokenmill quantize` and read back through the GPTQ loader, dense tensors in float32 like
+the reference), and FP8 KV cache (the reference's weights, keys and values stored as e4m3 with per-head scales: the
+torch reference backend, whose rounding `quantize_kv_fp8` the Triton KV-write kernels match bit for bit, since the
+CPU engine refuses --kv-cache-dtype fp8; the scales are calibrated once, as the engine's first step does, on the
+file's first exchange and then fixed for every held-out reply); fp8_kv_hadamard is the same cache with
+--kv-cache-rotation hadamard.
 Not a timed test: a benchmark (minutes on the CPU).
 
     python -m tokenmill.benchmarks.quant_accuracy --num-replies 200 --out benchmarks/results/cpu
@@ -50,7 +52,7 @@ from tokenmill.worker.quant.base import LinearMethod
 from tokenmill.worker.quant.fp8 import quantize_fp8_rows
 from tokenmill.worker.quant.packed import PackedLinearMethod
 
-FORMATS = ("int8", "fp8", "int4_rtn", "int4_gptq", "fp8_kv", "fp8_kv_hadamard")
+FORMATS = ("int8", "fp8", "fp8_gptq", "int4_rtn", "int4_gptq", "fp8_kv", "fp8_kv_hadamard")
 # formats whose difference is the KV cache's dtype (float32 otherwise), and those of them with a kv_cache_rotation
 KV_DTYPES = {"fp8_kv": FP8_KV, "fp8_kv_hadamard": FP8_KV}
 KV_ROTATIONS = {"fp8_kv_hadamard": "hadamard"}
@@ -120,19 +122,26 @@ def reply_logprobs(model: LlamaForCausalLM, ex: ChatExchange, kv_dtype: torch.dt
     return F.log_softmax(model.compute_logits(hidden[rows]).float(), dim=-1), torch.tensor(ex.reply_ids)
 
 
-def _checkpoint(model: str, work: Path, gptq: bool, args: argparse.Namespace) -> Path:
-    """An INT4 g128 checkpoint by `tokenmill quantize` (written once per work folder: a new folder for new
-    options)."""
+# formats read back from a checkpoint that `tokenmill quantize` writes: (method, GPTQ)
+CHECKPOINTS = {"int4_rtn": ("int4", False), "int4_gptq": ("int4", True), "fp8_gptq": ("fp8", True)}
+
+
+def _checkpoint(model: str, work: Path, fmt: str, args: argparse.Namespace) -> Path:
+    """The checkpoint of CHECKPOINTS format `fmt` by `tokenmill quantize` (INT4 in groups of 128; written once per
+    work folder: a new folder for new options)."""
     from tokenmill.cli.quantize import quantize
 
-    out = work / ("int4_gptq" if gptq else "int4_rtn")
+    method, gptq = CHECKPOINTS[fmt]
+    int4 = method == "int4"
+    out = work / fmt
     if not (out / "model.safetensors").is_file():
-        ns = argparse.Namespace(model=model, load_format="auto", method="int4", group_size=GROUP_SIZE,
-                                asymmetric=args.int4_asymmetric, gptq=gptq, act_order=gptq and args.act_order,
-                                calibration="sharegpt", true_sequential=gptq and args.true_sequential,
-                                damp=args.damp, clip=args.clip if gptq else args.rtn_clip,
+        ns = argparse.Namespace(model=model, load_format="auto", method=method, group_size=GROUP_SIZE,
+                                asymmetric=int4 and args.int4_asymmetric, gptq=gptq,
+                                act_order=int4 and gptq and args.act_order, calibration="sharegpt",
+                                true_sequential=gptq and args.true_sequential, damp=args.damp,
+                                clip=(args.clip if gptq else args.rtn_clip) if int4 else None,
                                 num_calibration=args.num_calibration, calibration_tokens=args.calibration_tokens,
-                                format="gptq", dtype="float32", out=str(out))
+                                format="gptq" if int4 else None, dtype="float32", out=str(out))
         quantize(ns)
     return out
 
@@ -194,8 +203,9 @@ def build_models(args: argparse.Namespace, formats: list[str], work: Path) -> di
                                         cache=not args.no_cache, calibration_lens=lens,
                                         kv_rotation=KV_ROTATIONS.get(fmt, "none"))
             continue
-        path = _checkpoint(args.model, work, fmt == "int4_gptq", args)
-        models[fmt] = build_model(resolve_model(str(path)), TorchRefBackend(), torch.device("cpu"), torch.float32)
+        path = _checkpoint(args.model, work, fmt, args)
+        models[fmt] = build_model(resolve_model(str(path)), TorchRefBackend(), torch.device("cpu"), torch.float32,
+                                  fp8_emulation=CHECKPOINTS[fmt][0] == "fp8")
         if not args.no_cache:
             cache_dequantized(models[fmt])
     return models
@@ -262,7 +272,10 @@ def table(results: dict[str, dict[str, float]], n: int, asymmetric: bool = False
             if model == "embedded" else f"{reference_label(model)} = the reference (")
     labels = {"reference": "reference (Q4_1 dequantized, fp32)" if model == "embedded" else "reference (fp32)",
               "int8": "INT8 W8A16 per channel",
-              "fp8": "FP8 W8A8 e4m3 (CPU emulation)", "int4_rtn": f"INT4 RTN g128 {grid}" + "".join(
+              "fp8": "FP8 W8A8 e4m3 (CPU emulation)",
+              "fp8_gptq": "FP8 W8A8 e4m3, weights by GPTQ (CPU emulation" + "".join(
+                  f", {e}" for e in gptq_extra if "clip" not in e) + ")",
+              "int4_rtn": f"INT4 RTN g128 {grid}" + "".join(
                   f", {e}" for e in rtn_extra),
               "int4_gptq": f"INT4 GPTQ g128 {grid}" + (", act-order" if act_order else "") + "".join(
                   f", {e}" for e in gptq_extra),

@@ -5,10 +5,12 @@ dummy shape or the embedded model) that `--model DIR` then loads:
     tokenmill quantize --model M --method int4 --group-size 64 --asymmetric --format awq --out DIR
     tokenmill quantize --model M --method int8 --out DIR       # compressed-tensors int-quantized
     tokenmill quantize --model M --method fp8 --out DIR        # compressed-tensors float-quantized
+    tokenmill quantize --model M --method fp8 --gptq --out DIR # the same layout, weights rounded by GPTQ
 
-INT4 is rounded to nearest unless --gptq (Hessian-based rounding calibrated on ShareGPT conversations, worker/
-quant/gptq.py; --act-order: columns in descending Hessian order; --true-sequential: each projection's Hessian from
-inputs with the projections before it in its layer quantized). --clip: each INT4 group's range shrunk to the
+INT4 and FP8 are rounded to nearest unless --gptq (Hessian-based rounding calibrated on ShareGPT conversations,
+worker/quant/gptq.py; --act-order: INT4 columns in descending Hessian order, the order FP8 always rounds in, which
+its layout does not store; --true-sequential: each projection's Hessian from inputs with the projections before
+it in its layer quantized). --clip: each INT4 group's range shrunk to the
 least squared rounding error (GPTQ: weighted by the Hessian's diagonal) instead of its min-max; the checkpoint
 layout is the same. Runs on the CPU in float32.
 
@@ -38,7 +40,7 @@ def register(sub: Any) -> None:
     p.add_argument("--method", required=True, choices=("int8", "int4", "fp8"))
     p.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128), help="INT4 columns per scale")
     p.add_argument("--asymmetric", action="store_true", help="INT4 with a zero point per group")
-    p.add_argument("--gptq", action="store_true", help="INT4 by GPTQ instead of round to nearest")
+    p.add_argument("--gptq", action="store_true", help="INT4 or FP8 by GPTQ instead of round to nearest")
     p.add_argument("--act-order", action="store_true", help="GPTQ: columns in descending Hessian order")
     p.add_argument("--true-sequential", action="store_true",
                    help="GPTQ: o / down Hessians collected after qkv / gate_up are quantized")
@@ -86,8 +88,10 @@ def quantize(args: argparse.Namespace) -> Path:
     from tokenmill.worker.quant.quantizer import gptq_quantize_model, rtn_quantize_model
     from tokenmill.worker.quant.rtn import MseClip
 
-    if args.method != "int4" and (args.gptq or args.asymmetric or args.act_order or args.clip is not None):
-        raise ValueError("--gptq, --asymmetric, --act-order and --clip are INT4 options")
+    if args.method != "int4" and (args.asymmetric or args.act_order or args.clip is not None):
+        raise ValueError("--asymmetric, --act-order and --clip are INT4 options")
+    if args.method == "int8" and args.gptq:
+        raise ValueError("--gptq quantizes to int4 or fp8, not int8")
     if args.act_order and not args.gptq:
         raise ValueError("--act-order needs --gptq (round to nearest has no column order)")
     if (args.true_sequential or args.damp != DAMP) and not args.gptq:

@@ -118,7 +118,8 @@ def test_cli_fp8_on_cpu_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_quantize_refuses_bad_options(checkpoints: dict[str, Path], tmp_path: Path,
                                       capsys: pytest.CaptureFixture[str]) -> None:
-    cases = [(["--method", "int8", "--gptq"], "INT4 options"),
+    cases = [(["--method", "int8", "--gptq"], "int4 or fp8, not int8"),
+             (["--method", "fp8", "--act-order"], "INT4 options"),
              (["--method", "int4", "--act-order"], "--act-order needs --gptq"),
              (["--method", "int8", "--format", "awq"], "the awq layout holds INT4 weights"),
              (["--method", "int4", "--model", str(checkpoints["int4"])], "already a gptq checkpoint")]

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 from tiny_hf import save_tiny_model
 
 from tokenmill.cli.main import main
-from tokenmill.kernels.quant_weight import PackedWeight, dequantize_packed, unpack_int4
+from tokenmill.kernels.quant_weight import FP8, PackedWeight, dequantize_packed, quantize_fp8_rows, unpack_int4
 from tokenmill.protocol import SamplingParams
 from tokenmill.worker.attention.torch_ref import TorchRefBackend
 from tokenmill.worker.attention.triton_backend import TritonBackend
@@ -32,7 +32,7 @@ from tokenmill.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tokenmill.worker.quant.config import QuantConfig, make_linear_method
 from tokenmill.worker.quant.export import write_folder
 from tokenmill.worker.quant.fp8 import Fp8LinearMethod, fp8_matmul_ref
-from tokenmill.worker.quant.gptq import Hessian, gptq_quantize
+from tokenmill.worker.quant.gptq import Hessian, gptq_quantize, gptq_quantize_fp8
 from tokenmill.worker.quant.int4 import Int4LinearMethod
 from tokenmill.worker.quant.int8 import Int8LinearMethod
 from tokenmill.worker.quant.packed import PackedLinearMethod
@@ -91,6 +91,23 @@ def test_gptq_beats_round_to_nearest_on_the_layer_output(act_order: bool) -> Non
     if act_order:  # groups are runs of 32 packed columns, in descending diag(H) order
         d = torch.diag(h.value())[r.perm]
         assert bool((d[:-1] >= d[1:]).all())
+
+
+def test_fp8_gptq_keeps_the_grid_and_beats_round_to_nearest_on_the_layer_output() -> None:
+    k, n = 128, 48
+    x = _correlated_inputs(k, 2048, 2)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(3)) / k**0.5
+    h = Hessian(k)
+    h.add(x)
+    q, s = gptq_quantize_fp8(w, h.value(), block_size=64)
+    rtn_q, rtn_s = quantize_fp8_rows(w)
+    assert q.dtype == FP8 and q.shape == w.shape and torch.equal(s, rtn_s)  # the per-row scales of plain FP8
+    err_gptq = float(((q.float() * s - w) @ x.T).norm())
+    err_rtn = float(((rtn_q.float() * rtn_s - w) @ x.T).norm())
+    assert err_gptq < 0.8 * err_rtn, (err_gptq, err_rtn)
+    # the columns come back in the input's order: with H = I (no correlations) GPTQ is round to nearest
+    eye = torch.eye(k)
+    assert torch.equal(gptq_quantize_fp8(w, eye * 2.0, damp=1e-6)[0].float(), rtn_q.float())
 
 
 # ---- methods ------------------------------------------------------------------------------------------------------
@@ -367,6 +384,33 @@ def test_gptq_model_quantizer_and_cli_round_trip(tiny_hf: Path, tmp_path: Path) 
     rtn = _projection_weights(_rtn(tiny_hf))
     assert all(not torch.equal(got[k], rtn[k]) for k in rtn)  # GPTQ's rounding is not the nearest one
     assert main(["generate", "hello", "--model", str(tmp_path / "gptq"), "--max-tokens", "3", "--device", "cpu"]) == 0
+
+
+def test_fp8_gptq_checkpoint_holds_the_quantizers_weights(tiny_hf: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tokenmill quantize --method fp8 --gptq` writes a compressed-tensors FP8 checkpoint whose e4m3 weights and
+    scales are gptq_quantize_model's on the same calibration, not round to nearest's (the same scales)."""
+    import argparse
+
+    import tokenmill.cli.quantize as cq
+
+    seqs = [[(5 * i + 3 * j) % 380 + 2 for j in range(48)] for i in range(6)]
+    monkeypatch.setattr(cq, "calibration_ids", lambda _tok, _args: seqs)  # no ShareGPT download in a unit test
+    cq.quantize(argparse.Namespace(model=str(tiny_hf), load_format="auto", method="fp8", group_size=128,
+                                   asymmetric=False, calibration="sharegpt", num_calibration=4, calibration_tokens=64,
+                                   format=None, dtype="float32", true_sequential=False, damp=0.01, clip=None,
+                                   gptq=True, act_order=False, out=str(tmp_path / "fp8")))
+    cfg = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "compressed-tensors"
+    loaded = build_model(resolve_model(str(tmp_path / "fp8")), TorchRefBackend(), CPU, torch.float32,
+                         fp8_emulation=True)
+    canonical = gptq_quantize_model(_dense(tiny_hf), QuantConfig("fp8"), seqs)
+    rtn = rtn_quantize_model(_dense(tiny_hf), QuantConfig("fp8"))
+    layer = cast(LlamaDecoderLayer, loaded.model.layers[0])
+    q_loaded = cast(torch.Tensor, layer.self_attn.o_proj.qweight).float()
+    ours, nearest = canonical["model.layers.0.self_attn.o_proj"], rtn["model.layers.0.self_attn.o_proj"]
+    assert torch.equal(q_loaded, ours["qweight"].float()) and torch.equal(ours["scales"], nearest["scales"])
+    assert not torch.equal(ours["qweight"].float(), nearest["qweight"].float())
 
 
 def _rtn(path: Path) -> LlamaForCausalLM:

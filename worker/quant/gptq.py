@@ -1,5 +1,6 @@
-"""GPTQ (Frantar et al., 2022): INT4 rounding with second-order error feedback, for one weight matrix given the
-Hessian of its layer-wise reconstruction loss ||W X - Q X||^2, H = 2 X X^T / n over calibration inputs X.
+"""GPTQ (Frantar et al., 2022): INT4 or FP8 (e4m3) rounding with second-order error feedback, for one weight
+matrix given the Hessian of its layer-wise reconstruction loss ||W X - Q X||^2, H = 2 X X^T / n over calibration
+inputs X.
 
 Columns are quantized one at a time (in descending diag(H) order with act-order); each column's rounding error,
 scaled by the inverse Hessian's Cholesky factor, is pushed onto the columns not yet quantized, lazily per
@@ -9,16 +10,18 @@ each column's squared error weighted by its diag(H), worker/quant/rtn.py). Rows 
 the parts of a fused projection (q/k/v, gate/up: one input, one H) can be quantized together or apart with
 the same result.
 
-The result is in the packed column order of kernels/quant_weight.py: with act-order, packed column k is input
+INT4's result is in the packed column order of kernels/quant_weight.py: with act-order, packed column k is input
 column perm[k] and groups are runs of group_size packed columns (GPTQ's g_idx[perm[k]] = k // group_size).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from tokenmill.kernels.quant_weight import FP8, FP8_MAX, quantize_fp8_rows
 from tokenmill.worker.quant.rtn import MseClip, int4_group_params, int4_round
 
 DAMP = 0.01  # of mean(diag(H)), added to the diagonal
@@ -84,38 +87,81 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, symmetric: 
     n, k = w.shape
     if block_size % group_size:
         raise ValueError(f"block_size {block_size} must be a multiple of group_size {group_size}")
+    w, h, perm = _prepare(w, h, act_order)
+    hdiag = torch.diag(h)  # column weights of the clip search, in the (possibly permuted) column order
+    groups = -(-k // group_size)
+    q = torch.zeros(n, k, dtype=torch.uint8)
+    scales = torch.zeros(n, groups, dtype=torch.float32)
+    zeros = torch.zeros(n, groups, dtype=torch.float32)
+
+    def round_column(col: int, block: torch.Tensor, i: int) -> torch.Tensor:
+        g = col // group_size
+        if col % group_size == 0:  # a group starts: its grid from the columns as updated so far
+            s, z = int4_group_params(block[:, i:i + group_size], symmetric, scale_dtype, clip,
+                                     hdiag[col:col + group_size])
+            scales[:, g:g + 1], zeros[:, g:g + 1] = s, z
+        s, z = scales[:, g:g + 1], zeros[:, g:g + 1]
+        qi = int4_round(block[:, i:i + 1], s, z)
+        q[:, col] = qi[:, 0].to(torch.uint8)
+        return ((qi - z) * s)[:, 0]
+
+    _feedback(w, _inverse_cholesky(h, damp), block_size, round_column)
+    return GptqResult(q, scales.to(scale_dtype), zeros.to(torch.uint8), perm)
+
+
+def gptq_quantize_fp8(w: torch.Tensor, h: torch.Tensor, *, act_order: bool = True, damp: float = DAMP,
+                      block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ of w [N, K] on the FP8 W8A8 weight grid (e4m3 times one float32 scale per output row, the scale
+    max|w_row| / 448 of the unquantized row, as quantize_fp8_rows sets it; columns pushed past it by the error
+    feedback saturate at +-448). Returns (qweight float8_e4m3fn [N, K] in the input's column order,
+    scales float32 [N, 1]): the canonical tensors of Fp8LinearMethod. act-order changes only the order the
+    columns are rounded in (there are no groups, so nothing of it is stored)."""
+    _, scales = quantize_fp8_rows(w)
+    w, h, perm = _prepare(w, h, act_order)
+    q = torch.zeros(w.shape, dtype=FP8)
+
+    def round_column(col: int, block: torch.Tensor, i: int) -> torch.Tensor:
+        qi = (block[:, i:i + 1] / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        q[:, col] = qi[:, 0]
+        return (qi.float() * scales)[:, 0]
+
+    _feedback(w, _inverse_cholesky(h, damp), block_size, round_column)
+    if perm is not None:
+        q = q[:, torch.argsort(perm)]
+    return q, scales
+
+
+def _prepare(w: torch.Tensor, h: torch.Tensor, act_order: bool,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """float32 copies of w and h with dead inputs (diag(H) == 0: never active, their weights do not matter)
+    zeroed, and with act-order both permuted to descending diag(H) (the permutation, else None)."""
     w = w.float().clone()
     h = h.float().clone()
-    dead = torch.diag(h) == 0  # inputs never active: their weights do not matter
+    dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     perm = torch.argsort(torch.diag(h), descending=True, stable=True) if act_order else None
     if perm is not None:
         w, h = w[:, perm], h[perm][:, perm]
-    hdiag = torch.diag(h)  # column weights of the clip search, in the (possibly permuted) column order
-    hinv = _inverse_cholesky(h, damp)
-    groups = -(-k // group_size)
-    q = torch.zeros(n, k, dtype=torch.uint8)
-    scales = torch.zeros(n, groups, dtype=torch.float32)
-    zeros = torch.zeros(n, groups, dtype=torch.float32)
+    return w, h, perm
+
+
+RoundColumn = Callable[[int, torch.Tensor, int], torch.Tensor]
+
+
+def _feedback(w: torch.Tensor, hinv: torch.Tensor, block_size: int, round_column: RoundColumn) -> None:
+    """GPTQ's column loop over w [N, K] (float32, updated in place) with hinv the upper Cholesky factor of H^-1:
+    `round_column(col, block, i)` rounds column i of the current block (global column col; the block's later
+    columns already carry the feedback so far) and returns its dequantized value [N]; its error, scaled by
+    hinv, is pushed onto the block's later columns at once and onto the columns after the block lazily."""
+    k = w.shape[1]
     for b0 in range(0, k, block_size):
         b1 = min(b0 + block_size, k)
         wb = w[:, b0:b1].clone()
         err = torch.zeros_like(wb)
         hb = hinv[b0:b1, b0:b1]
         for i in range(b1 - b0):
-            col = b0 + i
-            if col % group_size == 0:  # a group starts: its grid from the columns as updated so far
-                g = col // group_size
-                s, z = int4_group_params(wb[:, i:i + group_size], symmetric, scale_dtype, clip,
-                                         hdiag[col:col + group_size])
-                scales[:, g:g + 1], zeros[:, g:g + 1] = s, z
-            g = col // group_size
-            s, z = scales[:, g:g + 1], zeros[:, g:g + 1]
-            qi = int4_round(wb[:, i:i + 1], s, z)
-            q[:, col] = qi[:, 0].to(torch.uint8)
-            e = (wb[:, i] - ((qi - z) * s)[:, 0]) / hb[i, i]
+            e = (wb[:, i] - round_column(b0 + i, wb, i)) / hb[i, i]
             wb[:, i:] -= e[:, None] * hb[i, i:][None, :]
             err[:, i] = e
         w[:, b1:] -= err @ hinv[b0:b1, b1:]
-    return GptqResult(q, scales.to(scale_dtype), zeros.to(torch.uint8), perm)

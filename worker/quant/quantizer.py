@@ -1,5 +1,5 @@
 """Quantize a whole dense model: every decoder-layer projection to the canonical tensors of its format
-(worker/quant/base.py), by round to nearest or, for INT4, by GPTQ over calibration sequences.
+(worker/quant/base.py), by round to nearest or, for INT4 and FP8, by GPTQ over calibration sequences.
 
 GPTQ runs layer by layer (the usual sequential scheme): the calibration sequences' hidden states enter layer i
 as the already quantized layers 0..i-1 produce them; forward pre-hooks collect the Hessians of the inputs of
@@ -24,7 +24,7 @@ from tokenmill.worker.attention.backend import AttentionMetadata, KVCache
 from tokenmill.worker.model_runner import attention_metadata
 from tokenmill.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, fused_target, projections
 from tokenmill.worker.quant.config import QuantConfig, make_linear_method
-from tokenmill.worker.quant.gptq import GptqOptions, Hessian, gptq_quantize
+from tokenmill.worker.quant.gptq import GptqOptions, Hessian, gptq_quantize, gptq_quantize_fp8
 from tokenmill.worker.quant.int4 import Int4LinearMethod
 from tokenmill.worker.quant.rtn import MseClip
 
@@ -76,11 +76,13 @@ class _Sequence:
 def gptq_quantize_model(model: LlamaForCausalLM, config: QuantConfig, sequences: Sequence[Sequence[int]],
                         progress: Progress | None = None, *, block_size: int = 16,
                         options: GptqOptions = DEFAULT_OPTIONS) -> Canonical:
-    """Sequential GPTQ of every decoder layer (INT4, config's group size / symmetry / act-order; `options`: how
-    it rounds), calibrated on token-id `sequences`. Returns the canonical tensors (scales float16) per HF
-    projection name."""
-    if config.method != "int4":
-        raise ValueError(f"GPTQ quantizes to int4, not {config.method}")
+    """Sequential GPTQ of every decoder layer (INT4: config's group size / symmetry / act-order, scales float16;
+    FP8: e4m3 per output channel, rounded in act-order; `options`: how it rounds), calibrated on token-id
+    `sequences`. Returns the canonical tensors per HF projection name."""
+    if config.method not in ("int4", "fp8"):
+        raise ValueError(f"GPTQ quantizes to int4 or fp8, not {config.method}")
+    if config.method == "fp8" and options.clip is not None:
+        raise ValueError("clipping is an INT4 option, not fp8's")
     if not sequences or any(len(s) == 0 for s in sequences):
         raise ValueError("GPTQ needs non-empty calibration sequences")
     if model.linear_method is not None or model.device.type != "cpu":
@@ -135,12 +137,13 @@ def _quantize_fused(model: LlamaForCausalLM, layer: LlamaDecoderLayer, index: in
     each HF part."""
     module = _linears(layer)[fused]
     weight = cast(torch.Tensor, module.weight)
-    r = gptq_quantize(weight, h, config.group_size, config.symmetric, config.act_order, torch.float16,
-                      damp=options.damp, clip=options.clip)
-    perm = None if r.perm is None else r.perm.to(torch.int32)
-    packed = PackedWeight(pack_int4(r.q), r.scales, None if config.symmetric else r.zeros, perm, 4,
-                          config.group_size)
-    weight.copy_(dequantize_packed(packed).to(weight.dtype))
+    whole: dict[str, torch.Tensor]
+    if config.method == "fp8":
+        qweight, scales = gptq_quantize_fp8(weight, h, damp=options.damp)
+        weight.copy_((qweight.float() * scales).to(weight.dtype))
+        whole = {"qweight": qweight, "scales": scales}
+    else:
+        whole = _gptq_int4(weight, h, config, options)
     out: Canonical = {}
     for hf, _, _ in projections(model.arch):
         name = f"model.layers.{index}.{hf}"
@@ -148,10 +151,22 @@ def _quantize_fused(model: LlamaForCausalLM, layer: LlamaDecoderLayer, index: in
         if not param.endswith(f".{fused}.weight"):
             continue
         start, end = rows if rows is not None else (0, weight.shape[0])
-        tensors = {"qweight": packed.qweight[start:end].clone(), "scales": r.scales[start:end].clone()}
-        if not config.symmetric:
-            tensors["zeros"] = r.zeros[start:end].clone()
-        if perm is not None:
-            tensors["perm"] = perm
-        out[name] = tensors
+        out[name] = {key: t if key == "perm" else t[start:end].clone() for key, t in whole.items()}
     return out
+
+
+def _gptq_int4(weight: torch.Tensor, h: torch.Tensor, config: QuantConfig, options: GptqOptions,
+               ) -> dict[str, torch.Tensor]:  # fmt: skip
+    """INT4 GPTQ of a whole (possibly fused) weight, replaced by its dequantized value; its canonical tensors."""
+    r = gptq_quantize(weight, h, config.group_size, config.symmetric, config.act_order, torch.float16,
+                      damp=options.damp, clip=options.clip)
+    perm = None if r.perm is None else r.perm.to(torch.int32)
+    packed = PackedWeight(pack_int4(r.q), r.scales, None if config.symmetric else r.zeros, perm, 4,
+                          config.group_size)
+    weight.copy_(dequantize_packed(packed).to(weight.dtype))
+    whole = {"qweight": packed.qweight, "scales": r.scales}
+    if not config.symmetric:
+        whole["zeros"] = r.zeros
+    if perm is not None:
+        whole["perm"] = perm
+    return whole

@@ -44,6 +44,7 @@ KEYS: dict[str, str] = {
     "broker_added_p99_ms": "ms",
     "ppl_delta_pct_int8": "%",
     "ppl_delta_pct_fp8": "%",
+    "ppl_delta_pct_fp8_gptq": "%",
     "ppl_delta_pct_int4_rtn": "%",
     "ppl_delta_pct_int4_gptq": "%",
     "ppl_delta_pct_fp8_kv": "%",

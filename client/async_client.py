@@ -326,7 +326,9 @@ class AsyncClient(RouterCore):
                 await self._sock.send_multipart(p.encode(p.Bye()), zmq.NOBLOCK)
             self._sock.close(linger=200)
         if self._ctx is not None:
-            self._ctx.term()
+            # destroy, not term: a task cancelled before its first step never ran its finally, so the monitor
+            # socket it owns is still open, and term() would wait for it forever
+            self._ctx.destroy(linger=200)
 
     async def __aenter__(self) -> AsyncClient:
         return self

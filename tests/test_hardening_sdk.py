@@ -378,3 +378,26 @@ def test_a_new_broker_instance_fails_the_jobs_the_old_one_held() -> None:
     finally:
         fb.close()
 
+
+
+def test_async_client_closed_before_its_tasks_ran_does_not_hang() -> None:
+    """close() right after the socket opened, before the reader / heartbeat / monitor tasks took a first step: a
+    task cancelled then never runs its finally, so the monitor socket stays open; closing must not wait for it
+    (zmq's Context.term() would, forever)."""
+    import asyncio
+
+    async def open_and_close() -> None:
+        c = AsyncClient(f"tcp://127.0.0.1:{free_port()}")
+        c._start()  # what the first submit does; no await in between
+        await c.close()
+
+    done = threading.Event()
+
+    def run() -> None:
+        asyncio.run(open_and_close())
+        done.set()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(10.0)
+    assert done.is_set(), "AsyncClient.close() hung"

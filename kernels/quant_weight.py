@@ -203,7 +203,12 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (kernels/fp8_quant.py) computes the same bits."""
     x32 = x.float()
     scales = (x32.abs().amax(dim=-1, keepdim=True) * FP8_INV_MAX).clamp_min(_FP8_MIN_SCALE)
-    return (x32 / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
+    return round_fp8(x32, scales), scales
+
+
+def round_fp8(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x / scales rounded to e4m3, saturating at +-448 (x float32 [R, C], scales float32 [R, 1])."""
+    return (x / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def fp8_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.kernels.quant_weight import FP8, FP8_MAX, quantize_fp8_rows
+from tokenmill.kernels.quant_weight import FP8, quantize_fp8_rows, round_fp8
 from tokenmill.worker.quant.rtn import MseClip, int4_group_params, int4_round
 
 DAMP = 0.01  # of mean(diag(H)), added to the diagonal
@@ -121,7 +121,7 @@ def gptq_quantize_fp8(w: torch.Tensor, h: torch.Tensor, *, act_order: bool = Tru
     q = torch.zeros(w.shape, dtype=FP8)
 
     def round_column(col: int, block: torch.Tensor, i: int) -> torch.Tensor:
-        qi = (block[:, i:i + 1] / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        qi = round_fp8(block[:, i:i + 1], scales)
         q[:, col] = qi[:, 0]
         return (qi.float() * scales)[:, 0]
 
